@@ -1,0 +1,1 @@
+"""Benchmark harness for megatrain_ds: model shapes, baseline systems and a one-system-per-process CLI."""

@@ -1,0 +1,164 @@
+"""Helpers shared by every benchmarked system: inputs, timing, memory probes and the result dict.
+
+Units: times in seconds, memory in bytes, throughput in tokens/s, compute in TFLOPS (1e12 FLOP/s).
+A system module (resident, zero3, megatrain) builds its model and a ``step(input_ids) -> loss``
+callable, then hands both to :func:`measure`, which returns the result dict described in
+:func:`result_dict`.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from benchmarks.shapes import model_flops_per_token
+
+
+def micro_batch_for(tokens_per_step: int, seq: int) -> int:
+    """Sequences per micro-batch (count) for ``tokens_per_step`` tokens at ``seq`` tokens each (>= 1)."""
+    return max(1, int(tokens_per_step) // int(seq))
+
+
+def make_batches(vocab: int, micro_batch: int, seq: int, n: int, seed: int) -> list[torch.Tensor]:
+    """``n`` CPU int64 tensors of shape (micro_batch, seq) holding seeded random token ids in [0, vocab)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (micro_batch, seq), generator=gen) for _ in range(n)]
+
+
+def peak_host_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (VmHWM of /proc/self/status; 0 if unavailable)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_gpu_bytes(device: str) -> int:
+    """Peak bytes allocated by the torch CUDA caching allocator since the last reset (0 on CPU)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return 0
+
+
+def sync(device: str) -> None:
+    """Wait for queued device work (no-op on CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def reset_memory_stats(device: str) -> None:
+    """Reset the CUDA peak-memory counter so ``peak_gpu_bytes`` covers only this run."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True when ``exc`` is a device (or pinned-host) out-of-memory error."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def set_single_process_env() -> None:
+    """Fill in the torch.distributed env vars of a one-process world, keeping any already set."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key in ("RANK", "LOCAL_RANK"):
+        os.environ.setdefault(key, "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+
+
+def enable_hf_checkpointing(model: torch.nn.Module) -> None:
+    """Turn on HF per-decoder-layer activation checkpointing (non-reentrant torch.utils.checkpoint).
+
+    Newer transformers name it ``activation_checkpointing_enable``; older ones ``gradient_checkpointing_enable``.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (elements); uses ``ds_numel`` for ZeRO-3 partitioned ones."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += int(getattr(p, "ds_numel", p.numel()))
+    return total
+
+
+def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], warmup: int,
+            device: str) -> tuple[list[float], list[float], list[float]]:
+    """Run ``step`` on every batch; return (warm-up step times s, measured step times s, losses).
+
+    Each step is timed with time.perf_counter between device synchronisations; the batch is moved to
+    ``device`` before the clock starts. Losses are read after the clock stops.
+    """
+    warm_times, times, losses = [], [], []
+    for i, cpu_batch in enumerate(batches):
+        batch = cpu_batch.to(device, non_blocking=False)
+        sync(device)
+        t0 = time.perf_counter()
+        loss = step(batch)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        (warm_times if i < warmup else times).append(elapsed)
+        losses.append(float(loss.detach().float().item()))
+    return warm_times, times, losses
+
+
+def result_dict(system: str, config, layers: int, micro_batch: int, seq: int, device: str,
+                n_params: int = 0, warm_times: list[float] | None = None, times: list[float] | None = None,
+                losses: list[float] | None = None, status: str = "ok", error: str = "", **extra) -> dict:
+    """The JSON-ready result of one run.
+
+    Keys: system, model, layers, seq, micro_batch, tokens_per_step (tokens), warmup_step_times_s,
+    step_times_s (measured steps, s), median_step_s (s), tokens_per_s, flops_per_token (FLOP),
+    tflops (ANCHORS formula), losses, peak_gpu_bytes, peak_host_rss_bytes (bytes), n_params (count),
+    host_bytes_per_param (bytes/param), device, status ("ok" | "oom" | "error"), error, plus ``extra``.
+    """
+    tokens = micro_batch * seq
+    median = statistics.median(times) if times else None
+    tok_s = tokens / median if times else 0.0
+    flops = model_flops_per_token(config, seq)
+    rss = peak_host_rss_bytes()
+    out = {
+        "system": system, "model": getattr(config, "name_or_path", "") or "?", "layers": int(layers),
+        "seq": int(seq), "micro_batch": int(micro_batch), "tokens_per_step": int(tokens),
+        "warmup_step_times_s": list(warm_times or []), "step_times_s": list(times or []),
+        "median_step_s": median,  # None when no step ran
+        "tokens_per_s": tok_s, "flops_per_token": flops,
+        "tflops": flops * tok_s / 1e12, "losses": list(losses or []),
+        "peak_gpu_bytes": peak_gpu_bytes(device), "peak_host_rss_bytes": rss, "n_params": int(n_params),
+        "host_bytes_per_param": rss / n_params if n_params else 0.0, "device": device,
+        "status": status, "error": error,
+    }
+    out.update(extra)
+    return out
+
+
+def cleanup() -> None:
+    """Collect garbage and return cached CUDA memory to the driver (best effort, e.g. after an OOM)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

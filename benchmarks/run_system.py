@@ -1,0 +1,108 @@
+"""Run ONE training system in this process and write its result dict as JSON.
+
+Usage:
+    python -m benchmarks.run_system --system {resident,zero3,megatrain} --model NAME [--layers N] \
+        --tokens-per-step T [--seq 1024] --steps S [--warmup 2] --device cuda|cpu --json OUT.json
+
+A driver runs each system in its own subprocess so that memory peaks and allocator state do not leak
+between systems. For zero3 the DeepSpeed config is also written to ``OUT.ds_config.json``. Exit code 0
+for status "ok" or "oom"; 1 (with status "error" in the JSON) for any other failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+import warnings
+
+from benchmarks.shapes import SHAPES, make_config
+from benchmarks.systems import run_resident, run_zero3
+
+SYSTEMS = {
+    "resident": run_resident,
+    "zero3": run_zero3,
+}
+
+# ---------------------------------------------------------------------------------------------
+# megatrain system: provided by benchmarks/megatrain_system.py (written alongside megatrain_ds).
+# It must define run_megatrain(config, tokens_per_step, seq, steps, warmup, device, seed) -> dict
+# with the same keys as the baselines (see benchmarks.common.result_dict). A missing or broken
+# module only disables "megatrain"; the baselines keep working.
+# ---------------------------------------------------------------------------------------------
+MEGATRAIN_IMPORT_ERROR: str = ""
+try:
+    from benchmarks.megatrain_system import run_megatrain
+except Exception:  # noqa: BLE001 - any import failure just disables this one system
+    MEGATRAIN_IMPORT_ERROR = traceback.format_exc()
+else:
+    SYSTEMS["megatrain"] = run_megatrain
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (tokens are counts of tokens; seq is tokens per sequence)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--system", required=True, choices=sorted(set(SYSTEMS) | {"megatrain"}))
+    parser.add_argument("--model", required=True, choices=list(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    parser.add_argument("--tokens-per-step", type=int, required=True, help="tokens per optimizer step")
+    parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps, not timed in the median")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", required=True, help="path of the result JSON")
+    return parser.parse_args(argv)
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Write ``obj`` as indented JSON to ``path``, creating its folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, default=str)
+        fh.write("\n")
+
+
+def summary_line(res: dict) -> str:
+    """One human-readable line: throughput (tokens/s), TFLOPS, step time (s), memory (GB = 1e9 bytes)."""
+    if res.get("status") != "ok":
+        return (f"[{res.get('system')}] {res.get('model')} L={res.get('layers')} tokens/step={res.get('tokens_per_step')}"
+                f" status={res.get('status')}: {str(res.get('error', '')).splitlines()[:1]}")
+    losses = res["losses"]
+    return (f"[{res['system']}] {res['model']} L={res['layers']} tokens/step={res['tokens_per_step']} "
+            f"median_step={res['median_step_s']:.4f}s tokens/s={res['tokens_per_s']:,.0f} "
+            f"TFLOPS={res['tflops']:.3f} peak_gpu={res['peak_gpu_bytes'] / 1e9:.2f}GB "
+            f"host_rss={res['peak_host_rss_bytes'] / 1e9:.2f}GB "
+            f"host_B/param={res['host_bytes_per_param']:.1f} "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} status=ok")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen system once, write the JSON (and ds_config JSON), print one summary line."""
+    args = parse_args(argv)
+    # torch 2.13 warns on every DeepSpeed collective (all_gather_into_tensor etc. renamed); silence just those.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated", category=FutureWarning)
+    config = make_config(args.model, layers=args.layers)
+    if args.system not in SYSTEMS:
+        sys.stderr.write(f"system {args.system!r} unavailable:\n{MEGATRAIN_IMPORT_ERROR}\n")
+        return 2
+    try:
+        res = SYSTEMS[args.system](config, args.tokens_per_step, seq=args.seq, steps=args.steps,
+                                   warmup=args.warmup, device=args.device, seed=args.seed)
+    except Exception:  # noqa: BLE001 - reported in the JSON for the driver
+        res = {"system": args.system, "model": args.model, "layers": config.num_hidden_layers,
+               "tokens_per_step": args.tokens_per_step, "device": args.device, "status": "error",
+               "error": traceback.format_exc()}
+        sys.stderr.write(res["error"])
+    res.setdefault("argv", sys.argv[1:] if argv is None else list(argv))
+    write_json(args.json, res)
+    if "ds_config" in res:
+        write_json(os.path.splitext(args.json)[0] + ".ds_config.json", res["ds_config"])
+    print(summary_line(res), flush=True)
+    return 0 if res.get("status") in ("ok", "oom") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

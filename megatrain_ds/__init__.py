@@ -1,0 +1,60 @@
+"""megatrain_ds: train models far larger than GPU memory, behind DeepSpeed's API.
+
+    import megatrain_ds as deepspeed
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                           config="ds_config.json")
+"""
+from __future__ import annotations
+
+from .config import ConfigError, TrainConfig, parse_config
+from .engine import MegaTrainEngine
+from .model_map import UnsupportedModelError
+
+__version__ = "0.1.0"
+
+DeepSpeedEngine = MegaTrainEngine
+
+
+def _build_scheduler(spec: dict | None, optimizer):
+    """DeepSpeed's own LR schedules (deepspeed.runtime.lr_schedules), by the config's name."""
+    if spec is None or optimizer is None:
+        return None
+    from deepspeed.runtime import lr_schedules
+
+    name = spec.get("type")
+    cls = getattr(lr_schedules, name, None) if name in lr_schedules.VALID_LR_SCHEDULES else None
+    if cls is None:
+        raise ConfigError(f"scheduler.type {name!r} is not one of {', '.join(lr_schedules.VALID_LR_SCHEDULES)}")
+    return cls(optimizer, **spec.get("params", {}))
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None,
+               config=None, config_params=None, **kwargs):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    settings = parse_config(config)
+    engine = MegaTrainEngine(model, settings, model_parameters=model_parameters)
+    scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) else lr_scheduler
+    if scheduler is None:
+        scheduler = _build_scheduler(settings.scheduler, engine.optimizer)
+    engine.lr_scheduler = scheduler
+    dataloader = None
+    if training_data is not None:
+        dataloader = torch_dataloader(training_data, settings.micro_batch_size, collate_fn)
+    return engine, engine.optimizer, dataloader, scheduler
+
+
+def torch_dataloader(data, batch_size: int, collate_fn=None):
+    import torch.utils.data
+
+    return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn)
+
+
+__all__ = ["initialize", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError", "UnsupportedModelError",
+           "TrainConfig", "parse_config", "__version__"]

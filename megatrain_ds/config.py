@@ -1,0 +1,193 @@
+"""DeepSpeed-style JSON config, parsed once into typed settings.
+
+Top-level keys the engine does not use are ignored (as DeepSpeed does); unknown keys inside a block the
+engine does use are rejected with an error naming the key. ``"auto"`` must have been resolved by the
+caller (accelerate / HF Trainer do that); an unresolved ``"auto"`` is an error naming its key.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value megatrain_ds cannot use; the message names the key."""
+
+
+def _check_keys(block: dict, allowed: set[str], where: str) -> None:
+    for key in block:
+        if key not in allowed:
+            raise ConfigError(f"unknown key '{where}.{key}' (allowed: {', '.join(sorted(allowed))})")
+
+
+def _num(value: Any, key: str, cast=float):
+    if value == "auto":
+        raise ConfigError(f"'{key}' is \"auto\": resolve it before initialize() (accelerate and the HF "
+                          "Trainer fill it in; a plain script must give a number)")
+    try:
+        return cast(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"'{key}' must be a number, got {value!r}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerSettings:
+    """The ``optimizer`` block."""
+
+    type: str = "AdamW"  # "Adam" (AdamW unless adam_w_mode is false) or "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_w_mode: bool = True  # decoupled weight decay; False gives Adam with L2 folded into the gradient
+
+    def __post_init__(self) -> None:
+        if self.type.lower() not in ("adam", "adamw", "torch_adam"):
+            raise ConfigError(f"optimizer.type {self.type!r} is not supported by the host optimizer; use "
+                              "\"AdamW\" or \"Adam\"")
+        if self.type.lower() == "adamw":
+            self.adam_w_mode = True
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatrainSettings:
+    """The ``megatrain`` block: knobs of the streaming engine (DeepSpeed ignores it)."""
+
+    num_slots: int = 2  # device weight slots (2 = double buffering); more = deeper prefetch
+    loss_chunk_rows: int = 0  # rows per LM-head chunk; 0 = about 256 MiB of fp32 logits per chunk
+    use_liger: bool = True  # liger-kernel's fused linear cross-entropy on CUDA when installed
+    trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 2:
+            raise ConfigError(f"megatrain.num_slots must be >= 2 for double buffering, got {self.num_slots}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything the engine reads from a DeepSpeed config."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    optimizer: OptimizerSettings | None
+    scheduler: dict | None  # {"type": name, "params": {...}} passed to deepspeed.runtime.lr_schedules
+    compute_dtype: str = "fp32"  # "bf16" | "fp32"
+    gradient_clipping: float = 0.0
+    steps_per_print: float = 10
+    wall_clock_breakdown: bool = False
+    zero_stage: int = 0
+    megatrain: MegatrainSettings = field(default_factory=MegatrainSettings)
+    raw: dict = field(default_factory=dict)
+
+
+def load_config_source(config) -> dict:
+    """A dict, a JSON/HJSON file path, or a base64-encoded JSON string -> dict."""
+    if config is None:
+        raise ConfigError("no DeepSpeed config given: pass config=dict/path or args.deepspeed_config")
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read()
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                import hjson
+                return dict(hjson.loads(text))
+        try:
+            return json.loads(base64.urlsafe_b64decode(path).decode())
+        except Exception:
+            raise ConfigError(f"config {path!r} is neither an existing file nor base64-encoded JSON") from None
+    raise ConfigError(f"config must be a dict, a path or a base64 string, got {type(config).__name__}")
+
+
+def _batch(cfg: dict, world: int) -> tuple[int, int, int]:
+    tb = cfg.get("train_batch_size")
+    mb = cfg.get("train_micro_batch_size_per_gpu")
+    ga = cfg.get("gradient_accumulation_steps")
+    tb = None if tb is None else _num(tb, "train_batch_size", int)
+    mb = None if mb is None else _num(mb, "train_micro_batch_size_per_gpu", int)
+    ga = None if ga is None else _num(ga, "gradient_accumulation_steps", int)
+    if tb is not None and mb is not None and ga is None:
+        ga = tb // (mb * world)
+    elif tb is not None and ga is not None and mb is None:
+        mb = tb // (ga * world)
+    elif mb is not None and tb is None:
+        ga = ga or 1
+        tb = mb * ga * world
+    elif tb is not None and mb is None and ga is None:
+        ga, mb = 1, tb // world
+    elif tb is None and mb is None:
+        raise ConfigError("set 'train_batch_size' or 'train_micro_batch_size_per_gpu'")
+    if min(tb, mb, ga) <= 0 or tb != mb * ga * world:
+        raise ConfigError(f"batch triple does not hold: train_batch_size {tb} != "
+                          f"train_micro_batch_size_per_gpu {mb} * gradient_accumulation_steps {ga} * "
+                          f"world size {world}")
+    return tb, mb, ga
+
+
+def _optimizer(cfg: dict) -> OptimizerSettings | None:
+    block = cfg.get("optimizer")
+    if block is None:
+        return None
+    _check_keys(block, {"type", "params"}, "optimizer")
+    params = dict(block.get("params", {}))
+    _check_keys(params, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction",
+                         "torch_adam", "amsgrad", "fused"}, "optimizer.params")
+    if params.pop("amsgrad", False):
+        raise ConfigError("optimizer.params.amsgrad=true is not supported by the host optimizer")
+    params.pop("torch_adam", None), params.pop("fused", None)
+    if not params.pop("bias_correction", True):
+        raise ConfigError("optimizer.params.bias_correction=false is not supported by the host optimizer")
+    kwargs = {k: _num(v, f"optimizer.params.{k}") for k, v in params.items()
+              if k in ("lr", "eps", "weight_decay")}
+    if "betas" in params:
+        kwargs["betas"] = tuple(_num(b, "optimizer.params.betas") for b in params["betas"])
+    if "adam_w_mode" in params:
+        kwargs["adam_w_mode"] = bool(params["adam_w_mode"])
+    return OptimizerSettings(type=str(block.get("type", "AdamW")), **kwargs)
+
+
+def _precision(cfg: dict) -> str:
+    bf16 = cfg.get("bf16", cfg.get("bfloat16", {})) or {}
+    fp16 = cfg.get("fp16", {}) or {}
+    if fp16.get("enabled", False) is True:
+        raise ConfigError("fp16.enabled: fp16 with loss scaling is not available yet; use bf16")
+    return "bf16" if bf16.get("enabled", False) is True else "fp32"
+
+
+def _zero(cfg: dict) -> int:
+    block = cfg.get("zero_optimization", {}) or {}
+    stage = int(_num(block.get("stage", 0), "zero_optimization.stage", int))
+    for key in ("offload_param", "offload_optimizer"):
+        device = (block.get(key) or {}).get("device", "none")
+        if device == "nvme":
+            warnings.warn(f"zero_optimization.{key}.device=nvme: megatrain_ds keeps state in host memory "
+                          "(no NVMe tier yet)", stacklevel=3)
+    return stage
+
+
+def parse_config(config, world_size: int = 1) -> TrainConfig:
+    """Parse a DeepSpeed config (dict/path/base64) into ``TrainConfig``."""
+    cfg = load_config_source(config)
+    tb, mb, ga = _batch(cfg, world_size)
+    sched = cfg.get("scheduler")
+    if sched is not None:
+        _check_keys(sched, {"type", "params"}, "scheduler")
+    mt = dict(cfg.get("megatrain", {}) or {})
+    _check_keys(mt, set(MegatrainSettings.__dataclass_fields__), "megatrain")
+    clip = _num(cfg.get("gradient_clipping", 0.0), "gradient_clipping")
+    spp = cfg.get("steps_per_print", 10)
+    return TrainConfig(
+        train_batch_size=tb, micro_batch_size=mb, gradient_accumulation_steps=ga,
+        optimizer=_optimizer(cfg), scheduler=sched, compute_dtype=_precision(cfg), gradient_clipping=clip,
+        steps_per_print=float("inf") if spp in (None, "inf", float("inf")) else _num(spp, "steps_per_print"),
+        wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)), zero_stage=_zero(cfg),
+        megatrain=MegatrainSettings(**mt), raw=cfg)

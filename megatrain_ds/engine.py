@@ -1,0 +1,228 @@
+"""The training engine: DeepSpeed's calls on top of the streaming core.
+
+    loss = engine(input_ids=x, labels=y).loss   # embeddings -> streamed layers -> chunked LM-head loss
+    engine.backward(loss)                        # per-layer recompute + grad, D2H into host memory
+    engine.step()                                # enqueue clip + AdamW on the host; returns at once
+
+Reading order: ``__init__`` (how the model is split and where each tensor lives), ``forward``,
+``backward``, ``step``. The executor (executor.py), the host state (host_state.py) and the optimizer
+(optimizer.py) hold the mechanics.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .executor import StreamedLayers
+from .host_state import HostLayerStore
+from .loss import linear_cross_entropy
+from .model_map import build_layout, find_block_list
+from .optimizer import HostAdamW, ResidentParams
+from .streams import make_streams
+from .timing import StepTimer
+
+
+def _param_groups(model: nn.Module, model_parameters, settings) -> list[dict]:
+    """User's ``model_parameters`` (None, params, or dicts) -> torch-style groups of trainable params."""
+    defaults = dict(lr=settings.lr, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay)
+    if model_parameters is None:
+        model_parameters = model.parameters()
+    items = list(model_parameters)
+    if not items or not isinstance(items[0], dict):
+        items = [{"params": items}]
+    groups = []
+    for item in items:
+        params = [p for p in item["params"] if p.requires_grad]
+        groups.append({**defaults, **{k: v for k, v in item.items() if k != "params"}, "params": params})
+    return groups
+
+
+def _fused_loss_head(model: nn.Module) -> nn.Linear | None:
+    """The LM head if ``model`` is a Hugging Face causal LM whose head is a plain linear layer."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    name = type(model).__name__
+    if not isinstance(head, nn.Linear) or not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
+        return None
+    config = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, attr, None) not in (None, 1.0):
+            return None  # head does more than a matmul: use the model's own forward
+    return head
+
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+class MegaTrainEngine(nn.Module):
+    """Trains ``model`` with every persistent tensor in host memory and the GPU as a streaming engine."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig, model_parameters=None,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.config_settings = config
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if device is None:
+            device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        wire_dtype = torch.bfloat16 if config.compute_dtype == "bf16" else torch.float32
+        self.wire_dtype = wire_dtype
+        model.train()
+        settings = config.optimizer
+        groups = _param_groups(model, model_parameters, settings) if settings else []
+        group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
+
+        # 1. Split: streamed layers (host flat buffers) vs resident params (device copies).
+        self.block_name, layers = find_block_list(model)
+        layouts = [build_layout(i, layer, group_of) for i, layer in enumerate(layers)]
+        ga = config.gradient_accumulation_steps
+        self.streams = make_streams(device)
+        pin = device.type == "cuda"
+        self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin)
+        # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
+        self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
+                                       num_slots=config.megatrain.num_slots)
+        if config.megatrain.trace:
+            self.executor.trace = []
+        for i, layer in enumerate(layers):
+            self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
+        layer_ids = {id(p) for layer in layers for p in layer.parameters()}
+        resident = [p for p in model.parameters() if id(p) not in layer_ids]
+        self.resident = ResidentParams(resident, group_of, device, wire_dtype, self.streams, pin)
+        for module in model.modules():  # buffers outside the layers (e.g. rotary tables) live on the device
+            if module is layers or any(module is layer for layer in layers):
+                continue
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(device)
+        self.module = model
+        self._head = _fused_loss_head(model)
+
+        # 3. Host optimizer over the fp32 masters.
+        self.optimizer = None
+        if settings is not None:
+            defaults = dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                            weight_decay=settings.weight_decay)
+            self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
+            self.optimizer.bind(self.executor, self.resident, self.worker)
+        self.lr_scheduler = None
+        self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown or device.type == "cuda")
+        self.executor.timer = self.timer
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self._boundary_override: bool | None = None
+        self._last_norm = None
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
+        args, kwargs = _to_device(args, self.device), _to_device(kwargs, self.device)
+        self.timer.begin_forward()
+        if self._head is not None and torch.is_grad_enabled() and kwargs.get("labels") is not None:
+            return self._forward_fused_loss(args, kwargs)
+        return self.module(*args, **kwargs)
+
+    def _forward_fused_loss(self, args, kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        labels = kwargs.pop("labels")
+        num_items = kwargs.pop("num_items_in_batch", None)
+        kwargs["use_cache"] = False
+        out = self.module.base_model(*args, **kwargs)
+        hidden = out[0]  # (B, S, h)
+        mt = self.config_settings.megatrain
+        with self.timer.span("compute", self.streams.compute()):
+            loss = linear_cross_entropy(hidden, self._head.weight, self._head.bias, labels, num_items,
+                                        chunk_rows=mt.loss_chunk_rows, use_liger=mt.use_liger)
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    # ------------------------------------------------------------------ backward
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.config_settings.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = bool(is_boundary)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backward through the head, the streamed layers (recompute + grad) and the embeddings."""
+        final = self.is_gradient_accumulation_boundary()
+        self.executor.final_micro = final
+        ga = self.config_settings.gradient_accumulation_steps
+        if scale_wrt_gas and ga > 1:
+            loss = loss / ga
+        self.timer.begin_backward()
+        loss.backward(retain_graph=retain_graph)
+        self.resident.evacuate(self.worker, final)
+        self.timer.end_backward()
+        return loss
+
+    # ------------------------------------------------------------------ step
+    def step(self, lr_kwargs=None) -> None:
+        """At an accumulation boundary: queue clip + AdamW (host) and advance counters and scheduler."""
+        if self.is_gradient_accumulation_boundary():
+            if self.optimizer is not None:
+                self._last_norm = self.optimizer.enqueue_step(self.config_settings.gradient_clipping)
+                self.timer.optimizer_enqueued(self.worker)
+            else:
+                self.executor.reset_window()
+            self.global_steps += 1
+            self.global_samples += self.config_settings.train_batch_size
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.timer.end_step()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    # ------------------------------------------------------------------ queries
+    def get_global_grad_norm(self) -> float | None:
+        """Pre-clip global gradient norm of the last step (waits for the host norm task)."""
+        return None if self._last_norm is None else self._last_norm.result()
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def synchronize(self) -> None:
+        """Wait for every queued host task (landings, optimizer) and device work."""
+        for i, fut in enumerate(self.executor.wire_ready):
+            if fut is not None:
+                fut.result()
+        if self.resident.update is not None:
+            self.resident.update.result()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy)."""
+        self.synchronize()
+        out = {}
+        prefix = self.block_name + "."
+        for i, layout in enumerate(self.store.layouts):
+            for slot in layout.slots:
+                out[f"{prefix}{i}.{slot.name}"] = self.store.param_master(i, slot.name)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for p, master in zip(self.resident.params, self.resident.master):
+            out[names[id(p)]] = master.view(p.shape)
+        return out
+
+    def last_step_breakdown(self) -> dict:
+        return self.timer.last
+
+    def destroy(self) -> None:
+        self.synchronize()
+        self.worker.shutdown(wait=True)
+        self.store.close()

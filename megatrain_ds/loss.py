@@ -1,0 +1,106 @@
+"""LM head + cross-entropy without whole logits.
+
+The ``[tokens, vocab]`` logits of a 16K-token step at vocab 152K are 10 GB in fp32: they must never exist
+whole. ``linear_cross_entropy`` runs the head in row chunks; for each chunk it forms the logits, takes the
+loss and, in the same pass, the gradients with respect to the chunk's hidden rows and the head weight
+(the gradient work is done in forward, as liger-kernel's fused linear cross-entropy does), then frees the
+chunk. Backward only scales the stored gradients by the incoming grad. On CUDA with liger-kernel installed
+its Triton kernel is used instead; on CPU (and without liger) the torch implementation below.
+
+Semantics match Hugging Face's causal-LM loss: labels are shifted left by one, ``ignore_index`` -100 is
+skipped, logits are upcast to fp32, reduction is the mean over counted tokens or the sum divided by
+``num_items_in_batch`` when that is given.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """(B, S) labels -> (B*S,) targets for next-token prediction, last position ignored."""
+    pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    return torch.cat([labels[:, 1:], pad], dim=1).reshape(-1)
+
+
+def default_chunk_rows(vocab: int) -> int:
+    """Rows per chunk so one chunk's fp32 logits stay near 256 MiB (e.g. 441 rows at vocab 152K)."""
+    return max(64, (1 << 26) // max(vocab, 1))
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, denom, chunk_rows):
+        # hidden (N, h), weight (V, h), targets (N,), denom: python float
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w = weight.detach().requires_grad_(need_w)
+        b = bias.detach().requires_grad_(need_b) if bias is not None else None
+        for start in range(0, hidden.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            with torch.enable_grad():
+                h = hidden[rows].detach().requires_grad_(need_h)
+                logits = F.linear(h, w, b).float()  # (n, V): the only logits alive at any time
+                loss = F.cross_entropy(logits, targets[rows], ignore_index=IGNORE_INDEX, reduction="sum")
+                wrt = [t for t, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
+                grads = list(torch.autograd.grad(loss, wrt)) if wrt else []
+            total += loss.detach()
+            if need_h:
+                grad_h[rows] = grads.pop(0)
+            if need_w:
+                grad_w += grads.pop(0)
+            if need_b:
+                grad_b += grads.pop(0)
+            del logits, loss
+        scale = 1.0 / denom
+        ctx.grads = (grad_h, grad_w, grad_b, scale)
+        ctx.w_dtype = weight.dtype  # autograd wants each gradient in its input's dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, grad_b, scale = ctx.grads
+        ctx.grads = None
+        g = grad_loss * scale
+        out_h = grad_h.mul_(g.to(grad_h.dtype)) if grad_h is not None else None
+        out_w = (grad_w * g).to(ctx.w_dtype) if grad_w is not None else None
+        out_b = (grad_b * g).to(ctx.b_dtype) if grad_b is not None else None
+        return out_h, out_w, out_b, None, None, None
+
+
+def _liger_fn():
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except Exception:  # liger is optional (GPU only); any import problem means "use the torch path"
+        return None
+    return LigerFusedLinearCrossEntropyFunction
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         labels: torch.Tensor, num_items_in_batch=None, chunk_rows: int = 0,
+                         use_liger: bool = True) -> torch.Tensor:
+    """Causal-LM loss of ``hidden @ weight.T + bias`` against ``labels`` without whole logits.
+
+    hidden: (B, S, h); weight: (V, h); labels: (B, S) with -100 for ignored positions.
+    """
+    h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, h)
+    targets = shift_labels(labels.to(hidden.device))
+    if num_items_in_batch is not None:
+        denom = float(num_items_in_batch)
+    else:
+        denom = float((targets != IGNORE_INDEX).sum())  # CPU-GPU sync: one scalar per step
+    denom = max(denom, 1.0)
+    liger = _liger_fn() if (use_liger and hidden.is_cuda) else None
+    if liger is not None:
+        out = liger.apply(h2, weight, targets, bias, None, IGNORE_INDEX, 0.0, 0.0, "sum")
+        loss = out[0] if isinstance(out, tuple) else out
+        return loss / denom
+    rows = chunk_rows or default_chunk_rows(weight.shape[0])
+    return _ChunkedLinearCE.apply(h2, weight, bias, targets, denom, rows)

@@ -1,0 +1,135 @@
+"""How a model splits into streamed decoder layers and small resident parts.
+
+The streamed part is the repeated block list (``model.model.layers`` for Llama/Qwen/Mistral,
+``model.transformer.h`` for GPT-2, or any ``nn.ModuleList`` of blocks in a plain module). Everything else
+(embeddings, final norm, LM head, rotary tables) is *resident*: small, kept on the device in the compute
+dtype, with fp32 master state on the host like the layers.
+
+Each layer's parameters are laid out in one flat buffer: trainable parameters first, grouped by optimizer
+param group (so each group is a contiguous segment the fused optimizer can step), then frozen ones.
+Layers with the same structure share one stateless *template*: a copy of the first such layer whose
+parameters live on the meta device (no storage) and are supplied per call as views of a device slot.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    """The engine cannot stream this model; the message says why and what it looked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Where one parameter of a layer lives inside the layer's flat buffer."""
+
+    name: str  # name relative to the layer, e.g. "self_attn.q_proj.weight"
+    shape: tuple[int, ...]
+    offset: int  # element offset inside the trainable or frozen region
+    numel: int
+    trainable: bool
+    group: int  # optimizer param-group index (-1 when frozen)
+
+
+@dataclass(slots=True)
+class LayerLayout:
+    """Flat layout of one streamed layer: [trainable (by group) | frozen]."""
+
+    index: int
+    slots: list[ParamSlot]
+    n_train: int  # elements in the trainable region
+    n_frozen: int
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (group, start, end) in trainable
+
+    @property
+    def numel(self) -> int:
+        return self.n_train + self.n_frozen
+
+    def signature(self) -> tuple:
+        return tuple((s.name, s.shape, s.trainable) for s in self.slots)
+
+
+def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Return the qualified name and the ModuleList holding the model's repeated blocks.
+
+    The block list is the ``nn.ModuleList`` holding the most parameters; a model whose parameters are not
+    mostly inside one list cannot be streamed layer by layer.
+    """
+    best_name, best, best_numel = None, None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 1:
+            numel = sum(p.numel() for p in module.parameters())
+            if numel > best_numel:
+                best_name, best, best_numel = name, module, numel
+    total = sum(p.numel() for p in model.parameters())
+    if best is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no nn.ModuleList of blocks: megatrain_ds streams a model one "
+            "repeated block at a time and found no repeated block list to stream. Put the decoder blocks "
+            "in an nn.ModuleList (as Hugging Face models do)."
+        )
+    if best_numel < 0.5 * total:
+        raise UnsupportedModelError(
+            f"the largest block list '{best_name}' holds only {best_numel}/{total} parameters of "
+            f"{type(model).__name__}; the rest would have to stay resident on the GPU. megatrain_ds needs "
+            "most parameters inside the repeated blocks."
+        )
+    return best_name, best
+
+
+def build_layout(index: int, layer: nn.Module, group_of: dict[int, int]) -> LayerLayout:
+    """Lay out ``layer``'s parameters: trainable sorted by group, then frozen. Tied params are rejected."""
+    named = list(layer.named_parameters(remove_duplicate=False))
+    if len({id(p) for _, p in named}) != len(named):
+        raise UnsupportedModelError(
+            f"layer {index} shares a parameter between two of its submodules; tied weights inside a "
+            "streamed block are not supported."
+        )
+    # trainable = handed to the optimizer (in a param group); anything else is streamed but never updated
+    trainable = [(n, p) for n, p in named if id(p) in group_of]
+    frozen = [(n, p) for n, p in named if id(p) not in group_of]
+    trainable.sort(key=lambda item: group_of[id(item[1])])
+    slots, segments, offset = [], [], 0
+    for name, p in trainable:
+        group = group_of[id(p)]
+        if segments and segments[-1][0] == group:
+            segments[-1] = (group, segments[-1][1], offset + p.numel())
+        else:
+            segments.append((group, offset, offset + p.numel()))
+        slots.append(ParamSlot(name, tuple(p.shape), offset, p.numel(), True, group))
+        offset += p.numel()
+    n_train, offset = offset, 0
+    for name, p in frozen:
+        slots.append(ParamSlot(name, tuple(p.shape), offset, p.numel(), False, -1))
+        offset += p.numel()
+    return LayerLayout(index, slots, n_train, offset, segments)
+
+
+def make_template(layer: nn.Module, device: torch.device) -> nn.Module:
+    """A stateless copy of ``layer``: parameters on the meta device; buffers are supplied per call.
+
+    The deep copy never copies weight storage: each parameter is pre-seeded in the memo with a meta tensor.
+    """
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in layer.parameters()}
+    template = copy.deepcopy(layer, memo)
+    if hasattr(template, "gradient_checkpointing"):
+        template.gradient_checkpointing = False  # the executor already recomputes each layer
+    return template
+
+
+def has_active_dropout(module: nn.Module) -> bool:
+    """True when a forward of ``module`` in training mode consumes random numbers (so recompute must
+    replay the RNG state)."""
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return True
+        for attr in ("attention_dropout", "dropout"):
+            value = getattr(sub, attr, None)
+            if isinstance(value, float) and value > 0:
+                return True
+    return False

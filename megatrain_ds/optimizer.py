@@ -1,0 +1,203 @@
+"""The host optimizer: exact global-norm clipping, fused CPU AdamW per layer, overlapped with the GPU.
+
+Why the update runs in forward order after ``step()`` (and not per layer during backward): exact
+``clip_grad_norm_`` needs the norm over *all* gradients, which is known only once layer 0's gradient has
+landed, at the very end of backward. So ``step()`` only enqueues work on the host worker: first the norm
+task (it sums the per-layer squared norms that the gradient landings already computed during backward,
+so it costs microseconds), then the resident parameters (embeddings are used first), then layer 0, 1, …
+The next forward waits, layer by layer, only for the update of the layer it is about to load — so the
+update of step t runs under the forward of step t+1. See [Note: stream and event ordering].
+
+``HostAdamW`` is a ``torch.optim.Optimizer`` so external LR schedulers (torch's and DeepSpeed's) accept
+it and mutate its ``param_groups``; hyperparameters are snapshotted when a step is enqueued.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .host_state import pin_in_place
+
+
+class ResidentParams:
+    """Parameters outside the streamed layers (embeddings, final norm, LM head): device copy in the wire
+    dtype, fp32 master / moments / gradient on the host. Tied parameters appear once."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group_of: dict[int, int], device: torch.device,
+                 wire_dtype: torch.dtype, streams, pin: bool) -> None:
+        self.params, self.group_of, self.device, self.streams = params, group_of, device, streams
+        self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.wire, self.landing = [], [], [], [], [], []
+        for p in params:
+            master = p.detach().to("cpu", torch.float32).clone()
+            self.master.append(master)
+            wire = master if wire_dtype == torch.float32 else master.to(wire_dtype)
+            self.wire.append(wire.clone() if wire is master and pin else wire)
+            trainable = id(p) in group_of  # in an optimizer group; others are never updated
+            self.exp_avg.append(torch.zeros_like(master) if trainable else None)
+            self.exp_avg_sq.append(torch.zeros_like(master) if trainable else None)
+            self.grad.append(torch.zeros_like(master) if trainable else None)
+            self.landing.append(torch.empty_like(master, dtype=wire_dtype) if trainable else None)
+            p.data = wire.to(device, copy=True)
+        if pin:
+            for t in (*self.wire, *(l for l in self.landing if l is not None)):
+                pin_in_place(t)
+        self.has_grad = [False] * len(params)
+        self.sq_norm: list[Future | None] = [None] * len(params)
+        self.update: Future | None = None  # optimizer task that rewrote the wire copies
+        self.uploaded = True
+        self.wire_read = None  # last H2D event reading the wire copies
+
+    def evacuate(self, worker: ThreadPoolExecutor, final: bool) -> None:
+        """After autograd: move each resident ``.grad`` to the host (D2H) and let the worker fold it in."""
+        st = self.streams
+        for k, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if self.grad[k] is None:  # requires grad but not in any optimizer group: not trained
+                p.grad = None
+                continue
+            if self.sq_norm[k] is not None:
+                self.sq_norm[k].result()  # the landing buffer is free once the previous landing ran
+            grad_ready = st.record(st.compute())
+            st.wait(st.d2h, grad_ready)
+            with st.on(st.d2h):
+                self.landing[k].copy_(p.grad, non_blocking=True)
+            st.hand_over(p.grad, st.d2h)
+            landed = st.record(st.d2h)
+            first = not self.has_grad[k]
+            self.has_grad[k] = True
+            self.sq_norm[k] = worker.submit(self._land, k, landed, first, final)
+            p.grad = None
+
+    def _land(self, k: int, landed, first: bool, final: bool):
+        landed.synchronize()
+        if first:
+            self.grad[k].copy_(self.landing[k])
+        else:
+            self.grad[k].add_(self.landing[k])
+        return float(torch.linalg.vector_norm(self.grad[k])) ** 2 if final else None
+
+    def upload(self) -> None:
+        """Before a forward: wait for the optimizer, then H2D the updated resident weights."""
+        if self.uploaded:
+            return
+        self.update.result()
+        st = self.streams
+        with st.on(st.h2d):
+            for p, wire in zip(self.params, self.wire):
+                p.data.copy_(wire, non_blocking=True)
+        self.wire_read = st.record(st.h2d)
+        st.wait(st.compute(), self.wire_read)
+        self.uploaded = True
+
+
+class HostAdamW(torch.optim.Optimizer):
+    """AdamW (or Adam with L2 when ``adam_w_mode`` is False) over host fp32 master weights."""
+
+    def __init__(self, param_groups: list[dict], defaults: dict, adam_w_mode: bool = True) -> None:
+        super().__init__(param_groups, defaults)
+        self.adam_w_mode = adam_w_mode
+        self.engine_state = None  # set by bind()
+        self.last_norm: Future | None = None
+        self.step_count = 0
+        self.skipped_steps = 0
+
+    def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor) -> None:
+        self.executor, self.resident, self.worker = executor, resident, worker
+        self._tmp = torch.empty(executor.store.max_train, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 - the engine calls enqueue_step; keep torch's API usable
+        raise RuntimeError("call engine.step(): the engine owns the host optimizer's schedule")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop gradients accumulated since the last step (the next landing overwrites)."""
+        self.executor.reset_window()
+        self.resident.has_grad = [False] * len(self.resident.params)
+        self.resident.sq_norm = [None] * len(self.resident.params)
+
+    def enqueue_step(self, clip: float) -> Future:
+        """Queue norm + clipping + AdamW for every parameter; return the future of the pre-clip norm."""
+        self.step_count += 1
+        hp = [dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
+                   eps=float(g["eps"]), weight_decay=float(g["weight_decay"]), step=self.step_count)
+              for g in self.param_groups]
+        self._clip = float(clip)
+        ex, res = self.executor, self.resident
+        layer_sq, layer_has = list(ex.sq_norm), list(ex.has_grad)
+        res_sq, res_has = list(res.sq_norm), list(res.has_grad)
+        norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has)
+        res.update = self.worker.submit(self._resident_task, hp, res_has, norm)
+        res.uploaded = False
+        for i in range(len(ex.layouts)):
+            if layer_has[i]:
+                ex.version[i] += 1
+                ex.wire_ready[i] = self.worker.submit(self._layer_task, i, hp, norm)
+        ex.reset_window()
+        res.has_grad = [False] * len(res.params)
+        res.sq_norm = [None] * len(res.params)
+        self.last_norm = norm
+        return norm
+
+    def _norm_task(self, layer_sq, res_sq, layer_has, res_has):
+        total = 0.0
+        for futures, has, grads in ((layer_sq, layer_has, None), (res_sq, res_has, self.resident.grad)):
+            for k, fut in enumerate(futures):
+                if not has[k]:
+                    continue
+                sq = fut.result()
+                if sq is None:  # the window's boundary was moved after its backward: norm it now
+                    g = grads[k] if grads is not None else self.executor.store.grad_of(k)
+                    sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+                total += sq
+        norm = math.sqrt(total)
+        self._coef = 1.0
+        if self._clip > 0 and math.isfinite(norm):
+            self._coef = min(1.0, self._clip / (norm + 1e-6))
+        return norm
+
+    def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, hp, coef):
+        step = torch.tensor(float(hp["step"]), dtype=torch.float32)
+        scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32)
+        fn = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
+        fn(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=hp["lr"], beta1=hp["beta1"],
+           beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=False,
+           grad_scale=scale, found_inf=None)
+
+    def _resident_task(self, hp, has, norm_future):
+        norm_future.result()
+        with self.executor.timer.host_span("optimizer_s"):
+            self._update_resident(hp, has)
+
+    def _update_resident(self, hp, has):
+        res, coef = self.resident, self._coef
+        if res.wire_read is not None:
+            res.wire_read.synchronize()  # the last upload has read the wire copies
+        for k, p in enumerate(res.params):
+            if not has[k]:
+                continue
+            self._adamw([res.master[k]], [res.grad[k]], [res.exp_avg[k]], [res.exp_avg_sq[k]],
+                        hp[res.group_of.get(id(p), 0)], coef)
+            if res.wire[k] is not res.master[k]:
+                res.wire[k].copy_(res.master[k])
+
+    def _layer_task(self, i: int, hp, norm_future):
+        norm_future.result()
+        with self.executor.timer.host_span("optimizer_s"):
+            self._update_layer(i, hp)
+
+    def _update_layer(self, i: int, hp):
+        ex, store, coef = self.executor, self.executor.store, self._coef
+        if ex.wire_read[i] is not None:
+            ex.wire_read[i].synchronize()  # the last H2D reading wire i has finished
+        layout = store.layouts[i]
+        master, grad = store.master_of(i), store.grad_of(i)
+        m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)
+        if grad.dtype != torch.float32:
+            grad = self._tmp[:layout.n_train].copy_(grad)  # the fused CPU kernel wants fp32 grads
+        for group, a, b in layout.segments:
+            self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], coef)
+        if not store.wire_is_master:
+            store.wire_of(i)[:layout.n_train].copy_(master[:layout.n_train])

@@ -1,0 +1,113 @@
+"""Step-time breakdown: H2D, compute, D2H, CPU optimizer, GPU idle.
+
+Device spans are timed with CUDA events recorded on the stream doing the work (no sync on the hot path);
+they are read once, at the start of the *next* step's forward, when the GPU has drained anyway (the main
+thread is waiting for the resident update there). Host spans (optimizer tasks, the main thread's waits for
+the optimizer) are wall-clock. On CPU every span is wall-clock and the streams are stand-ins.
+
+    compute  = sum of per-layer forward/backward(recompute) spans + the LM-head loss span
+    idle     = wall - compute (the GPU's compute stream had nothing to run)
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+
+class StepTimer:
+    def __init__(self, streams, enabled: bool) -> None:
+        self.streams, self.enabled = streams, enabled
+        self.cuda = streams.kind == "cuda"
+        self.spans: dict[str, list] = {"h2d": [], "d2h": [], "compute": []}
+        self.host = {"optimizer_s": 0.0, "landing_s": 0.0, "wait_for_optimizer_s": 0.0}
+        self._lock = threading.Lock()
+        self._step_start = None
+        self._window_open = False
+        self.last: dict = {}
+
+    # device spans ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def span(self, kind: str, stream):
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            yield
+            end.record(stream)
+            self.spans[kind].append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.spans[kind].append(time.perf_counter() - t0)
+
+    def _sum(self, kind: str) -> float:
+        if self.cuda:  # ms -> s; the events completed (the stream was drained in begin_forward)
+            return sum(start.elapsed_time(end) for start, end in self.spans[kind]) / 1e3
+        return sum(self.spans[kind])
+
+    # host spans -----------------------------------------------------------------------------------
+    def add_host(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self.host[key] += seconds
+
+    @contextlib.contextmanager
+    def host_span(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_host(key, time.perf_counter() - t0)
+
+    # step boundaries ------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        if self._window_open or not self.enabled:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()  # CPU-GPU sync once per step; the GPU is idle here already (the
+            # resident upload waited for the norm task, which waited for every gradient landing)
+        now = time.perf_counter()
+        if self._step_start is not None:
+            self._finish(now)
+        self._step_start = now
+        self._window_open = True
+
+    def begin_backward(self) -> None:
+        return None
+
+    def end_backward(self) -> None:
+        return None
+
+    def optimizer_enqueued(self, worker) -> None:
+        return None
+
+    def end_step(self) -> None:
+        self._window_open = False
+
+    def _finish(self, now: float) -> None:
+        wall = now - self._step_start
+        h2d, d2h, compute = self._sum("h2d"), self._sum("d2h"), self._sum("compute")
+        with self._lock:
+            host = dict(self.host)
+            for key in self.host:
+                self.host[key] = 0.0
+        self.last = {"step_s": wall, "h2d_s": h2d, "compute_s": compute, "d2h_s": d2h,
+                     "cpu_optimizer_s": host["optimizer_s"], "cpu_grad_landing_s": host["landing_s"],
+                     "wait_for_optimizer_s": host["wait_for_optimizer_s"],
+                     "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None}
+        for spans in self.spans.values():
+            spans.clear()
+
+    @staticmethod
+    def format(b: dict) -> str:
+        if not b:
+            return "(no complete step yet)"
+        idle = "n/a" if b.get("gpu_idle_s") is None else f"{b['gpu_idle_s']*1e3:.0f}"
+        return (f"step {b['step_s']*1e3:.0f} ms | compute {b['compute_s']*1e3:.0f} | "
+                f"H2D {b['h2d_s']*1e3:.0f} | D2H {b['d2h_s']*1e3:.0f} | CPU optim {b['cpu_optimizer_s']*1e3:.0f} "
+                f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms")
