@@ -130,6 +130,13 @@ class MegaTrainEngine(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
+        labels = kwargs.get("labels")
+        if (isinstance(labels, torch.Tensor) and labels.device.type == "cpu" and self._head is not None
+                and torch.is_grad_enabled()
+                and kwargs.get("num_items_in_batch") is None):
+            # count the loss's tokens on the host now: counting them on the GPU later would be a CPU-GPU
+            # sync between the last layer and the loss
+            kwargs["num_items_in_batch"] = int((labels[:, 1:] != -100).sum())
         args, kwargs = _to_device(args, self.device), _to_device(kwargs, self.device)
         self.timer.begin_forward()
         if self._head is not None and torch.is_grad_enabled() and kwargs.get("labels") is not None:

@@ -26,7 +26,7 @@ from .model_map import LayerLayout, has_active_dropout, make_template
 from .timing import StepTimer
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity, not tensor comparison
 class Slot:
     """A device buffer holding one layer's wire weights, with the events that guard it."""
 

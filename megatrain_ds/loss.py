@@ -33,20 +33,22 @@ def default_chunk_rows(vocab: int) -> int:
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, denom, chunk_rows):
-        # hidden (N, h), weight (V, h), targets (N,), denom: python float
+        # hidden (N, h), weight (V, h), targets (N,), denom: python float or 0-dim tensor
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # loss and weight-grad accumulation dtype
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        total = torch.zeros((), dtype=acc, device=hidden.device)
         w = weight.detach().requires_grad_(need_w)
         b = bias.detach().requires_grad_(need_b) if bias is not None else None
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             with torch.enable_grad():
                 h = hidden[rows].detach().requires_grad_(need_h)
-                logits = F.linear(h, w, b).float()  # (n, V): the only logits alive at any time
+                logits = F.linear(h, w, b)  # (n, V): the only logits alive at any time
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # upcast, never down
                 loss = F.cross_entropy(logits, targets[rows], ignore_index=IGNORE_INDEX, reduction="sum")
                 wrt = [t for t, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
                 grads = list(torch.autograd.grad(loss, wrt)) if wrt else []
@@ -58,7 +60,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_b:
                 grad_b += grads.pop(0)
             del logits, loss
-        scale = 1.0 / denom
+        scale = 1.0 / (denom.to(acc) if isinstance(denom, torch.Tensor) else denom)
         ctx.grads = (grad_h, grad_w, grad_b, scale)
         ctx.w_dtype = weight.dtype  # autograd wants each gradient in its input's dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
@@ -93,13 +95,19 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, h)
     targets = shift_labels(labels.to(hidden.device))
     if num_items_in_batch is not None:
-        denom = float(num_items_in_batch)
-    else:
-        denom = float((targets != IGNORE_INDEX).sum())  # CPU-GPU sync: one scalar per step
-    denom = max(denom, 1.0)
+        denom = num_items_in_batch
+        if isinstance(denom, torch.Tensor):
+            denom = denom.to(hidden.device, torch.float32).clamp_min(1.0)
+        else:
+            denom = max(float(denom), 1.0)
+    else:  # a device tensor: no CPU-GPU sync between the last layer and the loss
+        denom = (targets != IGNORE_INDEX).sum().clamp_min(1).to(torch.float32)
     liger = _liger_fn() if (use_liger and hidden.is_cuda) else None
     if liger is not None:
-        out = liger.apply(h2, weight, targets, bias, None, IGNORE_INDEX, 0.0, 0.0, "sum")
+        # positional: ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+        # return_z_loss, accum_dtype (fp32 accumulation of the head's weight gradient)
+        out = liger.apply(h2, weight, targets, bias, None, IGNORE_INDEX, 0.0, 0.0, "sum", None, False,
+                          torch.float32)
         loss = out[0] if isinstance(out, tuple) else out
         return loss / denom
     rows = chunk_rows or default_chunk_rows(weight.shape[0])

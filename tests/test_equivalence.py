@@ -12,6 +12,9 @@ import megatrain_ds
 from tests.models import PlainLM, tiny_hf
 
 STEPS = 20
+# The engine picks CUDA when present; the reference runs on the same device, so on the GPU box this suite
+# checks the real three-stream path and on CPU the stand-in path, against the same numbers.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LR, WD, CLIP, EPS = 1e-3, 0.01, 1.0, 1e-6
 # EPS: with Adam's default 1e-8, parameters whose true gradient is ~0 (e.g. attention key biases: softmax is
 # shift-invariant) get lr-sized updates of random sign from rounding noise, in any two implementations.
@@ -37,6 +40,8 @@ def _loss(model, ids, hf: bool):
 
 
 def _reference(model, batches, ga: int, hf: bool, clip: float = CLIP):
+    model.to(DEVICE)
+    batches = [b.to(DEVICE) for b in batches]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=EPS)
     losses, norms = [], []
@@ -84,17 +89,18 @@ def _compare(make, ga: int, hf: bool = True, freeze=None, clip: float = CLIP):
     losses, norms, state, engine = _megatrain(our_model, batches, ga, hf, clip)
     _assert_close("losses", losses, ref_losses)
     _assert_close("grad norms", norms, ref_norms)
-    ref_params = dict(ref_model.named_parameters())
+    trainable = {n for n, p in ref_model.named_parameters() if p.requires_grad}
+    ref_params = {n: p.detach().cpu() for n, p in ref_model.named_parameters()}
     _assert_close("all params", torch.cat([state[n].flatten() for n in names]),
-                  torch.cat([ref_params[n].detach().flatten() for n in names]))
+                  torch.cat([ref_params[n].flatten() for n in names]))
     for name in names:
         # Attention key biases have a mathematically zero gradient (softmax is shift-invariant), so their
         # updates are rounding noise amplified by Adam in both runs: checked 10x looser.
         rtol = 1e-4 if "k_proj.bias" in name else 1e-5
-        _assert_close(f"param {name}", state[name], ref_params[name].detach(), rtol)
+        _assert_close(f"param {name}", state[name], ref_params[name], rtol)
     # the run must have moved the weights, or equality would prove nothing
     init = dict(make().named_parameters())
-    moved = sum(float((state[n] - init[n].detach()).norm()) for n in names if ref_params[n].requires_grad)
+    moved = sum(float((state[n] - init[n].detach()).norm()) for n in trainable)
     assert moved > 1e-2
     engine.destroy()
     return engine
