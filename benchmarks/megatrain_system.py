@@ -8,6 +8,8 @@ measured from after ``initialize``.
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
 
 import torch
@@ -31,7 +33,8 @@ def megatrain_ds_config(micro_batch: int, device: str, num_slots: int = 2) -> di
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "wall_clock_breakdown": True,
-        "megatrain": {"num_slots": num_slots},
+        # extra engine knobs for experiments, e.g. MEGATRAIN_OPTIONS='{"fp32_grad_landing": true}'
+        "megatrain": {"num_slots": num_slots, **json.loads(os.environ.get("MEGATRAIN_OPTIONS", "{}"))},
     }
 
 

@@ -61,6 +61,8 @@ class MegatrainSettings:
     loss_chunk_rows: int = 0  # rows per LM-head chunk; 0 = about 256 MiB of fp32 logits per chunk
     use_liger: bool = True  # liger-kernel's fused linear cross-entropy on CUDA when installed
     trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
+    fp32_grad_landing: bool = False  # GA 1, bf16: land gradients in fp32 (GPU converts; +2 host bytes/param,
+    # 2x D2H bytes) so the host optimizer skips its bf16->fp32 pass
 
     def __post_init__(self) -> None:
         if self.num_slots < 2:

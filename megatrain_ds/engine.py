@@ -91,7 +91,8 @@ class MegaTrainEngine(nn.Module):
         ga = config.gradient_accumulation_steps
         self.streams = make_streams(device)
         pin = device.type == "cuda"
-        self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin)
+        grad_dtype = torch.float32 if config.megatrain.fp32_grad_landing else None
+        self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype)
         # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,

@@ -11,7 +11,10 @@ Flat buffers are allocated once and pinned with ``cudaHostRegister`` (the cachin
 """
 from __future__ import annotations
 
+import mmap
 import queue
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -19,20 +22,49 @@ import torch
 from .model_map import LayerLayout
 
 
-def pin_in_place(t: torch.Tensor) -> bool:
-    """Page-lock ``t``'s memory for async DMA. Returns False (and leaves it pageable) without CUDA."""
-    if not torch.cuda.is_available() or t.numel() == 0:
-        return False
-    nbytes = t.numel() * t.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed with CUDA error {int(err)}")
-    return True
+class PinnedRegion:
+    """An anonymous mmap page-locked with ``cudaHostRegister``; owns the mapping until released.
+
+    Why not ``torch.empty(pin_memory=True)``: the caching host allocator rounds each block up to a power of
+    two (a 6.2 GB wire copy would take 8 GB). Why an mmap: a page-aligned mapping no other object shares, so
+    registration never overlaps another allocation, and the mapping cannot be freed (and its addresses
+    reused) while it is still registered: ``release()`` unregisters first.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+        self.mm = mmap.mmap(-1, max(nbytes, 1))
+        self.tensor = torch.frombuffer(self.mm, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+        self.ptr, self.nbytes, self.registered = self.tensor.data_ptr(), nbytes, False
+        if torch.cuda.is_available() and nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(self.ptr, nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (CUDA error {int(err)}): "
+                                   "not enough lockable host memory?")
+            self.registered = True
+
+    def release(self) -> None:
+        if self.registered:
+            self.registered = False
+            err = torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            if int(err) != 0:
+                warnings.warn(f"cudaHostUnregister failed with CUDA error {int(err)}", stacklevel=2)
+        # the mapping itself is freed when the last tensor viewing it is gone
 
 
-def unpin(t: torch.Tensor) -> None:
-    if torch.cuda.is_available() and t.numel():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool, regions: list) -> torch.Tensor:
+    """A flat host tensor; page-locked (and recorded in ``regions`` for release) when ``pin``."""
+    if not pin:
+        return torch.empty(numel, dtype=dtype)
+    region = PinnedRegion(numel, dtype)
+    regions.append(region)
+    return region.tensor
+
+
+def _release_all(regions: list) -> None:
+    for region in regions:
+        region.release()
+    regions.clear()
 
 
 @dataclass(slots=True)
@@ -45,7 +77,7 @@ class HostLayerStore:
     """fp32 master, Adam moments, wire copy and gradients for every streamed layer."""
 
     def __init__(self, layouts: list[LayerLayout], wire_dtype: torch.dtype, grad_accum_fp32: bool,
-                 pin: bool) -> None:
+                 pin: bool, grad_dtype: torch.dtype | None = None) -> None:
         self.layouts = layouts
         self.wire_dtype = wire_dtype
         self.offsets: list[LayerOffsets] = []
@@ -55,29 +87,30 @@ class HostLayerStore:
             full += layout.numel
             train += layout.n_train
         self.n_full, self.n_train = full, train
-        self.master = torch.empty(full, dtype=torch.float32)
+        self.regions: list[PinnedRegion] = []
+        self.wire_is_master = wire_dtype == torch.float32
+        # in fp32 mode the master is what streams to the GPU, so it is the pinned one
+        self.master = host_buffer(full, torch.float32, pin and self.wire_is_master, self.regions)
         self.exp_avg = torch.zeros(train, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(train, dtype=torch.float32)
-        self.wire_is_master = wire_dtype == torch.float32
-        self.wire = self.master if self.wire_is_master else torch.empty(full, dtype=wire_dtype)
-        # Gradients: landed directly in their home, in the wire dtype (GA 1), or landed in a pinned ring and
+        self.wire = self.master if self.wire_is_master else host_buffer(full, wire_dtype, pin, self.regions)
+        # Gradients: landed directly in their home (GA 1; in the wire dtype, or fp32 when
+        # ``grad_dtype`` says so: the GPU converts before the D2H), or landed in a pinned ring and
         # accumulated into fp32 by the host worker (GA > 1).
         self.grad_direct = not grad_accum_fp32
-        self.grad = torch.zeros(train, dtype=wire_dtype if self.grad_direct else torch.float32)
+        home_dtype = (grad_dtype or wire_dtype) if self.grad_direct else torch.float32
+        self.grad = host_buffer(train, home_dtype, pin and self.grad_direct, self.regions)
+        self.grad.zero_()
         self.max_train = max((l.n_train for l in layouts), default=0)
-        self._pinned = []
         self.ring: queue.Queue | None = None
+        self.scratch = None
         if not self.grad_direct:
             self.ring = queue.Queue()
-            for _ in range(4):
-                slab = torch.empty(self.max_train, dtype=wire_dtype)
-                self.ring.put(slab)
-                if pin and pin_in_place(slab):
-                    self._pinned.append(slab)
-        if pin:
-            for t in {id(self.wire): self.wire, id(self.grad): self.grad}.values():
-                if pin_in_place(t):
-                    self._pinned.append(t)
+            slabs = host_buffer(4 * self.max_train, wire_dtype, pin, self.regions)
+            for k in range(4):
+                self.ring.put(slabs[k * self.max_train:(k + 1) * self.max_train])
+            self.scratch = torch.empty(self.max_train, dtype=torch.float32)  # fp32 view of a landed slab
+        weakref.finalize(self, _release_all, self.regions)
 
     # views ---------------------------------------------------------------------------------------
     def master_of(self, i: int) -> torch.Tensor:
@@ -119,14 +152,16 @@ class HostLayerStore:
     def nbytes(self) -> int:
         tensors = {id(t): t for t in (self.master, self.exp_avg, self.exp_avg_sq, self.wire, self.grad)}
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        if self.ring is not None:
-            total += 4 * self.max_train * torch.tensor([], dtype=self.wire_dtype).element_size()
-        return total
+        return total + self.fixed_nbytes()
+
+    def fixed_nbytes(self) -> int:
+        """Bytes that do not grow with the model: the landing ring and its scratch (a few layers' worth)."""
+        if self.ring is None:
+            return 0
+        return 4 * self.max_train * torch.tensor([], dtype=self.wire_dtype).element_size() + self.scratch.numel() * 4
 
     def close(self) -> None:
-        for t in self._pinned:
-            unpin(t)
-        self._pinned.clear()
+        _release_all(self.regions)
 
 
 def release_storage(param: torch.Tensor) -> None:

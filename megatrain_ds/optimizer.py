@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .host_state import pin_in_place
 
 
 class ResidentParams:
@@ -29,20 +28,18 @@ class ResidentParams:
                  wire_dtype: torch.dtype, streams, pin: bool) -> None:
         self.params, self.group_of, self.device, self.streams = params, group_of, device, streams
         self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.wire, self.landing = [], [], [], [], [], []
+        # small tensors: torch's pinned allocator (its power-of-two rounding costs little here)
+        pinned = (lambda t: t.pin_memory()) if pin else (lambda t: t)
         for p in params:
-            master = p.detach().to("cpu", torch.float32).clone()
-            self.master.append(master)
-            wire = master if wire_dtype == torch.float32 else master.to(wire_dtype)
-            self.wire.append(wire.clone() if wire is master and pin else wire)
+            master = p.detach().to("cpu", torch.float32, copy=True)
             trainable = id(p) in group_of  # in an optimizer group; others are never updated
+            self.master.append(master)
+            self.wire.append(pinned(master.to(wire_dtype, copy=True)))
             self.exp_avg.append(torch.zeros_like(master) if trainable else None)
             self.exp_avg_sq.append(torch.zeros_like(master) if trainable else None)
             self.grad.append(torch.zeros_like(master) if trainable else None)
-            self.landing.append(torch.empty_like(master, dtype=wire_dtype) if trainable else None)
-            p.data = wire.to(device, copy=True)
-        if pin:
-            for t in (*self.wire, *(l for l in self.landing if l is not None)):
-                pin_in_place(t)
+            self.landing.append(pinned(torch.empty_like(master, dtype=wire_dtype)) if trainable else None)
+            p.data = self.wire[-1].to(device, copy=True)
         self.has_grad = [False] * len(params)
         self.sq_norm: list[Future | None] = [None] * len(params)
         self.update: Future | None = None  # optimizer task that rewrote the wire copies
@@ -77,7 +74,7 @@ class ResidentParams:
             self.grad[k].copy_(self.landing[k])
         else:
             self.grad[k].add_(self.landing[k])
-        return float(torch.linalg.vector_norm(self.grad[k])) ** 2 if final else None
+        return float(torch.dot(self.grad[k].view(-1), self.grad[k].view(-1))) if final else None
 
     def upload(self) -> None:
         """Before a forward: wait for the optimizer, then H2D the updated resident weights."""
@@ -150,7 +147,7 @@ class HostAdamW(torch.optim.Optimizer):
                 sq = fut.result()
                 if sq is None:  # the window's boundary was moved after its backward: norm it now
                     g = grads[k] if grads is not None else self.executor.store.grad_of(k)
-                    sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+                    sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2  # rare: slow is ok
                 total += sq
         norm = math.sqrt(total)
         self._coef = 1.0
@@ -180,8 +177,7 @@ class HostAdamW(torch.optim.Optimizer):
                 continue
             self._adamw([res.master[k]], [res.grad[k]], [res.exp_avg[k]], [res.exp_avg_sq[k]],
                         hp[res.group_of.get(id(p), 0)], coef)
-            if res.wire[k] is not res.master[k]:
-                res.wire[k].copy_(res.master[k])
+            res.wire[k].copy_(res.master[k])
 
     def _layer_task(self, i: int, hp, norm_future):
         norm_future.result()

@@ -60,8 +60,7 @@ def test_bf16_tracks_fp32_reference():
 def test_host_bytes_per_parameter(ga, bf16, expected):
     engine = _run_engine(tiny_hf("llama"), _batches(), 0, ga=ga, bf16=bf16)[1]
     n = engine.store.n_train
-    ring = 0 if engine.store.ring is None else 4 * engine.store.max_train * (2 if bf16 else 4)
-    assert (engine.store.nbytes() - ring) / n == expected
+    assert (engine.store.nbytes() - engine.store.fixed_nbytes()) / n == expected
     engine.destroy()
 
 
