@@ -63,6 +63,9 @@ class MegatrainSettings:
     trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
     fp32_grad_landing: bool = False  # GA 1, bf16: land gradients in fp32 (GPU converts; +2 host bytes/param,
     # 2x D2H bytes) so the host optimizer skips its bf16->fp32 pass
+    stream_fp32_master: bool = False  # bf16: stream the pinned fp32 master and cast on the GPU instead of
+    # keeping a bf16 wire copy (2x H2D bytes; no host bf16 copy, no host cast pass; implies fp32 landing:
+    # 16 host bytes/param)
 
     def __post_init__(self) -> None:
         if self.num_slots < 2:

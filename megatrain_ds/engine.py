@@ -78,8 +78,11 @@ class MegaTrainEngine(nn.Module):
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        wire_dtype = torch.bfloat16 if config.compute_dtype == "bf16" else torch.float32
-        self.wire_dtype = wire_dtype
+        compute_dtype = torch.bfloat16 if config.compute_dtype == "bf16" else torch.float32
+        mt = config.megatrain
+        # what crosses PCIe: the compute dtype, or the fp32 master itself (cast on the GPU) when asked
+        wire_dtype = torch.float32 if mt.stream_fp32_master else compute_dtype
+        self.compute_dtype, self.wire_dtype = compute_dtype, wire_dtype
         model.train()
         settings = config.optimizer
         groups = _param_groups(model, model_parameters, settings) if settings else []
@@ -91,19 +94,19 @@ class MegaTrainEngine(nn.Module):
         ga = config.gradient_accumulation_steps
         self.streams = make_streams(device)
         pin = device.type == "cuda"
-        grad_dtype = torch.float32 if config.megatrain.fp32_grad_landing else None
+        grad_dtype = torch.float32 if (mt.fp32_grad_landing or mt.stream_fp32_master) else None
         self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype)
         # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
-                                       num_slots=config.megatrain.num_slots)
+                                       num_slots=mt.num_slots, compute_dtype=compute_dtype)
         if config.megatrain.trace:
             self.executor.trace = []
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         layer_ids = {id(p) for layer in layers for p in layer.parameters()}
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
-        self.resident = ResidentParams(resident, group_of, device, wire_dtype, self.streams, pin)
+        self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin)
         for module in model.modules():  # buffers outside the layers (e.g. rotary tables) live on the device
             if module is layers or any(module is layer for layer in layers):
                 continue

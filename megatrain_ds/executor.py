@@ -30,7 +30,8 @@ from .timing import StepTimer
 class Slot:
     """A device buffer holding one layer's wire weights, with the events that guard it."""
 
-    buf: torch.Tensor
+    buf: torch.Tensor  # compute dtype; the templates' parameters are views of it
+    stage: torch.Tensor | None = None  # wire dtype, when it differs (fp32 master streamed, cast on GPU)
     layer: int = -1
     version: int = -1
     ready: object = None  # recorded on h2d after the copy into buf
@@ -53,7 +54,8 @@ class StreamedLayers:
     """Runs the streamed layers of one model. Owns the slots, the templates and the gradient landing."""
 
     def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], store: HostLayerStore,
-                 device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2) -> None:
+                 device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2,
+                 compute_dtype: torch.dtype | None = None) -> None:
         if num_slots < 2:
             raise ValueError(f"megatrain.num_slots must be >= 2 for double buffering, got {num_slots}")
         self.layouts, self.store, self.device = layouts, store, device
@@ -70,7 +72,10 @@ class StreamedLayers:
         self.buffers = [{n: b.to(device) for n, b in layer.named_buffers()} for layer in layers]
         self.dropout = [has_active_dropout(layer) for layer in layers]
         max_numel = max(l.numel for l in layouts)
-        self.slots = [Slot(torch.empty(max_numel, dtype=store.wire_dtype, device=device))
+        compute_dtype = compute_dtype or store.wire_dtype
+        staged = compute_dtype != store.wire_dtype
+        self.slots = [Slot(torch.empty(max_numel, dtype=compute_dtype, device=device),
+                           torch.empty(max_numel, dtype=store.wire_dtype, device=device) if staged else None)
                       for _ in range(min(num_slots, len(layouts)))]
         self.version = [0] * len(layouts)  # bumped when the optimizer rewrites a layer's wire copy
         self.wire_ready: list[Future | None] = [None] * len(layouts)  # optimizer task of the layer
@@ -109,8 +114,13 @@ class StreamedLayers:
         wire = self.store.wire_of(i)
         st = self.streams
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
+        n = wire.numel()
         with st.on(st.h2d), self.timer.span("h2d", st.h2d):
-            slot.buf[:wire.numel()].copy_(wire, non_blocking=True)
+            if slot.stage is None:
+                slot.buf[:n].copy_(wire, non_blocking=True)
+            else:  # fp32 master over PCIe, cast to the compute dtype on the GPU (same stream: ordered)
+                slot.stage[:n].copy_(wire, non_blocking=True)
+                slot.buf[:n].copy_(slot.stage[:n])
         slot.ready = st.record(st.h2d)
         self.wire_read[i] = slot.ready
         slot.layer, slot.version, slot.free = i, self.version[i], None

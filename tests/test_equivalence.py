@@ -36,6 +36,7 @@ def _loss(model, ids, hf: bool):
     if hf:
         return model(input_ids=ids, labels=ids).loss
     logits = model(ids)
+    ids = ids.to(logits.device)
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 

@@ -9,8 +9,9 @@ from tests.models import tiny_hf
 from tests.test_equivalence import DEVICE, _assert_close
 
 
-def _cfg(ga=1, bf16=False, clip=1.0):
+def _cfg(ga=1, bf16=False, clip=1.0, megatrain=None):
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "bf16": {"enabled": bf16},
+            "megatrain": megatrain or {},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}}, "gradient_clipping": clip}
 
 
@@ -44,21 +45,27 @@ def _batches(n=10):
     return [torch.randint(0, 256, (2, 16), generator=g) for _ in range(n)]
 
 
-def test_bf16_tracks_fp32_reference():
+@pytest.mark.parametrize("options", [{}, {"fp32_grad_landing": True}, {"stream_fp32_master": True}])
+def test_bf16_tracks_fp32_reference(options):
     ref = tiny_hf("qwen2")
     ours = copy.deepcopy(ref)
     batches = _batches()
     want = _run_ref(ref, batches, 10)
-    got, engine = _run_engine(ours, batches, 10, bf16=True)
-    assert engine.store.wire.dtype == torch.bfloat16 and engine.store.master.dtype == torch.float32
+    got, engine = _run_engine(ours, batches, 10, bf16=True, megatrain=options)
+    assert engine.store.master.dtype == torch.float32
+    assert engine.executor.slots[0].buf.dtype == torch.bfloat16  # compute in bf16 in every mode
+    expected_wire = torch.float32 if options.get("stream_fp32_master") else torch.bfloat16
+    assert engine.store.wire.dtype == expected_wire
     _assert_close("bf16 losses", got, want, rtol=2e-2)
     assert got[-1] < got[0]
     engine.destroy()
 
 
-@pytest.mark.parametrize("ga,bf16,expected", [(1, True, 16), (4, True, 18), (1, False, 16)])
-def test_host_bytes_per_parameter(ga, bf16, expected):
-    engine = _run_engine(tiny_hf("llama"), _batches(), 0, ga=ga, bf16=bf16)[1]
+@pytest.mark.parametrize("ga,bf16,options,expected", [
+    (1, True, {}, 16), (4, True, {}, 18), (1, False, {}, 16),
+    (1, True, {"fp32_grad_landing": True}, 18), (1, True, {"stream_fp32_master": True}, 16)])
+def test_host_bytes_per_parameter(ga, bf16, options, expected):
+    engine = _run_engine(tiny_hf("llama"), _batches(), 0, ga=ga, bf16=bf16, megatrain=options)[1]
     n = engine.store.n_train
     assert (engine.store.nbytes() - engine.store.fixed_nbytes()) / n == expected
     engine.destroy()
