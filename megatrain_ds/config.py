@@ -66,6 +66,8 @@ class MegatrainSettings:
     stream_fp32_master: bool = False  # bf16: stream the pinned fp32 master and cast on the GPU instead of
     # keeping a bf16 wire copy (2x H2D bytes; no host bf16 copy, no host cast pass; implies fp32 landing:
     # 16 host bytes/param)
+    gpu_optimizer_layers: int = -1  # trailing layers whose optimizer state lives on the GPU; -1 = from
+    # zero_optimization.offload_optimizer.ratio (fraction of optimizer state on the CPU; default 1.0 = none)
 
     def __post_init__(self) -> None:
         if self.num_slots < 2:
@@ -86,6 +88,7 @@ class TrainConfig:
     steps_per_print: float = 10
     wall_clock_breakdown: bool = False
     zero_stage: int = 0
+    offload_optimizer_ratio: float = 1.0  # zero_optimization.offload_optimizer.ratio
     megatrain: MegatrainSettings = field(default_factory=MegatrainSettings)
     raw: dict = field(default_factory=dict)
 
@@ -168,15 +171,18 @@ def _precision(cfg: dict) -> str:
     return "bf16" if bf16.get("enabled", False) is True else "fp32"
 
 
-def _zero(cfg: dict) -> int:
+def _zero(cfg: dict) -> tuple[int, float]:
     block = cfg.get("zero_optimization", {}) or {}
     stage = int(_num(block.get("stage", 0), "zero_optimization.stage", int))
+    ratio = _num((block.get("offload_optimizer") or {}).get("ratio", 1.0), "zero_optimization.offload_optimizer.ratio")
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio}")
     for key in ("offload_param", "offload_optimizer"):
         device = (block.get(key) or {}).get("device", "none")
         if device == "nvme":
             warnings.warn(f"zero_optimization.{key}.device=nvme: megatrain_ds keeps state in host memory "
                           "(no NVMe tier yet)", stacklevel=3)
-    return stage
+    return stage, ratio
 
 
 def parse_config(config, world_size: int = 1) -> TrainConfig:
@@ -189,10 +195,12 @@ def parse_config(config, world_size: int = 1) -> TrainConfig:
     mt = dict(cfg.get("megatrain", {}) or {})
     _check_keys(mt, set(MegatrainSettings.__dataclass_fields__), "megatrain")
     clip = _num(cfg.get("gradient_clipping", 0.0), "gradient_clipping")
+    zero_stage, ratio = _zero(cfg)
     spp = cfg.get("steps_per_print", 10)
     return TrainConfig(
         train_batch_size=tb, micro_batch_size=mb, gradient_accumulation_steps=ga,
         optimizer=_optimizer(cfg), scheduler=sched, compute_dtype=_precision(cfg), gradient_clipping=clip,
         steps_per_print=float("inf") if spp in (None, "inf", float("inf")) else _num(spp, "steps_per_print"),
-        wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)), zero_stage=_zero(cfg),
+        wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)), zero_stage=zero_stage,
+        offload_optimizer_ratio=ratio,
         megatrain=MegatrainSettings(**mt), raw=cfg)

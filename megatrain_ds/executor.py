@@ -83,6 +83,8 @@ class StreamedLayers:
         self.has_grad = [False] * len(layouts)
         self.sq_norm: list[Future | None] = [None] * len(layouts)
         # per-layer gradient norms taken on the GPU (GA 1) and their pinned host landing
+        self.tail = None  # GpuOptimizerTail: trailing layers whose optimizer state lives on the GPU
+        self.backward_done = None  # event on compute after the last backward (the tail update waits on it)
         self.norm_dev = torch.zeros(len(layouts), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(layouts), dtype=torch.float32)
         if device.type == "cuda":
@@ -116,7 +118,9 @@ class StreamedLayers:
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
         n = wire.numel()
         with st.on(st.h2d), self.timer.span("h2d", st.h2d):
-            if slot.stage is None:
+            if self.tail is not None and self.tail.owns(i):  # device master: a cast, no PCIe
+                slot.buf[:n].copy_(self.tail.master_of(i))
+            elif slot.stage is None:
                 slot.buf[:n].copy_(wire, non_blocking=True)
             else:  # fp32 master over PCIe, cast to the compute dtype on the GPU (same stream: ordered)
                 slot.stage[:n].copy_(wire, non_blocking=True)
@@ -200,6 +204,8 @@ class StreamedLayers:
         """D2H layer i's flat gradient; the host worker accumulates it and (if final) takes its norm."""
         st, store = self.streams, self.store
         first, final = not self.has_grad[i], self.final_micro
+        if self.tail is not None and self.tail.owns(i):
+            return self._accumulate_on_device(i, flat_grad, first, final)
         if store.grad_direct:
             if not first:
                 raise RuntimeError(
@@ -223,6 +229,29 @@ class StreamedLayers:
         self.has_grad[i] = True
         self._log("d2h", i, None)
         self.sq_norm[i] = self.worker.submit(self._land, i, landed, dest, first, final)
+
+    def _accumulate_on_device(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool) -> None:
+        """Tail layer: the gradient stays on the GPU (fp32 accumulator); only its norm goes to the host."""
+        st, grad = self.streams, self.tail.grad_of(i)
+        if first:
+            grad.copy_(flat_grad)
+        else:
+            grad.add_(flat_grad)
+        self.has_grad[i] = True
+        self._log("acc", i, None)
+        if not final:
+            self.sq_norm[i] = self.worker.submit(lambda: None)
+            return
+        torch.linalg.vector_norm(grad, out=self.norm_dev[i])
+        st.wait(st.d2h, st.record(st.compute()))
+        with st.on(st.d2h):
+            self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
+        landed = st.record(st.d2h)
+        self.sq_norm[i] = self.worker.submit(self._land_norm, i, landed)
+
+    def _land_norm(self, i: int, landed) -> float:
+        landed.synchronize()
+        return float(self.norm_host[i]) ** 2
 
     def _land(self, i: int, landed, dest: torch.Tensor, first: bool, final: bool):
         """Worker thread: wait for the D2H, fold the bytes into the layer's gradient, return its sq-norm."""

@@ -126,9 +126,17 @@ class HostAdamW(torch.optim.Optimizer):
         layer_sq, layer_has = list(ex.sq_norm), list(ex.has_grad)
         res_sq, res_has = list(res.sq_norm), list(res.has_grad)
         norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has)
+        # FIFO order of the host worker: the GPU-tail updates first (they only launch kernels), then the
+        # resident parameters (the embedding is used first), then the host layers in forward order.
+        tail = [i for i in range(len(ex.layouts)) if ex.tail is not None and ex.tail.owns(i)]
+        host = [i for i in range(len(ex.layouts)) if i not in set(tail)]
+        for i in tail:
+            if layer_has[i]:
+                ex.version[i] += 1
+                ex.wire_ready[i] = self.worker.submit(self._tail_task, i, hp, norm, ex.backward_done)
         res.update = self.worker.submit(self._resident_task, hp, res_has, norm)
         res.uploaded = False
-        for i in range(len(ex.layouts)):
+        for i in host:
             if layer_has[i]:
                 ex.version[i] += 1
                 ex.wire_ready[i] = self.worker.submit(self._layer_task, i, hp, norm)
@@ -156,8 +164,9 @@ class HostAdamW(torch.optim.Optimizer):
         return norm
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, hp, coef):
-        step = torch.tensor(float(hp["step"]), dtype=torch.float32)
-        scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32)
+        device = params[0].device  # CPU (host layers) or the GPU (tail layers): the same fused kernel API
+        step = torch.tensor(float(hp["step"]), dtype=torch.float32, device=device)
+        scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32, device=device)
         fn = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
         fn(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=hp["lr"], beta1=hp["beta1"],
            beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=False,
@@ -178,6 +187,18 @@ class HostAdamW(torch.optim.Optimizer):
             self._adamw([res.master[k]], [res.grad[k]], [res.exp_avg[k]], [res.exp_avg_sq[k]],
                         hp[res.group_of.get(id(p), 0)], coef)
             res.wire[k].copy_(res.master[k])
+
+    def _tail_task(self, i: int, hp, norm_future, backward_done):
+        """Launch layer i's update on the GPU, on the h2d stream: the casts that read the device master for
+        the next forward are issued on the same stream after it, so they see the update."""
+        norm_future.result()
+        ex, st = self.executor, self.executor.streams
+        st.wait(st.h2d, backward_done)  # the gradient accumulators are complete
+        master, grad = ex.tail.master_of(i), ex.tail.grad_of(i)
+        m, v = ex.tail.moments_of(i)
+        with st.on(st.h2d):
+            for group, a, b in ex.store.layouts[i].segments:
+                self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], self._coef)
 
     def _layer_task(self, i: int, hp, norm_future):
         norm_future.result()

@@ -4,6 +4,7 @@ Reference: the unmodified model, ``torch.optim.AdamW``, ``clip_grad_norm_`` over
 per micro-batch. Losses, grad norms and final parameters must agree to 1e-5 relative.
 """
 import copy
+import sys
 
 import pytest
 import torch
@@ -21,10 +22,14 @@ LR, WD, CLIP, EPS = 1e-3, 0.01, 1.0, 1e-6
 # 1e-6 damps that noise in both runs alike; a wrong gradient still moves every loss and weight.
 
 
-def _ds_config(ga: int, clip: float = CLIP) -> dict:
+def _plain_ds_config(ga: int, clip: float = CLIP) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95], "eps": EPS}},
             "gradient_clipping": clip}
+
+
+def _ds_config(ga: int, clip: float = CLIP) -> dict:
+    return _plain_ds_config(ga, clip)
 
 
 def _batches(vocab: int, n: int, seed: int = 1):
@@ -134,6 +139,21 @@ def test_frozen_parameters_are_not_updated_and_get_no_state():
     embed = engine.module.get_input_embeddings().weight
     k = next(k for k, p in enumerate(engine.resident.params) if p is embed)
     assert engine.resident.exp_avg[k] is None
+
+
+@pytest.mark.parametrize("ga", [1, 3])
+def test_optimizer_tail_on_device_matches_pytorch(ga, monkeypatch):
+    """offload_optimizer.ratio < 1: the last layers' optimizer state lives on the device (the GPU on the
+    GPU box; the same code runs on CPU), and the result is still plain PyTorch's."""
+    monkeypatch.setattr(sys.modules[__name__], "_ds_config", _with_ratio)
+    engine = _compare(lambda: tiny_hf("qwen2", tied=False, layers=4), ga=ga)
+    assert engine.executor.tail is not None and engine.executor.tail.first == 2
+
+
+def _with_ratio(ga, clip=CLIP):
+    cfg = _plain_ds_config(ga, clip)
+    cfg["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}
+    return cfg
 
 
 def test_no_clipping():

@@ -1,0 +1,63 @@
+"""Optimizer state of the trailing layers on the GPU: DeepSpeed's ``offload_optimizer.ratio`` < 1.
+
+With exact global-norm clipping, the host optimizer can only start once the last gradient (layer 0's) has
+landed; the next forward then waits for it layer by layer. At moderate batch sizes that wait is the
+largest stall in a step (3B, 16K tokens: ~0.6 s on an H200 box). DeepSpeed's ZeRO-Offload++ answers the
+same problem with ``offload_optimizer.ratio``: the fraction of optimizer state kept on the CPU. Here the
+trailing ``(1 - ratio) * L`` layers keep their fp32 master, Adam moments and fp32 gradient on the GPU:
+
+- backward accumulates their gradient in place on the GPU (no D2H) and takes its norm there;
+- ``step()`` updates them first, on the GPU (fused AdamW on the h2d stream, microseconds to launch), while
+  the CPU updates the resident parameters and the leading layers in forward order;
+- forward/backward produce their compute-dtype weights by casting the device master (no PCIe).
+
+Their host copies of master and moments go stale and are refreshed by ``sync_to_host()`` (checkpoints,
+``master_state_dict``). Cost: 16 bytes of GPU memory per parameter of those layers. ratio 1.0 (default)
+keeps every persistent tensor on the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from .host_state import HostLayerStore
+
+
+class GpuOptimizerTail:
+    def __init__(self, store: HostLayerStore, first_layer: int, device: torch.device) -> None:
+        self.store, self.first, self.device = store, first_layer, device
+        self.full0 = store.offsets[first_layer].full
+        self.train0 = store.offsets[first_layer].train
+        self.master = store.master[self.full0:].to(device, copy=True)
+        n_train = store.n_train - self.train0
+        self.exp_avg = torch.zeros(n_train, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(n_train, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(n_train, dtype=torch.float32, device=device)
+
+    def owns(self, i: int) -> bool:
+        return i >= self.first
+
+    def master_of(self, i: int) -> torch.Tensor:
+        o = self.store.offsets[i].full - self.full0
+        return self.master[o:o + self.store.layouts[i].numel]
+
+    def _train(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        o = self.store.offsets[i].train - self.train0
+        return flat[o:o + self.store.layouts[i].n_train]
+
+    def grad_of(self, i: int) -> torch.Tensor:
+        return self._train(self.grad, i)
+
+    def moments_of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._train(self.exp_avg, i), self._train(self.exp_avg_sq, i)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
+
+    def sync_to_host(self) -> None:
+        """Copy the device master and moments into the host buffers (blocking; checkpoints only)."""
+        store = self.store
+        store.master[self.full0:].copy_(self.master)
+        store.exp_avg[self.train0:].copy_(self.exp_avg)
+        store.exp_avg_sq[self.train0:].copy_(self.exp_avg_sq)
+        if not store.wire_is_master:
+            store.wire[self.full0:].copy_(self.master)
