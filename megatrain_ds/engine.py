@@ -112,7 +112,8 @@ class MegaTrainEngine(nn.Module):
             self.executor.tail = GpuOptimizerTail(self.store, len(layers) - min(n_tail, len(layers)), device)
         layer_ids = {id(p) for layer in layers for p in layer.parameters()}
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
-        self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin)
+        self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin,
+                                       state_on_device=n_tail > 0)
         for module in model.modules():  # buffers outside the layers (e.g. rotary tables) live on the device
             if module is layers or any(module is layer for layer in layers):
                 continue
@@ -184,8 +185,8 @@ class MegaTrainEngine(nn.Module):
             loss = loss / ga
         self.timer.begin_backward()
         loss.backward(retain_graph=retain_graph)
-        self.executor.backward_done = self.streams.record(self.streams.compute())
         self.resident.evacuate(self.worker, final)
+        self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
         self.timer.end_backward()
         return loss
 
@@ -228,7 +229,7 @@ class MegaTrainEngine(nn.Module):
         """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy)."""
         self.synchronize()
         if self.executor.tail is not None:
-            self.executor.tail.sync_to_host()
+            self.executor.tail.sync_to_host()  # resident masters on the device are read (copied) below
         out = {}
         prefix = self.block_name + "."
         for i, layout in enumerate(self.store.layouts):
@@ -236,7 +237,7 @@ class MegaTrainEngine(nn.Module):
                 out[f"{prefix}{i}.{slot.name}"] = self.store.param_master(i, slot.name)
         names = {id(p): n for n, p in self.module.named_parameters()}
         for p, master in zip(self.resident.params, self.resident.master):
-            out[names[id(p)]] = master.view(p.shape)
+            out[names[id(p)]] = master.view(p.shape).cpu()
         return out
 
     def last_step_breakdown(self) -> dict:

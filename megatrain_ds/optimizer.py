@@ -21,52 +21,84 @@ import torch
 
 
 class ResidentParams:
-    """Parameters outside the streamed layers (embeddings, final norm, LM head): device copy in the wire
-    dtype, fp32 master / moments / gradient on the host. Tied parameters appear once."""
+    """Parameters outside the streamed layers (embeddings, final norm, LM head). Tied parameters appear once.
+
+    The module's parameter holds the compute-dtype copy on the device. Its fp32 master, moments and
+    gradient live on the host, or on the device when ``state_on_device`` (``offload_optimizer.ratio`` < 1,
+    see gpu_tail.py): the embedding is the first thing a forward needs, so its update must not queue behind
+    host work.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], group_of: dict[int, int], device: torch.device,
-                 wire_dtype: torch.dtype, streams, pin: bool) -> None:
+                 compute_dtype: torch.dtype, streams, pin: bool, state_on_device: bool = False) -> None:
         self.params, self.group_of, self.device, self.streams = params, group_of, device, streams
+        self.on_device = state_on_device
+        state = device if state_on_device else torch.device("cpu")
         self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.wire, self.landing = [], [], [], [], [], []
         # small tensors: torch's pinned allocator (its power-of-two rounding costs little here)
-        pinned = (lambda t: t.pin_memory()) if pin else (lambda t: t)
+        pinned = (lambda t: t.pin_memory()) if pin and not state_on_device else (lambda t: t)
         for p in params:
-            master = p.detach().to("cpu", torch.float32, copy=True)
+            master = p.detach().to(state, torch.float32, copy=True)
             trainable = id(p) in group_of  # in an optimizer group; others are never updated
             self.master.append(master)
-            self.wire.append(pinned(master.to(wire_dtype, copy=True)))
+            self.wire.append(None if state_on_device else pinned(master.to(compute_dtype, copy=True)))
             self.exp_avg.append(torch.zeros_like(master) if trainable else None)
             self.exp_avg_sq.append(torch.zeros_like(master) if trainable else None)
             self.grad.append(torch.zeros_like(master) if trainable else None)
-            self.landing.append(pinned(torch.empty_like(master, dtype=wire_dtype)) if trainable else None)
-            p.data = self.wire[-1].to(device, copy=True)
+            landing = trainable and not state_on_device
+            self.landing.append(pinned(torch.empty_like(master, dtype=compute_dtype)) if landing else None)
+            p.data = master.to(device, compute_dtype, copy=True)
+        self.norm_dev = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.norm_host = torch.zeros(len(params), dtype=torch.float32)
+        if device.type == "cuda":
+            self.norm_host = self.norm_host.pin_memory()
         self.has_grad = [False] * len(params)
         self.sq_norm: list[Future | None] = [None] * len(params)
         self.update: Future | None = None  # optimizer task that rewrote the wire copies
         self.uploaded = True
-        self.wire_read = None  # last H2D event reading the wire copies
+        self.wire_read = None  # last H2D event reading the wire copies (host state)
 
     def evacuate(self, worker: ThreadPoolExecutor, final: bool) -> None:
-        """After autograd: move each resident ``.grad`` to the host (D2H) and let the worker fold it in."""
-        st = self.streams
+        """After autograd: fold each resident ``.grad`` into its fp32 gradient (D2H + host worker, or in
+        place on the device) and queue its squared norm."""
         for k, p in enumerate(self.params):
             if p.grad is None:
                 continue
             if self.grad[k] is None:  # requires grad but not in any optimizer group: not trained
                 p.grad = None
                 continue
-            if self.sq_norm[k] is not None:
-                self.sq_norm[k].result()  # the landing buffer is free once the previous landing ran
-            grad_ready = st.record(st.compute())
-            st.wait(st.d2h, grad_ready)
-            with st.on(st.d2h):
-                self.landing[k].copy_(p.grad, non_blocking=True)
-            st.hand_over(p.grad, st.d2h)
-            landed = st.record(st.d2h)
             first = not self.has_grad[k]
             self.has_grad[k] = True
-            self.sq_norm[k] = worker.submit(self._land, k, landed, first, final)
+            if self.on_device:
+                self.sq_norm[k] = self._accumulate_on_device(k, p.grad, first, final, worker)
+            else:
+                self.sq_norm[k] = self._send_to_host(k, p.grad, first, final, worker)
             p.grad = None
+
+    def _send_to_host(self, k, grad, first, final, worker) -> Future:
+        st = self.streams
+        if self.sq_norm[k] is not None:
+            self.sq_norm[k].result()  # the landing buffer is free once the previous landing ran
+        st.wait(st.d2h, st.record(st.compute()))
+        with st.on(st.d2h):
+            self.landing[k].copy_(grad, non_blocking=True)
+        st.hand_over(grad, st.d2h)
+        return worker.submit(self._land, k, st.record(st.d2h), first, final)
+
+    def _accumulate_on_device(self, k, grad, first, final, worker) -> Future:
+        st = self.streams
+        if first:
+            self.grad[k].copy_(grad)
+        else:
+            self.grad[k].add_(grad)
+        if not final:
+            return worker.submit(lambda: None)
+        torch.linalg.vector_norm(self.grad[k], out=self.norm_dev[k])
+        st.wait(st.d2h, st.record(st.compute()))
+        with st.on(st.d2h):
+            self.norm_host[k:k + 1].copy_(self.norm_dev[k:k + 1], non_blocking=True)
+        landed = st.record(st.d2h)
+        return worker.submit(lambda: (landed.synchronize(), float(self.norm_host[k]) ** 2)[1])
 
     def _land(self, k: int, landed, first: bool, final: bool):
         landed.synchronize()
@@ -77,14 +109,15 @@ class ResidentParams:
         return float(torch.dot(self.grad[k].view(-1), self.grad[k].view(-1))) if final else None
 
     def upload(self) -> None:
-        """Before a forward: wait for the optimizer, then H2D the updated resident weights."""
+        """Before a forward: wait for the optimizer, then refresh the device copies (H2D of the host wire
+        copies, or a cast of the device masters), ordered before the forward's first kernel."""
         if self.uploaded:
             return
         self.update.result()
         st = self.streams
         with st.on(st.h2d):
-            for p, wire in zip(self.params, self.wire):
-                p.data.copy_(wire, non_blocking=True)
+            for p, master, wire in zip(self.params, self.master, self.wire):
+                p.data.copy_(master if self.on_device else wire, non_blocking=True)
         self.wire_read = st.record(st.h2d)
         st.wait(st.compute(), self.wire_read)
         self.uploaded = True
@@ -134,7 +167,7 @@ class HostAdamW(torch.optim.Optimizer):
             if layer_has[i]:
                 ex.version[i] += 1
                 ex.wire_ready[i] = self.worker.submit(self._tail_task, i, hp, norm, ex.backward_done)
-        res.update = self.worker.submit(self._resident_task, hp, res_has, norm)
+        res.update = self.worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done)
         res.uploaded = False
         for i in host:
             if layer_has[i]:
@@ -172,21 +205,28 @@ class HostAdamW(torch.optim.Optimizer):
            beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=False,
            grad_scale=scale, found_inf=None)
 
-    def _resident_task(self, hp, has, norm_future):
+    def _resident_task(self, hp, has, norm_future, backward_done):
         norm_future.result()
+        res, st = self.resident, self.executor.streams
+        if res.on_device:  # launch on the h2d stream; upload()'s casts follow on the same stream
+            st.wait(st.h2d, backward_done)
+            with st.on(st.h2d):
+                self._update_resident(hp, has)
+            return
+        if res.wire_read is not None:
+            res.wire_read.synchronize()  # the last upload has read the wire copies
         with self.executor.timer.host_span("optimizer_s"):
             self._update_resident(hp, has)
 
     def _update_resident(self, hp, has):
         res, coef = self.resident, self._coef
-        if res.wire_read is not None:
-            res.wire_read.synchronize()  # the last upload has read the wire copies
         for k, p in enumerate(res.params):
             if not has[k]:
                 continue
             self._adamw([res.master[k]], [res.grad[k]], [res.exp_avg[k]], [res.exp_avg_sq[k]],
                         hp[res.group_of.get(id(p), 0)], coef)
-            res.wire[k].copy_(res.master[k])
+            if res.wire[k] is not None:
+                res.wire[k].copy_(res.master[k])
 
     def _tail_task(self, i: int, hp, norm_future, backward_done):
         """Launch layer i's update on the GPU, on the h2d stream: the casts that read the device master for
