@@ -63,10 +63,11 @@ class MegatrainSettings:
     trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
     fp32_grad_landing: bool = False  # GA 1, bf16: land gradients in fp32 (GPU converts; +2 host bytes/param,
     # 2x D2H bytes) so the host optimizer skips its bf16->fp32 pass
-    stream_fp32_master: bool = False  # bf16: stream the pinned fp32 master and cast on the GPU instead of
-    # keeping a bf16 wire copy (2x H2D bytes; no host bf16 copy, no host cast pass; implies fp32 landing:
-    # 16 host bytes/param)
-    gpu_optimizer_layers: int = -1  # trailing layers whose optimizer state lives on the GPU; -1 = from
+    stream_fp32_master: bool = True  # bf16: stream the pinned fp32 master and cast on the GPU instead of
+    # keeping a bf16 wire copy: 2x H2D bytes, but no host bf16 copy and no host cast pass in the optimizer;
+    # implies fp32 landing; 16 host bytes/param. Measured on 3B/16K/H200: 1.72 s/step vs 2.22 (bf16 wire,
+    # bf16 landing) and 1.88 (bf16 wire, fp32 landing). False suits H2D-bound runs (small batches).
+    gpu_optimizer_layers: int = -1  # leading layers whose optimizer state lives on the GPU; -1 = from
     # zero_optimization.offload_optimizer.ratio (fraction of optimizer state on the CPU; default 1.0 = none)
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .executor import StreamedLayers
-from .gpu_tail import GpuOptimizerTail
+from .device_state import DeviceOptimizerState
 from .host_state import HostLayerStore
 from .loss import linear_cross_entropy
 from .model_map import build_layout, find_block_list
@@ -105,15 +105,15 @@ class MegaTrainEngine(nn.Module):
             self.executor.trace = []
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
-        n_tail = mt.gpu_optimizer_layers
-        if n_tail < 0:  # from DeepSpeed's offload_optimizer.ratio: the fraction of optimizer state on the CPU
-            n_tail = round((1.0 - config.offload_optimizer_ratio) * len(layers))
-        if n_tail > 0:
-            self.executor.tail = GpuOptimizerTail(self.store, len(layers) - min(n_tail, len(layers)), device)
+        n_device = mt.gpu_optimizer_layers
+        if n_device < 0:  # from DeepSpeed's offload_optimizer.ratio: the fraction of optimizer state on the CPU
+            n_device = round((1.0 - config.offload_optimizer_ratio) * len(layers))
+        if n_device > 0:
+            self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n_device, len(layers)), device)
         layer_ids = {id(p) for layer in layers for p in layer.parameters()}
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin,
-                                       state_on_device=n_tail > 0)
+                                       state_on_device=n_device > 0)
         for module in model.modules():  # buffers outside the layers (e.g. rotary tables) live on the device
             if module is layers or any(module is layer for layer in layers):
                 continue
@@ -228,8 +228,8 @@ class MegaTrainEngine(nn.Module):
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy)."""
         self.synchronize()
-        if self.executor.tail is not None:
-            self.executor.tail.sync_to_host()  # resident masters on the device are read (copied) below
+        if self.executor.device_state is not None:
+            self.executor.device_state.sync_to_host()  # resident masters on the device are read (copied) below
         out = {}
         prefix = self.block_name + "."
         for i, layout in enumerate(self.store.layouts):

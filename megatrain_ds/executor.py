@@ -83,8 +83,8 @@ class StreamedLayers:
         self.has_grad = [False] * len(layouts)
         self.sq_norm: list[Future | None] = [None] * len(layouts)
         # per-layer gradient norms taken on the GPU (GA 1) and their pinned host landing
-        self.tail = None  # GpuOptimizerTail: trailing layers whose optimizer state lives on the GPU
-        self.backward_done = None  # event on compute after the last backward (the tail update waits on it)
+        self.device_state = None  # DeviceOptimizerState: leading layers whose optimizer state lives on the GPU
+        self.backward_done = None  # event on compute after the last backward (device-state updates wait on it)
         self.norm_dev = torch.zeros(len(layouts), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(layouts), dtype=torch.float32)
         if device.type == "cuda":
@@ -118,8 +118,8 @@ class StreamedLayers:
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
         n = wire.numel()
         with st.on(st.h2d), self.timer.span("h2d", st.h2d):
-            if self.tail is not None and self.tail.owns(i):  # device master: a cast, no PCIe
-                slot.buf[:n].copy_(self.tail.master_of(i))
+            if self.device_state is not None and self.device_state.owns(i):  # device master: a cast, no PCIe
+                slot.buf[:n].copy_(self.device_state.master_of(i))
             elif slot.stage is None:
                 slot.buf[:n].copy_(wire, non_blocking=True)
             else:  # fp32 master over PCIe, cast to the compute dtype on the GPU (same stream: ordered)
@@ -204,7 +204,8 @@ class StreamedLayers:
         """D2H layer i's flat gradient; the host worker accumulates it and (if final) takes its norm."""
         st, store = self.streams, self.store
         first, final = not self.has_grad[i], self.final_micro
-        if self.tail is not None and self.tail.owns(i):
+        slab = None  # a landing slab of the ring (GA > 1), returned to the ring by the fold
+        if self.device_state is not None and self.device_state.owns(i):
             return self._accumulate_on_device(i, flat_grad, first, final)
         if store.grad_direct:
             if not first:
@@ -217,7 +218,8 @@ class StreamedLayers:
             if dest.dtype != flat_grad.dtype:
                 flat_grad = flat_grad.to(dest.dtype)  # fp32 landing: convert on the GPU, not the host
         else:
-            dest = store.ring.get()[:flat_grad.numel()]  # blocks only if the worker is 4 layers behind
+            slab = store.ring.get()  # blocks only if the worker is 4 layers behind
+            dest = slab[:flat_grad.numel()]
         grad_ready = st.record(st.compute())
         st.wait(st.d2h, grad_ready)
         with st.on(st.d2h), self.timer.span("d2h", st.d2h):
@@ -228,11 +230,11 @@ class StreamedLayers:
         landed = st.record(st.d2h)
         self.has_grad[i] = True
         self._log("d2h", i, None)
-        self.sq_norm[i] = self.worker.submit(self._land, i, landed, dest, first, final)
+        self.sq_norm[i] = self.worker.submit(self._land, i, landed, dest, slab, first, final)
 
     def _accumulate_on_device(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool) -> None:
         """Tail layer: the gradient stays on the GPU (fp32 accumulator); only its norm goes to the host."""
-        st, grad = self.streams, self.tail.grad_of(i)
+        st, grad = self.streams, self.device_state.grad_of(i)
         if first:
             grad.copy_(flat_grad)
         else:
@@ -253,11 +255,14 @@ class StreamedLayers:
         landed.synchronize()
         return float(self.norm_host[i]) ** 2
 
-    def _land(self, i: int, landed, dest: torch.Tensor, first: bool, final: bool):
+    def _land(self, i: int, landed, dest: torch.Tensor, slab, first: bool, final: bool):
         """Worker thread: wait for the D2H, fold the bytes into the layer's gradient, return its sq-norm."""
         landed.synchronize()
         with self.timer.host_span("landing_s"):
-            return self._fold(i, dest, first, final)
+            sq = self._fold(i, dest, first, final)
+        if slab is not None:
+            self.store.ring.put(slab)  # only now may a later D2H overwrite it
+        return sq
 
     def _fold(self, i: int, dest: torch.Tensor, first: bool, final: bool):
         store = self.store
@@ -268,7 +273,6 @@ class StreamedLayers:
             grad.copy_(dest)
         else:  # bf16 + fp32 in one add_ is 5x slower than a converting copy and an fp32 add on the CPU
             grad.add_(store.scratch[:grad.numel()].copy_(dest) if dest.dtype != grad.dtype else dest)
-        store.ring.put(dest._base if dest._base is not None else dest)
         return float(torch.dot(grad, grad)) if final else None
 
     def reset_window(self) -> None:

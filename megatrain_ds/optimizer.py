@@ -25,7 +25,7 @@ class ResidentParams:
 
     The module's parameter holds the compute-dtype copy on the device. Its fp32 master, moments and
     gradient live on the host, or on the device when ``state_on_device`` (``offload_optimizer.ratio`` < 1,
-    see gpu_tail.py): the embedding is the first thing a forward needs, so its update must not queue behind
+    see device_state.py): the embedding is the first thing a forward needs, so its update must not queue behind
     host work.
     """
 
@@ -159,14 +159,14 @@ class HostAdamW(torch.optim.Optimizer):
         layer_sq, layer_has = list(ex.sq_norm), list(ex.has_grad)
         res_sq, res_has = list(res.sq_norm), list(res.has_grad)
         norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has)
-        # FIFO order of the host worker: the GPU-tail updates first (they only launch kernels), then the
+        # FIFO order of the host worker: the device-state updates first (they only launch kernels), then the
         # resident parameters (the embedding is used first), then the host layers in forward order.
-        tail = [i for i in range(len(ex.layouts)) if ex.tail is not None and ex.tail.owns(i)]
-        host = [i for i in range(len(ex.layouts)) if i not in set(tail)]
-        for i in tail:
+        on_device = [i for i in range(len(ex.layouts)) if ex.device_state is not None and ex.device_state.owns(i)]
+        host = [i for i in range(len(ex.layouts)) if i not in set(on_device)]
+        for i in on_device:
             if layer_has[i]:
                 ex.version[i] += 1
-                ex.wire_ready[i] = self.worker.submit(self._tail_task, i, hp, norm, ex.backward_done)
+                ex.wire_ready[i] = self.worker.submit(self._device_task, i, hp, norm, ex.backward_done)
         res.update = self.worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done)
         res.uploaded = False
         for i in host:
@@ -197,7 +197,7 @@ class HostAdamW(torch.optim.Optimizer):
         return norm
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, hp, coef):
-        device = params[0].device  # CPU (host layers) or the GPU (tail layers): the same fused kernel API
+        device = params[0].device  # CPU (host layers) or the GPU (device-state layers): the same fused kernel API
         step = torch.tensor(float(hp["step"]), dtype=torch.float32, device=device)
         scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32, device=device)
         fn = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
@@ -228,14 +228,14 @@ class HostAdamW(torch.optim.Optimizer):
             if res.wire[k] is not None:
                 res.wire[k].copy_(res.master[k])
 
-    def _tail_task(self, i: int, hp, norm_future, backward_done):
+    def _device_task(self, i: int, hp, norm_future, backward_done):
         """Launch layer i's update on the GPU, on the h2d stream: the casts that read the device master for
         the next forward are issued on the same stream after it, so they see the update."""
         norm_future.result()
         ex, st = self.executor, self.executor.streams
         st.wait(st.h2d, backward_done)  # the gradient accumulators are complete
-        master, grad = ex.tail.master_of(i), ex.tail.grad_of(i)
-        m, v = ex.tail.moments_of(i)
+        master, grad = ex.device_state.master_of(i), ex.device_state.grad_of(i)
+        m, v = ex.device_state.moments_of(i)
         with st.on(st.h2d):
             for group, a, b in ex.store.layouts[i].segments:
                 self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], self._coef)

@@ -137,3 +137,18 @@ def test_gpu_peak_memory_flat_in_depth():
         del engine
     # weights: 2 slots either way; only the saved layer inputs (tiny here) grow with depth
     assert peaks[1] < 1.5 * peaks[0], peaks
+
+
+def test_landing_ring_returns_each_slab_exactly_once():
+    """GA > 1: gradients land in a ring of 4 pinned slabs; each fold must give back its own slab (a slab
+    given back twice, or the whole ring as one slab, lets a D2H overwrite bytes still being folded)."""
+    engine = _engine(ga=2)
+    for s in range(4):
+        _train_step(engine, s)
+    engine.synchronize()
+    ring = engine.store.ring
+    slabs = [ring.get_nowait() for _ in range(ring.qsize())]
+    assert len(slabs) == 4
+    assert all(slab.numel() == engine.store.max_train for slab in slabs)
+    assert len({slab.data_ptr() for slab in slabs}) == 4
+    engine.destroy()

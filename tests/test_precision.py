@@ -45,7 +45,10 @@ def _batches(n=10):
     return [torch.randint(0, 256, (2, 16), generator=g) for _ in range(n)]
 
 
-@pytest.mark.parametrize("options", [{}, {"fp32_grad_landing": True}, {"stream_fp32_master": True}])
+BF16_WIRE = {"stream_fp32_master": False}
+
+
+@pytest.mark.parametrize("options", [{}, BF16_WIRE, {**BF16_WIRE, "fp32_grad_landing": True}])
 def test_bf16_tracks_fp32_reference(options):
     ref = tiny_hf("qwen2")
     ours = copy.deepcopy(ref)
@@ -54,7 +57,7 @@ def test_bf16_tracks_fp32_reference(options):
     got, engine = _run_engine(ours, batches, 10, bf16=True, megatrain=options)
     assert engine.store.master.dtype == torch.float32
     assert engine.executor.slots[0].buf.dtype == torch.bfloat16  # compute in bf16 in every mode
-    expected_wire = torch.float32 if options.get("stream_fp32_master") else torch.bfloat16
+    expected_wire = torch.bfloat16 if options.get("stream_fp32_master") is False else torch.float32
     assert engine.store.wire.dtype == expected_wire
     _assert_close("bf16 losses", got, want, rtol=2e-2)
     assert got[-1] < got[0]
@@ -62,8 +65,8 @@ def test_bf16_tracks_fp32_reference(options):
 
 
 @pytest.mark.parametrize("ga,bf16,options,expected", [
-    (1, True, {}, 16), (4, True, {}, 18), (1, False, {}, 16),
-    (1, True, {"fp32_grad_landing": True}, 18), (1, True, {"stream_fp32_master": True}, 16)])
+    (1, True, {}, 16), (4, True, {}, 16), (1, False, {}, 16), (4, False, {}, 16),
+    (1, True, BF16_WIRE, 16), (4, True, BF16_WIRE, 18), (1, True, {**BF16_WIRE, "fp32_grad_landing": True}, 18)])
 def test_host_bytes_per_parameter(ga, bf16, options, expected):
     engine = _run_engine(tiny_hf("llama"), _batches(), 0, ga=ga, bf16=bf16, megatrain=options)[1]
     n = engine.store.n_train
