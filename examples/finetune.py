@@ -86,12 +86,6 @@ def load_config(path: Path, steps: int) -> dict:
     return cfg
 
 
-def engine_setting(engine, method: str, attr: str) -> int:
-    """DeepSpeed's accessor when the engine has it, else the parsed config field."""
-    fn = getattr(engine, method, None)
-    return int(fn()) if callable(fn) else int(getattr(engine.config_settings, attr))
-
-
 def random_windows(data, batch: int, seq_len: int, gen, device):
     starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)
     return torch.stack([data[s:s + seq_len] for s in starts.tolist()]).to(device)
@@ -114,8 +108,8 @@ def evaluate(engine, windows, batch: int) -> float:
 
 
 def train(engine, train_data, val_windows, args):
-    ga = engine_setting(engine, "gradient_accumulation_steps", "gradient_accumulation_steps")
-    mb = engine_setting(engine, "train_micro_batch_size_per_gpu", "micro_batch_size")
+    ga = engine.gradient_accumulation_steps()
+    mb = engine.train_micro_batch_size_per_gpu()
     gen = torch.Generator().manual_seed(args.seed)
     history, val = [], {0: evaluate(engine, val_windows, mb)}
     ema, train_time, tokens = None, 0.0, 0

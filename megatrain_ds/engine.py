@@ -208,6 +208,29 @@ class MegaTrainEngine(nn.Module):
         self._boundary_override = None
 
     # ------------------------------------------------------------------ queries
+    def train_batch_size(self) -> int:
+        return self.config_settings.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config_settings.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config_settings.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config_settings.zero_stage
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config_settings.compute_dtype == "bf16"
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+    @property
+    def config(self) -> dict:
+        """The DeepSpeed config dict, as DeepSpeed's engine exposes it."""
+        return self.config_settings.raw
+
     def get_global_grad_norm(self) -> float | None:
         """Pre-clip global gradient norm of the last step (waits for the host norm task)."""
         return None if self._last_norm is None else self._last_norm.result()
