@@ -38,6 +38,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
+    if optimizer is not None:
+        raise NotImplementedError(
+            "initialize(optimizer=...): client optimizers are not mapped onto the host optimizer yet; give "
+            "the optimizer in the config instead ({'optimizer': {'type': 'AdamW', 'params': {...}}})")
     settings = parse_config(config)
     engine = MegaTrainEngine(model, settings, model_parameters=model_parameters)
     scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) else lr_scheduler

@@ -130,7 +130,8 @@ class MegaTrainEngine(nn.Module):
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
             self.optimizer.bind(self.executor, self.resident, self.worker)
         self.lr_scheduler = None
-        self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown or device.type == "cuda")
+        # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
+        self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
         self.executor.timer = self.timer
         self.micro_steps = 0
         self.global_steps = 0
@@ -204,6 +205,9 @@ class MegaTrainEngine(nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.timer.end_step()
+            spp = self.config_settings.steps_per_print
+            if self.config_settings.wall_clock_breakdown and spp != float("inf") and self.global_steps % spp == 0:
+                print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)
         self.micro_steps += 1
         self._boundary_override = None
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .host_state import HostLayerStore
-from .model_map import LayerLayout, has_active_dropout, make_template
+from .model_map import LayerLayout, has_active_dropout, make_template, per_layer_attributes
 from .timing import StepTimer
 
 
@@ -69,6 +69,12 @@ class StreamedLayers:
                 by_signature[key] = len(self.templates)
                 self.templates.append(make_template(layer, device))
             self.template_of.append(by_signature[key])
+        self.layers = list(layers)  # the model's own modules: their train/eval flag drives the templates
+        self.overlays: list[list] = [[] for _ in layers]  # per-layer scalar attributes set on the template
+        for t, template in enumerate(self.templates):
+            members = [i for i, g in enumerate(self.template_of) if g == t]
+            for i, overlay in zip(members, per_layer_attributes(template, [self.layers[i] for i in members])):
+                self.overlays[i] = overlay
         self.buffers = [{n: b.to(device) for n, b in layer.named_buffers()} for layer in layers]
         self.dropout = [has_active_dropout(layer) for layer in layers]
         max_numel = max(l.numel for l in layouts)
@@ -163,12 +169,20 @@ class StreamedLayers:
             self.trace.append((op, i, None if slot is None else self.slots.index(slot)))
 
     # --- forward / backward ------------------------------------------------------------------------
+    def _template(self, i: int) -> nn.Module:
+        template = self.templates[self.template_of[i]]
+        if template.training != self.layers[i].training:  # engine.train()/eval() reach the model's layers
+            template.train(self.layers[i].training)
+        for module, name, value in self.overlays[i]:  # e.g. layer_idx, sliding_window of layer i
+            setattr(module, name, value)
+        return template
+
     def run_forward(self, call: LayerCall, hidden: torch.Tensor, save_rng: bool):
         i = call.index
         slot = self._acquire(i, step=+1)
-        if save_rng and self.dropout[i]:
+        template = self._template(i)
+        if save_rng and self.dropout[i] and template.training:
             call.rng_state = _get_rng_state(self.device)
-        template = self.templates[self.template_of[i]]
         with self.timer.span("compute", self.streams.compute()):
             out = functional_call(template, self._bind(i, slot, None), (hidden, *call.args), call.kwargs)
         self._release(slot)
@@ -179,7 +193,7 @@ class StreamedLayers:
                      need_input_grad: bool) -> torch.Tensor | None:
         i, layout = call.index, self.layouts[call.index]
         slot = self._acquire(i, step=-1)
-        template = self.templates[self.template_of[i]]
+        template = self._template(i)
         with torch.enable_grad(), self.timer.span("compute", self.streams.compute()):
             train_leaf = None
             wrt = []

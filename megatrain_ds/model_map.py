@@ -133,3 +133,29 @@ def has_active_dropout(module: nn.Module) -> bool:
             if isinstance(value, float) and value > 0:
                 return True
     return False
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def per_layer_attributes(template: nn.Module, layers: list[nn.Module]) -> list[list[tuple[nn.Module, str, object]]]:
+    """Scalar attributes that differ between layers sharing ``template`` (``layer_idx``, ``sliding_window``,
+    ``attention_type``, …), as (template submodule, name, value) overlays per layer.
+
+    A template is a copy of the first layer of its group; without these overlays every layer would run with
+    the first layer's index (wrong KV-cache slot) and attention window.
+    """
+    def scalars(module: nn.Module) -> dict[tuple[str, str], object]:
+        out = {}
+        for path, sub in module.named_modules():
+            for name, value in vars(sub).items():
+                if not name.startswith("_") and (isinstance(value, _SCALARS) or
+                                                 (isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value))):
+                    out[(path, name)] = value
+        return out
+
+    per_layer = [scalars(layer) for layer in layers]
+    keys = set().union(*per_layer)
+    varying = sorted(k for k in keys if len({repr(p.get(k)) for p in per_layer}) > 1)
+    subs = dict(template.named_modules())
+    return [[(subs[path], name, values.get((path, name))) for path, name in varying] for values in per_layer]

@@ -1,9 +1,11 @@
 """Step-time breakdown: H2D, compute, D2H, CPU optimizer, GPU idle.
 
-Device spans are timed with CUDA events recorded on the stream doing the work (no sync on the hot path);
-they are read once, at the start of the *next* step's forward, when the GPU has drained anyway (the main
-thread is waiting for the resident update there). Host spans (optimizer tasks, the main thread's waits for
-the optimizer) are wall-clock. On CPU every span is wall-clock and the streams are stand-ins.
+On only with ``wall_clock_breakdown``. Device spans are timed with CUDA events recorded on the stream doing
+the work; they are read once per step, at the start of the next step's forward, after a device sync. With
+all optimizer state on the host the GPU has drained by then anyway (the resident upload waited for the
+norm task, which waited for every gradient landing); with part of it on the GPU the sync also waits for
+those update kernels (~tens of ms at 3B). Host spans (optimizer tasks, the main thread's waits for the
+optimizer) are wall-clock. On CPU every span is wall-clock and the streams are stand-ins.
 
     compute  = sum of per-layer forward/backward(recompute) spans + the LM-head loss span
     idle     = wall - compute (the GPU's compute stream had nothing to run)
@@ -69,8 +71,7 @@ class StepTimer:
         if self._window_open or not self.enabled:
             return
         if self.cuda:
-            torch.cuda.synchronize()  # CPU-GPU sync once per step; the GPU is idle here already (the
-            # resident upload waited for the norm task, which waited for every gradient landing)
+            torch.cuda.synchronize()  # CPU-GPU sync once per step (see the module docstring)
         now = time.perf_counter()
         if self._step_start is not None:
             self._finish(now)

@@ -156,6 +156,23 @@ def _with_ratio(ga, clip=CLIP):
     return cfg
 
 
+def test_layers_with_different_attention_windows():
+    """Alternating sliding-window / full-attention layers share one template; each layer gets its own mask
+    (transformers passes it per layer call) and its own scalar attributes (checked in test_executor)."""
+    import transformers as tf
+
+    def make():
+        torch.manual_seed(0)
+        cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, use_sliding_window=True, sliding_window=3,
+                             max_window_layers=2,
+                             layer_types=["sliding_attention", "full_attention"] * 2)
+        return tf.Qwen2ForCausalLM(cfg)
+
+    engine = _compare(make, ga=1)
+    assert len(engine.executor.templates) == 1  # same structure: one template, per-layer attributes
+
+
 def test_no_clipping():
     _compare(lambda: tiny_hf("qwen2", tied=True), ga=1, clip=0.0)
 

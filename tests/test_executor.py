@@ -152,3 +152,21 @@ def test_landing_ring_returns_each_slab_exactly_once():
     assert all(slab.numel() == engine.store.max_train for slab in slabs)
     assert len({slab.data_ptr() for slab in slabs}) == 4
     engine.destroy()
+
+
+def test_template_gets_each_layers_own_attributes():
+    """Layers sharing a template differ in scalars such as layer_idx (KV-cache slot) and sliding_window:
+    the executor sets layer i's values on the template before running layer i."""
+    import transformers as tf
+
+    cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, use_sliding_window=True, sliding_window=3,
+                         layer_types=["sliding_attention", "full_attention"] * 2)
+    engine, *_ = megatrain_ds.initialize(model=tf.Qwen2ForCausalLM(cfg),
+                                         config={"train_micro_batch_size_per_gpu": 1})
+    assert len(engine.executor.templates) == 1
+    for i in range(4):
+        template = engine.executor._template(i)
+        assert template.self_attn.layer_idx == i
+        assert template.self_attn.sliding_window == (3 if i % 2 == 0 else None)
+    engine.destroy()

@@ -98,3 +98,32 @@ def test_dropout_is_replayed_in_recompute():
     ours_params = torch.cat([state[n].flatten() for n, _ in ref.named_parameters()])
     _assert_close("params with dropout", ours_params, ref_params, rtol=1e-5)
     engine.destroy()
+
+
+def test_eval_mode_reaches_the_streamed_layers():
+    """engine.eval() must switch dropout off inside the (stateless) layer templates: eval logits are then
+    deterministic and equal PyTorch's eval logits."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256, resid_pdrop=0.5,
+                        embd_pdrop=0.0, attn_pdrop=0.5)
+    ref = tf.GPT2LMHeadModel(cfg).eval()
+    engine, *_ = megatrain_ds.initialize(model=copy.deepcopy(ref), config=_cfg())
+    ids = _batches(1)[0]
+    engine.eval()
+    with torch.no_grad():
+        got = engine(input_ids=ids).logits.cpu()
+        want = ref.to(DEVICE)(input_ids=ids.to(DEVICE)).logits.cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    engine.train()
+    with torch.no_grad():
+        noisy = engine(input_ids=ids).logits.cpu()
+    assert not torch.allclose(noisy, want, atol=1e-3)  # dropout is back on in train mode
+    engine.destroy()
+
+
+def test_client_optimizer_is_refused_with_a_message():
+    with pytest.raises(NotImplementedError, match="give the optimizer in the config"):
+        megatrain_ds.initialize(model=tiny_hf("llama"), optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1),
+                                config=_cfg())
