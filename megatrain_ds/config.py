@@ -67,6 +67,7 @@ class MegatrainSettings:
     # keeping a bf16 wire copy: 2x H2D bytes, but no host bf16 copy and no host cast pass in the optimizer;
     # implies fp32 landing; 16 host bytes/param. Measured on 3B/16K/H200: 1.72 s/step vs 2.22 (bf16 wire,
     # bf16 landing) and 1.88 (bf16 wire, fp32 landing). False suits H2D-bound runs (small batches).
+    offload_activations: bool = False  # keep each layer's saved input in pinned host memory, not on the GPU
     gpu_optimizer_layers: int = -1  # leading layers whose optimizer state lives on the GPU; -1 = from
     # zero_optimization.offload_optimizer.ratio (fraction of optimizer state on the CPU; default 1.0 = none)
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from .activations import HostActivations
 from .config import TrainConfig
 from .executor import StreamedLayers
 from .device_state import DeviceOptimizerState
@@ -101,8 +102,10 @@ class MegaTrainEngine(nn.Module):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
                                        num_slots=mt.num_slots, compute_dtype=compute_dtype)
-        if config.megatrain.trace:
+        if mt.trace:
             self.executor.trace = []
+        if mt.offload_activations:
+            self.executor.activations = HostActivations(self.streams, device)
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         n_device = mt.gpu_optimizer_layers

@@ -91,6 +91,7 @@ class StreamedLayers:
         # per-layer gradient norms taken on the GPU (GA 1) and their pinned host landing
         self.device_state = None  # DeviceOptimizerState: leading layers whose optimizer state lives on the GPU
         self.backward_done = None  # event on compute after the last backward (device-state updates wait on it)
+        self.activations = None  # HostActivations when layer inputs are kept in host memory
         self.norm_dev = torch.zeros(len(layouts), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(layouts), dtype=torch.float32)
         if device.type == "cuda":
@@ -193,6 +194,8 @@ class StreamedLayers:
                      need_input_grad: bool) -> torch.Tensor | None:
         i, layout = call.index, self.layouts[call.index]
         slot = self._acquire(i, step=-1)
+        if self.activations is not None:
+            self.activations.prefetch(i - 1)  # the next backward layer's input loads while i recomputes
         template = self._template(i)
         with torch.enable_grad(), self.timer.span("compute", self.streams.compute()):
             train_leaf = None
@@ -324,12 +327,18 @@ class _StreamedLayerFn(torch.autograd.Function):
             call.extras = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out[1:])
             out = out[0]
         ctx.executor, ctx.call = executor, call
-        ctx.save_for_backward(hidden)
+        if executor.activations is not None:  # the input goes to pinned host memory (activations.py)
+            executor.activations.save(call.index, hidden)
+        else:
+            ctx.save_for_backward(hidden)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (hidden,) = ctx.saved_tensors
+        if ctx.executor.activations is not None:
+            hidden = ctx.executor.activations.load(ctx.call.index)
+        else:
+            (hidden,) = ctx.saved_tensors
         grad_in = ctx.executor.run_backward(ctx.call, hidden, grad_out, ctx.needs_input_grad[1])
         return None, grad_in, None, None
 

@@ -173,6 +173,19 @@ def test_layers_with_different_attention_windows():
     assert len(engine.executor.templates) == 1  # same structure: one template, per-layer attributes
 
 
+def test_activations_in_host_memory(monkeypatch):
+    """megatrain.offload_activations: the layer inputs round-trip through host memory, same numbers."""
+    def with_offload(ga, clip=CLIP):
+        cfg = _plain_ds_config(ga, clip)
+        cfg["megatrain"] = {"offload_activations": True}
+        return cfg
+
+    monkeypatch.setattr(sys.modules[__name__], "_ds_config", with_offload)
+    engine = _compare(lambda: tiny_hf("llama", tied=True), ga=2)
+    assert engine.executor.activations is not None
+    assert not engine.executor.activations.on_host and not engine.executor.activations.on_device
+
+
 def test_no_clipping():
     _compare(lambda: tiny_hf("qwen2", tied=True), ga=1, clip=0.0)
 

@@ -170,3 +170,25 @@ def test_template_gets_each_layers_own_attributes():
         assert template.self_attn.layer_idx == i
         assert template.self_attn.sliding_window == (3 if i % 2 == 0 else None)
     engine.destroy()
+
+
+@pytest.mark.gpu
+def test_gpu_offloaded_activations_cut_peak_memory():
+    peaks = []
+    for offload in (False, True):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model = tiny_hf("llama", layers=16)
+        cfg = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "megatrain": {"offload_activations": offload}}
+        engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
+        ids = torch.randint(0, 256, (8, 512))
+        for _ in range(2):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        engine.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        engine.destroy()
+    # 16 saved inputs of 8x512x64 fp32 = 16 MiB on the GPU without offload
+    assert peaks[1] < peaks[0] - 8 * 2**20, peaks
