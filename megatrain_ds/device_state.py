@@ -57,9 +57,6 @@ class DeviceOptimizerState:
     def moments_of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._train(self.exp_avg, i), self._train(self.exp_avg_sq, i)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * 4 for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
-
     def sync_to_host(self) -> None:
         """Copy the device master and moments into the host buffers (blocking; checkpoints only)."""
         store = self.store

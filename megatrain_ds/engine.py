@@ -187,11 +187,9 @@ class MegaTrainEngine(nn.Module):
         ga = self.config_settings.gradient_accumulation_steps
         if scale_wrt_gas and ga > 1:
             loss = loss / ga
-        self.timer.begin_backward()
         loss.backward(retain_graph=retain_graph)
         self.resident.evacuate(self.worker, final)
         self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
-        self.timer.end_backward()
         return loss
 
     # ------------------------------------------------------------------ step
@@ -200,7 +198,6 @@ class MegaTrainEngine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is not None:
                 self._last_norm = self.optimizer.enqueue_step(self.config_settings.gradient_clipping)
-                self.timer.optimizer_enqueued(self.worker)
             else:
                 self.executor.reset_window()
             self.global_steps += 1

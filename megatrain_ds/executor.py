@@ -88,10 +88,10 @@ class StreamedLayers:
         self.wire_read: list[object] = [None] * len(layouts)  # last H2D event reading the wire copy
         self.has_grad = [False] * len(layouts)
         self.sq_norm: list[Future | None] = [None] * len(layouts)
-        # per-layer gradient norms taken on the GPU (GA 1) and their pinned host landing
         self.device_state = None  # DeviceOptimizerState: leading layers whose optimizer state lives on the GPU
         self.backward_done = None  # event on compute after the last backward (device-state updates wait on it)
         self.activations = None  # HostActivations when layer inputs are kept in host memory
+        # per-layer gradient norms taken on the GPU (GA 1, device-state layers) and their pinned host landing
         self.norm_dev = torch.zeros(len(layouts), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(layouts), dtype=torch.float32)
         if device.type == "cuda":

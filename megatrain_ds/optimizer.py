@@ -129,7 +129,6 @@ class HostAdamW(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict], defaults: dict, adam_w_mode: bool = True) -> None:
         super().__init__(param_groups, defaults)
         self.adam_w_mode = adam_w_mode
-        self.engine_state = None  # set by bind()
         self.last_norm: Future | None = None
         self.step_count = 0
         self.skipped_steps = 0

@@ -78,15 +78,6 @@ class StepTimer:
         self._step_start = now
         self._window_open = True
 
-    def begin_backward(self) -> None:
-        return None
-
-    def end_backward(self) -> None:
-        return None
-
-    def optimizer_enqueued(self, worker) -> None:
-        return None
-
     def end_step(self) -> None:
         self._window_open = False
 
