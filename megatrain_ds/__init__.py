@@ -54,11 +54,20 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     return engine, engine.optimizer, dataloader, scheduler
 
 
+def add_config_arguments(parser):
+    """DeepSpeed's command-line flags: ``--deepspeed`` and ``--deepspeed_config PATH``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the DeepSpeed-style engine (megatrain_ds)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file")
+    return parser
+
+
 def torch_dataloader(data, batch_size: int, collate_fn=None):
     import torch.utils.data
 
     return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn)
 
 
-__all__ = ["initialize", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError", "UnsupportedModelError",
+__all__ = ["initialize", "add_config_arguments", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError", "UnsupportedModelError",
            "TrainConfig", "parse_config", "__version__"]
