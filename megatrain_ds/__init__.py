@@ -6,7 +6,11 @@
 """
 from __future__ import annotations
 
-from .config import ConfigError, TrainConfig, parse_config
+import torch
+
+from . import comm
+from .comm import init_distributed
+from .config import ConfigError, OptimizerSettings, TrainConfig, parse_config
 from .engine import MegaTrainEngine
 from .model_map import UnsupportedModelError
 
@@ -38,11 +42,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
-    if optimizer is not None:
-        raise NotImplementedError(
-            "initialize(optimizer=...): client optimizers are not mapped onto the host optimizer yet; give "
-            "the optimizer in the config instead ({'optimizer': {'type': 'AdamW', 'params': {...}}})")
     settings = parse_config(config)
+    if optimizer is not None:
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            params = model_parameters if model_parameters is not None else model.parameters()
+            optimizer = optimizer(params)
+        settings.optimizer, model_parameters = optimizer_from_client(optimizer)
     engine = MegaTrainEngine(model, settings, model_parameters=model_parameters)
     scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) else lr_scheduler
     if scheduler is None:
@@ -52,6 +57,32 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         dataloader = torch_dataloader(training_data, settings.micro_batch_size, collate_fn)
     return engine, engine.optimizer, dataloader, scheduler
+
+
+def optimizer_from_client(optimizer) -> tuple[OptimizerSettings, list[dict]]:
+    """A client optimizer (torch Adam/AdamW, DeepSpeed's DeepSpeedCPUAdam/FusedAdam) -> the host optimizer's
+    settings and param groups. Its hyperparameters and groups are used; its own state is not."""
+    name = type(optimizer).__name__
+    if name not in ("AdamW", "Adam", "DeepSpeedCPUAdam", "FusedAdam"):
+        raise NotImplementedError(
+            f"initialize(optimizer={name}): megatrain_ds runs the optimizer on the host and maps only Adam-family "
+            "optimizers (torch.optim.Adam/AdamW, deepspeed.ops.adam.DeepSpeedCPUAdam/FusedAdam); put the optimizer "
+            "in the config ({'optimizer': {'type': 'AdamW', 'params': {...}}}) or pass one of those")
+    groups = optimizer.param_groups
+    for g in groups:
+        if g.get("amsgrad") or g.get("maximize") or not g.get("bias_correction", True):
+            raise NotImplementedError(f"initialize(optimizer={name}): amsgrad/maximize/bias_correction=False "
+                                      "are not supported by the host optimizer")
+    if name == "AdamW":
+        adam_w = True
+    elif name == "Adam":
+        adam_w = False  # torch's Adam folds weight decay into the gradient (L2)
+    else:
+        adam_w = bool(getattr(optimizer, "adam_w_mode", True))
+    g0 = groups[0]
+    settings = OptimizerSettings(type="AdamW" if adam_w else "Adam", lr=float(g0["lr"]), betas=tuple(g0["betas"]),
+                                 eps=float(g0["eps"]), weight_decay=float(g0["weight_decay"]), adam_w_mode=adam_w)
+    return settings, [dict(g) for g in groups]
 
 
 def add_config_arguments(parser):
@@ -69,5 +100,5 @@ def torch_dataloader(data, batch_size: int, collate_fn=None):
     return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn)
 
 
-__all__ = ["initialize", "add_config_arguments", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError", "UnsupportedModelError",
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "comm", "optimizer_from_client", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError", "UnsupportedModelError",
            "TrainConfig", "parse_config", "__version__"]

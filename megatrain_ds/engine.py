@@ -235,6 +235,17 @@ class MegaTrainEngine(nn.Module):
         """The DeepSpeed config dict, as DeepSpeed's engine exposes it."""
         return self.config_settings.raw
 
+    def __getattr__(self, name: str):
+        """DeepSpeed's engine forwards unknown attributes to the wrapped module (e.g. ``engine.config`` is the
+        DeepSpeed dict, but ``engine.generate`` or ``engine.gradient_checkpointing_enable`` are the model's)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
     def get_global_grad_norm(self) -> float | None:
         """Pre-clip global gradient norm of the last step (waits for the host norm task)."""
         return None if self._last_norm is None else self._last_norm.result()

@@ -122,8 +122,3 @@ def test_eval_mode_reaches_the_streamed_layers():
     assert not torch.allclose(noisy, want, atol=1e-3)  # dropout is back on in train mode
     engine.destroy()
 
-
-def test_client_optimizer_is_refused_with_a_message():
-    with pytest.raises(NotImplementedError, match="give the optimizer in the config"):
-        megatrain_ds.initialize(model=tiny_hf("llama"), optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1),
-                                config=_cfg())

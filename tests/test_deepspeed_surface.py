@@ -1,0 +1,86 @@
+"""Pieces of DeepSpeed's surface beyond initialize(config=...): client optimizers, comm, attributes."""
+import copy
+
+import pytest
+import torch
+
+import megatrain_ds
+from tests.models import tiny_hf
+
+CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0}
+
+
+def _train(engine_or_model, opt, steps=5, engine=True):
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (2, 12), generator=g)
+        if engine:
+            loss = engine_or_model(input_ids=ids, labels=ids).loss
+            engine_or_model.backward(loss)
+            engine_or_model.step()
+        else:
+            loss = engine_or_model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(engine_or_model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_client_torch_optimizer_is_mapped(cls):
+    """A script's own torch Adam/AdamW (with two param groups) trains exactly as PyTorch would run it."""
+    ref = tiny_hf("llama", tied=False)
+    ours = copy.deepcopy(ref)
+
+    def groups(model):
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+    ref_opt = cls(groups(ref), lr=2e-3, betas=(0.9, 0.95), eps=1e-6)
+    want = _train(ref, ref_opt, engine=False)
+    client = cls(groups(ours), lr=2e-3, betas=(0.9, 0.95), eps=1e-6)
+    engine, optimizer, _, _ = megatrain_ds.initialize(model=ours, optimizer=client, config=CFG)
+    assert optimizer.adam_w_mode == (cls is torch.optim.AdamW)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    got = _train(engine, None)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    engine.destroy()
+
+
+def test_optimizer_factory_and_unsupported_client_optimizer():
+    model = tiny_hf("llama")
+    engine, optimizer, _, _ = megatrain_ds.initialize(
+        model=model, model_parameters=model.parameters(), config=CFG,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
+    assert optimizer.param_groups[0]["lr"] == 3e-4
+    engine.destroy()
+    with pytest.raises(NotImplementedError, match="SGD"):
+        megatrain_ds.initialize(model=tiny_hf("llama"), optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1),
+                                config=CFG)
+
+
+def test_engine_forwards_attributes_to_the_module():
+    model = tiny_hf("qwen2")
+    engine, *_ = megatrain_ds.initialize(model=model, config={**CFG, "optimizer": {"type": "AdamW"}})
+    assert engine.config["train_micro_batch_size_per_gpu"] == 2  # the DeepSpeed dict, not the HF config
+    assert engine.module.config.model_type == "qwen2"
+    assert engine.get_input_embeddings() is model.get_input_embeddings()  # forwarded to the module
+    with pytest.raises(AttributeError):
+        engine.no_such_attribute
+    engine.destroy()
+
+
+def test_comm_in_one_process():
+    from megatrain_ds import comm
+
+    assert comm.get_world_size() == 1 and comm.get_rank() == 0 and comm.get_local_rank() == 0
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    comm.barrier()
+    assert torch.equal(t, torch.ones(3))
+    megatrain_ds.init_distributed()  # no launcher: a no-op, no MASTER_ADDR needed
+    assert not comm.is_initialized()
