@@ -131,7 +131,7 @@ class MegaTrainEngine(nn.Module):
             defaults = dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
                             weight_decay=settings.weight_decay)
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
-            self.optimizer.bind(self.executor, self.resident, self.worker)
+            self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping)
         self.lr_scheduler = None
         # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
         self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
@@ -197,7 +197,7 @@ class MegaTrainEngine(nn.Module):
         """At an accumulation boundary: queue clip + AdamW (host) and advance counters and scheduler."""
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is not None:
-                self._last_norm = self.optimizer.enqueue_step(self.config_settings.gradient_clipping)
+                self._last_norm = self.optimizer.step()
             else:
                 self.executor.reset_window()
             self.global_steps += 1
@@ -208,8 +208,7 @@ class MegaTrainEngine(nn.Module):
             spp = self.config_settings.steps_per_print
             if self.config_settings.wall_clock_breakdown and spp != float("inf") and self.global_steps % spp == 0:
                 print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)
-        self.micro_steps += 1
-        self._boundary_override = None
+        self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
 
     # ------------------------------------------------------------------ queries
     def train_batch_size(self) -> int:
@@ -249,6 +248,13 @@ class MegaTrainEngine(nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """Pre-clip global gradient norm of the last step (waits for the host norm task)."""
         return None if self._last_norm is None else self._last_norm.result()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated since the last step (DeepSpeed's engine.zero_grad)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        else:
+            self.executor.reset_window()
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []

@@ -133,13 +133,17 @@ class HostAdamW(torch.optim.Optimizer):
         self.step_count = 0
         self.skipped_steps = 0
 
-    def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor) -> None:
-        self.executor, self.resident, self.worker = executor, resident, worker
+    def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor, clip: float) -> None:
+        self.executor, self.resident, self.worker, self.clip = executor, resident, worker, float(clip)
         self._tmp = torch.empty(executor.store.max_train, dtype=torch.float32)
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - the engine calls enqueue_step; keep torch's API usable
-        raise RuntimeError("call engine.step(): the engine owns the host optimizer's schedule")
+    def step(self, closure=None) -> Future:
+        """Queue clip + update of every parameter (the engine calls this at accumulation boundaries; going
+        through ``step`` lets torch's LR schedulers see that the optimizer stepped). Returns the future of
+        the pre-clip global norm."""
+        if closure is not None:
+            raise NotImplementedError("HostAdamW.step(closure): closures are not supported")
+        return self.enqueue_step(self.clip)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients accumulated since the last step (the next landing overwrites)."""

@@ -1,0 +1,138 @@
+"""DeepSpeed engine calls with DeepSpeed's semantics."""
+import copy
+
+import pytest
+import torch
+
+import megatrain_ds
+from tests.models import tiny_hf
+
+
+def _engine(ga=2, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
+    model = tiny_hf("llama")
+    engine, optimizer, loader, scheduler = megatrain_ds.initialize(model=model, config=cfg)
+    return engine
+
+
+def _ids(seed):
+    return torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(seed))
+
+
+def _micro(engine, seed, **backward_kwargs):
+    ids = _ids(seed)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss, **backward_kwargs)
+    engine.step()
+    return loss
+
+
+def test_step_updates_only_at_accumulation_boundaries():
+    engine = _engine(ga=2)
+    before = engine.master_state_dict()["model.layers.0.mlp.up_proj.weight"].clone()
+    assert not engine.is_gradient_accumulation_boundary()
+    _micro(engine, 0)
+    assert engine.global_steps == 0 and engine.global_samples == 0
+    assert torch.equal(engine.master_state_dict()["model.layers.0.mlp.up_proj.weight"], before)
+    assert engine.is_gradient_accumulation_boundary()
+    _micro(engine, 1)
+    assert engine.global_steps == 1 and engine.global_samples == engine.train_batch_size() == 4
+    assert not torch.equal(engine.master_state_dict()["model.layers.0.mlp.up_proj.weight"], before)
+    engine.destroy()
+
+
+def test_backward_without_gas_scaling_equals_manual_division():
+    a, b = _engine(ga=2), _engine(ga=2)
+    for seed in range(4):
+        _micro(a, seed)
+        ids = _ids(seed)
+        loss = b(input_ids=ids, labels=ids).loss
+        b.backward(loss / 2, scale_wrt_gas=False)  # what the HF Trainer does
+        b.step()
+    assert a.get_global_grad_norm() == pytest.approx(b.get_global_grad_norm(), rel=1e-6)
+    sa, sb = a.master_state_dict(), b.master_state_dict()
+    assert all(torch.allclose(sa[k], sb[k], rtol=1e-6, atol=1e-7) for k in sa)
+    a.destroy(), b.destroy()
+
+
+def test_boundary_override_persists_until_changed():
+    engine = _engine(ga=4)
+    engine.set_gradient_accumulation_boundary(True)
+    for seed in range(3):
+        _micro(engine, seed)
+    assert engine.global_steps == 3  # every micro-batch closed a window
+    engine.set_gradient_accumulation_boundary(False)
+    _micro(engine, 3)
+    assert engine.global_steps == 3
+    engine.destroy()
+
+
+def test_zero_grad_drops_the_accumulated_gradient():
+    """Window of 2: [batch 0, zero_grad, batch 1] must step like [batch 1 alone] (its loss / 2)."""
+    a, b = _engine(ga=2), _engine(ga=2)
+    ids0, ids1 = _ids(0), _ids(1)
+    a.backward(a(input_ids=ids0, labels=ids0).loss)
+    a.zero_grad()
+    a.backward(a(input_ids=ids1, labels=ids1).loss)
+    a.step(), a.step()  # the second call is the window's boundary
+    b.set_gradient_accumulation_boundary(True)
+    b.backward(b(input_ids=ids1, labels=ids1).loss)
+    b.step()
+    assert a.global_steps == b.global_steps == 1
+    assert a.get_global_grad_norm() == pytest.approx(b.get_global_grad_norm(), rel=1e-6)
+    sa, sb = a.master_state_dict(), b.master_state_dict()
+    assert all(torch.allclose(sa[k], sb[k], rtol=1e-6, atol=1e-7) for k in sa)
+    a.destroy(), b.destroy()
+
+
+def test_eval_under_no_grad_lands_no_gradient():
+    engine = _engine(ga=1)
+    ref = tiny_hf("llama").eval()
+    engine.eval()
+    ids = _ids(0)
+    with torch.no_grad():
+        loss = engine(input_ids=ids, labels=ids).loss
+        want = ref(input_ids=ids, labels=ids).loss
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert not any(engine.executor.has_grad)
+    engine.train()
+    assert engine.module.training
+    engine.destroy()
+
+
+def test_get_lr_reads_what_an_external_scheduler_wrote():
+    engine = _engine(ga=1)
+    engine.optimizer.param_groups[0]["lr"] = 0.0
+    before = engine.master_state_dict()["model.layers.1.self_attn.q_proj.weight"].clone()
+    assert engine.get_lr() == [0.0]
+    _micro(engine, 0)
+    after = engine.master_state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(before, after)  # lr 0: the update used the mutated value
+    engine.destroy()
+
+
+def test_lr_scheduler_callable_and_training_data():
+    data = [torch.randint(0, 256, (10,)) for _ in range(8)]
+    model = tiny_hf("llama")
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, optimizer, loader, scheduler = megatrain_ds.initialize(
+        model=model, config=cfg, training_data=data,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    batch = next(iter(loader))
+    assert batch.shape == (4, 10)
+    engine.backward(engine(input_ids=batch, labels=batch).loss)
+    engine.step()
+    assert engine.get_lr() == [pytest.approx(5e-4)] and scheduler.optimizer is optimizer
+    engine.destroy()
+
+
+def test_engine_without_optimizer_runs_forward_and_backward():
+    """A frozen reference engine (no optimizer in the config): forward works, step() changes nothing."""
+    engine, optimizer, _, _ = megatrain_ds.initialize(model=tiny_hf("llama"),
+                                                      config={"train_micro_batch_size_per_gpu": 2})
+    assert optimizer is None
+    ids = _ids(0)
+    with torch.no_grad():
+        assert torch.isfinite(engine(input_ids=ids, labels=ids).loss)
+    engine.destroy()
