@@ -13,6 +13,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .loss_scale import LossScaler
+
 
 class ConfigError(ValueError):
     """A config value megatrain_ds cannot use; the message names the key."""
@@ -85,7 +87,8 @@ class TrainConfig:
     gradient_accumulation_steps: int
     optimizer: OptimizerSettings | None
     scheduler: dict | None  # {"type": name, "params": {...}} passed to deepspeed.runtime.lr_schedules
-    compute_dtype: str = "fp32"  # "bf16" | "fp32"
+    compute_dtype: str = "fp32"  # "bf16" | "fp16" | "fp32"
+    loss_scaler: LossScaler | None = None  # fp16 only
     gradient_clipping: float = 0.0
     steps_per_print: float = 10
     wall_clock_breakdown: bool = False
@@ -165,12 +168,28 @@ def _optimizer(cfg: dict) -> OptimizerSettings | None:
     return OptimizerSettings(type=str(block.get("type", "AdamW")), **kwargs)
 
 
-def _precision(cfg: dict) -> str:
+FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+
+
+def _precision(cfg: dict) -> tuple[str, LossScaler | None]:
     bf16 = cfg.get("bf16", cfg.get("bfloat16", {})) or {}
     fp16 = cfg.get("fp16", {}) or {}
-    if fp16.get("enabled", False) is True:
-        raise ConfigError("fp16.enabled: fp16 with loss scaling is not available yet; use bf16")
-    return "bf16" if bf16.get("enabled", False) is True else "fp32"
+    _check_keys(fp16, FP16_KEYS, "fp16")
+    _check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
+    bf16_on, fp16_on = bf16.get("enabled", False) is True, fp16.get("enabled", False) is True
+    if bf16_on and fp16_on:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one")
+    if not fp16_on:
+        return ("bf16" if bf16_on else "fp32"), None
+    static = _num(fp16.get("loss_scale", 0), "fp16.loss_scale")
+    power = _num(fp16.get("initial_scale_power", 16), "fp16.initial_scale_power", int)
+    scaler = LossScaler(scale=static if static > 0 else 2.0 ** power, dynamic=static == 0,
+                        window=_num(fp16.get("loss_scale_window", 1000), "fp16.loss_scale_window", int),
+                        min_scale=_num(fp16.get("min_loss_scale", 1), "fp16.min_loss_scale"),
+                        hysteresis=_num(fp16.get("hysteresis", 2), "fp16.hysteresis", int),
+                        consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)))
+    return "fp16", scaler
 
 
 def _zero(cfg: dict) -> tuple[int, float]:
@@ -198,10 +217,11 @@ def parse_config(config, world_size: int = 1) -> TrainConfig:
     _check_keys(mt, set(MegatrainSettings.__dataclass_fields__), "megatrain")
     clip = _num(cfg.get("gradient_clipping", 0.0), "gradient_clipping")
     zero_stage, ratio = _zero(cfg)
+    dtype, scaler = _precision(cfg)
     spp = cfg.get("steps_per_print", 10)
     return TrainConfig(
         train_batch_size=tb, micro_batch_size=mb, gradient_accumulation_steps=ga,
-        optimizer=_optimizer(cfg), scheduler=sched, compute_dtype=_precision(cfg), gradient_clipping=clip,
+        optimizer=_optimizer(cfg), scheduler=sched, compute_dtype=dtype, loss_scaler=scaler, gradient_clipping=clip,
         steps_per_print=float("inf") if spp in (None, "inf", float("inf")) else _num(spp, "steps_per_print"),
         wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)), zero_stage=zero_stage,
         offload_optimizer_ratio=ratio,

@@ -80,7 +80,7 @@ class MegaTrainEngine(nn.Module):
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        compute_dtype = torch.bfloat16 if config.compute_dtype == "bf16" else torch.float32
+        compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.compute_dtype, torch.float32)
         mt = config.megatrain
         # what crosses PCIe: the compute dtype, or the fp32 master itself (cast on the GPU) when asked
         wire_dtype = torch.float32 if mt.stream_fp32_master else compute_dtype
@@ -131,7 +131,8 @@ class MegaTrainEngine(nn.Module):
             defaults = dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
                             weight_decay=settings.weight_decay)
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
-            self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping)
+            self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
+                                config.loss_scaler)
         self.lr_scheduler = None
         # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
         self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
@@ -139,6 +140,7 @@ class MegaTrainEngine(nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
+        self.skipped_steps = 0  # fp16 steps skipped on overflow
         self._boundary_override: bool | None = None
         self._last_norm = None
 
@@ -187,6 +189,8 @@ class MegaTrainEngine(nn.Module):
         ga = self.config_settings.gradient_accumulation_steps
         if scale_wrt_gas and ga > 1:
             loss = loss / ga
+        if self.config_settings.loss_scaler is not None:  # fp16: the optimizer divides it back out
+            loss = loss * self.config_settings.loss_scaler.scale
         loss.backward(retain_graph=retain_graph)
         self.resident.evacuate(self.worker, final)
         self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
@@ -202,7 +206,12 @@ class MegaTrainEngine(nn.Module):
                 self.executor.reset_window()
             self.global_steps += 1
             self.global_samples += self.config_settings.train_batch_size
-            if self.lr_scheduler is not None:
+            skipped = False
+            if self.optimizer is not None and self.config_settings.loss_scaler is not None:
+                self._last_norm.result()  # fp16: waits for the overflow check (a CPU-GPU sync per step)
+                skipped = self.optimizer.last_step_skipped
+                self.skipped_steps += int(skipped)
+            if self.lr_scheduler is not None and not skipped:  # DeepSpeed does not advance it on overflow
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.timer.end_step()
             spp = self.config_settings.steps_per_print
@@ -227,7 +236,7 @@ class MegaTrainEngine(nn.Module):
         return self.config_settings.compute_dtype == "bf16"
 
     def fp16_enabled(self) -> bool:
-        return False
+        return self.config_settings.compute_dtype == "fp16"
 
     @property
     def config(self) -> dict:

@@ -133,8 +133,11 @@ class HostAdamW(torch.optim.Optimizer):
         self.step_count = 0
         self.skipped_steps = 0
 
-    def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor, clip: float) -> None:
+    def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor, clip: float,
+             scaler=None) -> None:
         self.executor, self.resident, self.worker, self.clip = executor, resident, worker, float(clip)
+        self.scaler = scaler  # fp16 LossScaler: grads arrive multiplied by its scale
+        self.last_step_skipped = False
         self._tmp = torch.empty(executor.store.max_train, dtype=torch.float32)
 
     def step(self, closure=None) -> Future:
@@ -161,7 +164,8 @@ class HostAdamW(torch.optim.Optimizer):
         ex, res = self.executor, self.resident
         layer_sq, layer_has = list(ex.sq_norm), list(ex.has_grad)
         res_sq, res_has = list(res.sq_norm), list(res.has_grad)
-        norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has)
+        scale = self.scaler.scale if self.scaler is not None else 1.0  # the scale the backward used
+        norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has, scale)
         # FIFO order of the host worker: the device-state updates first (they only launch kernels), then the
         # resident parameters (the embedding is used first), then the host layers in forward order.
         on_device = [i for i in range(len(ex.layouts)) if ex.device_state is not None and ex.device_state.owns(i)]
@@ -182,7 +186,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.last_norm = norm
         return norm
 
-    def _norm_task(self, layer_sq, res_sq, layer_has, res_has):
+    def _norm_task(self, layer_sq, res_sq, layer_has, res_has, scale):
         total = 0.0
         for futures, has, grads in ((layer_sq, layer_has, None), (res_sq, res_has, self.resident.grad)):
             for k, fut in enumerate(futures):
@@ -193,15 +197,21 @@ class HostAdamW(torch.optim.Optimizer):
                     g = grads[k] if grads is not None else self.executor.store.grad_of(k)
                     sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2  # rare: slow is ok
                 total += sq
-        norm = math.sqrt(total)
-        self._coef = 1.0
-        if self._clip > 0 and math.isfinite(norm):
-            self._coef = min(1.0, self._clip / (norm + 1e-6))
+        norm = math.sqrt(total) / scale  # of the unscaled gradients
+        overflow = not math.isfinite(norm)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        self.last_step_skipped = self._skip = overflow and self.scaler is not None
+        coef = 1.0
+        if self._clip > 0 and not overflow:
+            coef = min(1.0, self._clip / (norm + 1e-6))
+        self._coef = coef / scale  # the updates multiply the landed gradients by this
         return norm
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, hp, coef):
         device = params[0].device  # CPU (host layers) or the GPU (device-state layers): the same fused kernel API
         step = torch.tensor(float(hp["step"]), dtype=torch.float32, device=device)
+        # coef = clip coefficient / loss scale; the fused kernel divides the gradients by grad_scale
         scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32, device=device)
         fn = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
         fn(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=hp["lr"], beta1=hp["beta1"],
@@ -210,6 +220,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _resident_task(self, hp, has, norm_future, backward_done):
         norm_future.result()
+        if self._skip:  # fp16 overflow: this step is skipped
+            return
         res, st = self.resident, self.executor.streams
         if res.on_device:  # launch on the h2d stream; upload()'s casts follow on the same stream
             st.wait(st.h2d, backward_done)
@@ -235,6 +247,8 @@ class HostAdamW(torch.optim.Optimizer):
         """Launch layer i's update on the GPU, on the h2d stream: the casts that read the device master for
         the next forward are issued on the same stream after it, so they see the update."""
         norm_future.result()
+        if self._skip:
+            return
         ex, st = self.executor, self.executor.streams
         st.wait(st.h2d, backward_done)  # the gradient accumulators are complete
         master, grad = ex.device_state.master_of(i), ex.device_state.grad_of(i)
@@ -245,6 +259,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _layer_task(self, i: int, hp, norm_future):
         norm_future.result()
+        if self._skip:
+            return
         with self.executor.timer.host_span("optimizer_s"):
             self._update_layer(i, hp)
 
