@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import checkpointing, comm, ops, zero
 from .comm import init_distributed
 from .config import ConfigError, OptimizerSettings, TrainConfig, parse_config
 from .engine import MegaTrainEngine
@@ -100,5 +100,6 @@ def torch_dataloader(data, batch_size: int, collate_fn=None):
     return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn)
 
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "comm", "optimizer_from_client", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError", "UnsupportedModelError",
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "comm", "zero", "ops", "checkpointing",
+           "optimizer_from_client", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError", "UnsupportedModelError",
            "TrainConfig", "parse_config", "__version__"]

@@ -26,6 +26,7 @@ from .model_map import build_layout, find_block_list
 from .optimizer import HostAdamW, ResidentParams
 from .streams import make_streams
 from .timing import StepTimer
+from .zero import ParamHome, mark_partitioned
 
 
 def _param_groups(model: nn.Module, model_parameters, settings) -> list[dict]:
@@ -124,6 +125,7 @@ class MegaTrainEngine(nn.Module):
                 module._buffers[name] = buf.to(device)
         self.module = model
         self._head = _fused_loss_head(model)
+        self._mark_params(layers)
 
         # 3. Host optimizer over the fp32 masters.
         self.optimizer = None
@@ -292,6 +294,46 @@ class MegaTrainEngine(nn.Module):
         for p, master in zip(self.resident.params, self.resident.master):
             out[names[id(p)]] = master.view(p.shape).cpu()
         return out
+
+    # ------------------------------------------------------------------ zero.GatheredParameters
+    def _mark_params(self, layers) -> None:
+        """ZeRO-3-style attributes and a home (where the fp32 master is) on every parameter; see zero.py."""
+        for i, layer in enumerate(layers):
+            by_name = dict(layer.named_parameters(remove_duplicate=False))
+            for slot in self.store.layouts[i].slots:
+                mark_partitioned(by_name[slot.name], ParamHome(self, i, slot.name, None), slot.shape)
+                by_name[slot.name].ds_tensor = self.store.param_master(i, slot.name)
+        for k, p in enumerate(self.resident.params):
+            mark_partitioned(p, ParamHome(self, None, None, k), tuple(p.shape))
+            p.ds_tensor = p.data
+
+    def _read_master(self, home: ParamHome) -> torch.Tensor:
+        self.synchronize()  # the optimizer may be writing these bytes
+        ds = self.executor.device_state
+        if home.layer is None:
+            return self.resident.master[home.resident_index].detach().to("cpu", copy=True)
+        if ds is not None and ds.owns(home.layer):
+            ds.sync_to_host()
+        return self.store.param_master(home.layer, home.name).clone()
+
+    def _write_master(self, home: ParamHome, value: torch.Tensor) -> None:
+        self.synchronize()
+        if home.layer is None:  # resident: fp32 master and the device copy the forward uses
+            k = home.resident_index
+            self.resident.master[k].copy_(value.reshape(self.resident.master[k].shape))
+            if self.resident.wire[k] is not None:
+                self.resident.wire[k].copy_(self.resident.master[k])
+            self.resident.params[k].ds_tensor.copy_(self.resident.master[k])
+            return
+        i, store = home.layer, self.store
+        master = store.param_master(i, home.name)
+        master.copy_(value.reshape(master.shape))
+        if not store.wire_is_master:
+            store.wire_of(i).copy_(store.master_of(i))
+        ds = self.executor.device_state
+        if ds is not None and ds.owns(i):
+            ds.master_of(i).copy_(store.master_of(i))
+        self.executor.version[i] += 1  # slots holding the old weights are stale
 
     def last_step_breakdown(self) -> dict:
         return self.timer.last

@@ -84,3 +84,53 @@ def test_comm_in_one_process():
     assert torch.equal(t, torch.ones(3))
     megatrain_ds.init_distributed()  # no launcher: a no-op, no MASTER_ADDR needed
     assert not comm.is_initialized()
+
+
+def test_ops_adam_descriptions_are_mapped():
+    model = tiny_hf("llama")
+    opt = megatrain_ds.ops.adam.DeepSpeedCPUAdam(model.parameters(), lr=5e-4, weight_decay=0.05, adamw_mode=False)
+    engine, optimizer, _, _ = megatrain_ds.initialize(model=model, optimizer=opt, config=CFG)
+    assert not optimizer.adam_w_mode and optimizer.param_groups[0]["lr"] == 5e-4
+    engine.destroy()
+    with pytest.raises(RuntimeError, match="engine runs the updates"):
+        megatrain_ds.ops.adam.FusedAdam([torch.zeros(1, requires_grad=True)]).step()
+
+
+def test_zero_init_builds_on_cpu_and_gathered_parameters_read_and_write():
+    with megatrain_ds.zero.Init():
+        model = tiny_hf("llama")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    ref = copy.deepcopy(model)
+    engine, *_ = megatrain_ds.initialize(model=model, config={**CFG, "optimizer": {"type": "AdamW"}})
+    w = engine.module.model.layers[1].mlp.down_proj.weight
+    assert w.numel() == 0 and w.ds_status == megatrain_ds.zero.ZeroParamStatus.NOT_AVAILABLE
+    assert w.ds_shape == tuple(ref.model.layers[1].mlp.down_proj.weight.shape)
+    with megatrain_ds.zero.GatheredParameters(w):
+        assert torch.equal(w.data, ref.model.layers[1].mlp.down_proj.weight.data)
+        w.data.zero_()  # no modifier_rank: not written back
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        before = engine(input_ids=ids).logits.clone()
+        assert torch.allclose(before, ref(input_ids=ids).logits, atol=1e-5)
+    with megatrain_ds.zero.GatheredParameters([w], modifier_rank=0):
+        w.data.mul_(0.0)
+    with torch.no_grad():
+        ref.model.layers[1].mlp.down_proj.weight.zero_()
+        after = engine(input_ids=ids).logits
+        assert torch.allclose(after, ref(input_ids=ids).logits, atol=1e-5)  # the engine runs the edit
+    assert not torch.allclose(after, before)
+    assert w.numel() == 0  # released again
+    emb = engine.module.get_input_embeddings().weight
+    with megatrain_ds.zero.GatheredParameters(emb, modifier_rank=0):
+        emb.data[3] = 1.0
+    with megatrain_ds.zero.GatheredParameters(emb):
+        assert torch.all(emb.data[3] == 1.0)
+    engine.destroy()
+
+
+def test_checkpointing_module():
+    megatrain_ds.checkpointing.configure(None, partition_activations=False)
+    assert megatrain_ds.checkpointing.is_configured()
+    x = torch.randn(3, requires_grad=True)
+    megatrain_ds.checkpointing.checkpoint(lambda t: (t * 2).sum(), x).backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
