@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import checkpointing, comm, ops, zero
@@ -42,6 +44,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
+    local_rank = getattr(args, "local_rank", None)
+    if isinstance(local_rank, int) and local_rank >= 0:  # deepspeed launcher passes --local_rank
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    init_distributed(distributed_port=distributed_port)
     settings = parse_config(config)
     if optimizer is not None:
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

@@ -192,8 +192,26 @@ def _precision(cfg: dict) -> tuple[str, LossScaler | None]:
     return "fp16", scaler
 
 
+# zero_optimization keys that mean something to a host-resident streaming engine; every other key DeepSpeed
+# accepts (bucket sizes, overlap_comm, prefetch/persistence thresholds, ...) tunes ZeRO's partitioning and
+# collectives, which do not exist here: accepted, with one warning naming them.
+ZERO_KEYS_USED = {"stage", "offload_param", "offload_optimizer", "stage3_gather_16bit_weights_on_model_save",
+                  "gather_16bit_weights_on_model_save"}
+
+
 def _zero(cfg: dict) -> tuple[int, float]:
     block = cfg.get("zero_optimization", {}) or {}
+    try:  # DeepSpeed's own config model: unknown keys and bad types are rejected as DeepSpeed rejects them
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:  # deepspeed is a dependency; without it only our own checks run
+        DeepSpeedZeroConfig = None
+    if DeepSpeedZeroConfig is not None:
+        try:
+            DeepSpeedZeroConfig(**block)
+        except Exception as exc:  # pydantic.ValidationError: its first line after the title names the key
+            lines = str(exc).splitlines()
+            key = lines[1].strip() if len(lines) > 1 else "?"
+            raise ConfigError(f"zero_optimization.{key}: {lines[2].strip() if len(lines) > 2 else exc}") from None
     stage = int(_num(block.get("stage", 0), "zero_optimization.stage", int))
     ratio = _num((block.get("offload_optimizer") or {}).get("ratio", 1.0), "zero_optimization.offload_optimizer.ratio")
     if not 0.0 <= ratio <= 1.0:
@@ -203,6 +221,10 @@ def _zero(cfg: dict) -> tuple[int, float]:
         if device == "nvme":
             warnings.warn(f"zero_optimization.{key}.device=nvme: megatrain_ds keeps state in host memory "
                           "(no NVMe tier yet)", stacklevel=3)
+    unused = sorted(set(block) - ZERO_KEYS_USED)
+    if unused:
+        warnings.warn("zero_optimization keys with no effect on megatrain_ds (it streams layers instead of "
+                      f"partitioning them): {', '.join(unused)}", stacklevel=3)
     return stage, ratio
 
 

@@ -49,6 +49,10 @@ def test_batch_triple(cfg, triple):
       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}},
      "zero_optimization.offload_optimizer.ratio"),
     ({}, "train_batch_size"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "overlap_coms": True}},
+     "zero_optimization.overlap_coms"),
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_param": {"devize": "cpu"}}},
+     "zero_optimization.offload_param.devize"),
 ])
 def test_rejected_inputs_name_the_key(cfg, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -167,3 +171,9 @@ def test_zero_block_is_accepted_and_mapped():
             "offload_optimizer": {"device": "cpu", "ratio": 0.25}}})
     assert c.zero_stage == 3 and c.offload_optimizer_ratio == 0.25
     assert any("zero_optimization.offload_param.device=nvme" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parse_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "overlap_comm": True, "reduce_bucket_size": 1000}})
+    unused = [str(w.message) for w in caught if "no effect" in str(w.message)]
+    assert len(unused) == 1 and "overlap_comm, reduce_bucket_size" in unused[0]
