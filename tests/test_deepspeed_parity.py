@@ -27,7 +27,8 @@ def _free_port() -> int:
 
 def _run(script: Path, out: Path, cwd: Path) -> dict:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+               WORLD_SIZE="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     cmd = [sys.executable, str(script), "--deepspeed", "--deepspeed_config", str(CONFIG), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
