@@ -136,3 +136,16 @@ def test_engine_without_optimizer_runs_forward_and_backward():
     with torch.no_grad():
         assert torch.isfinite(engine(input_ids=ids, labels=ids).loss)
     engine.destroy()
+
+
+def test_engine_properties_and_destroy(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    engine = _engine(ga=1, bf16={"enabled": True}, zero_optimization={"stage": 3})
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert engine.device.type == expected and engine.local_rank == 0
+    assert engine.zero_optimization_stage() == 3 and engine.bfloat16_enabled() and not engine.fp16_enabled()
+    assert isinstance(engine, megatrain_ds.DeepSpeedEngine)
+    _micro(engine, 0)
+    engine.destroy()
+    assert engine.worker._shutdown  # the host worker thread is gone
+    assert all(not r.registered for r in engine.store.regions)  # pinned memory was released
