@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .activations import HostActivations
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .executor import StreamedLayers
 from .device_state import DeviceOptimizerState
@@ -294,6 +295,47 @@ class MegaTrainEngine(nn.Module):
         for p, master in zip(self.resident.params, self.resident.master):
             out[names[id(p)]] = master.view(p.shape).cpu()
         return out
+
+    # ------------------------------------------------------------------ checkpoints (checkpoint.py)
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DS's API)
+                        exclude_frozen_parameters=False) -> bool:
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False):
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def load_master_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Write fp32 weights keyed like ``master_state_dict()`` into the host masters (and every copy
+        derived from them: wire copy, GPU-held masters, resident device copies, slots)."""
+        self.synchronize()
+        store, expected = self.store, set()
+        for i, layout in enumerate(store.layouts):
+            for slot in layout.slots:
+                key = f"{self.block_name}.{i}.{slot.name}"
+                expected.add(key)
+                if key in state:
+                    store.param_master(i, slot.name).copy_(state[key].reshape(slot.shape))
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for k, p in enumerate(self.resident.params):
+            key = names[id(p)]
+            expected.add(key)
+            if key in state:
+                self.resident.master[k].copy_(state[key].reshape(self.resident.master[k].shape))
+                if self.resident.wire[k] is not None:
+                    self.resident.wire[k].copy_(self.resident.master[k])
+                p.data.copy_(self.resident.master[k])
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
+                               f"{unexpected[:5]} (load_module_strict=False to load what matches)")
+        if not store.wire_is_master:
+            store.wire.copy_(store.master)
+        ds = self.executor.device_state
+        if ds is not None:
+            ds.master.copy_(store.master[ds.full0:ds.full1])
+        self.executor.version = [v + 1 for v in self.executor.version]  # every slot is stale
 
     # ------------------------------------------------------------------ zero.GatheredParameters
     def _mark_params(self, layers) -> None:

@@ -148,6 +148,37 @@ class HostAdamW(torch.optim.Optimizer):
             raise NotImplementedError("HostAdamW.step(closure): closures are not supported")
         return self.enqueue_step(self.clip)
 
+    def host_state_dict(self) -> dict:
+        """Adam moments (flat host buffers, no copy), step count and group hyperparameters. The caller has
+        synchronized; GPU-held state is copied to the host first."""
+        ds, store, res = self.executor.device_state, self.executor.store, self.resident
+        if ds is not None:
+            ds.sync_to_host()
+        cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+        return {"step_count": self.step_count, "adam_w_mode": self.adam_w_mode,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq,
+                "resident_exp_avg": [cpu(t) for t in res.exp_avg],
+                "resident_exp_avg_sq": [cpu(t) for t in res.exp_avg_sq]}
+
+    def load_host_state_dict(self, state: dict) -> None:
+        ds, store, res = self.executor.device_state, self.executor.store, self.resident
+        if state["exp_avg"].numel() != store.exp_avg.numel() or len(state["param_groups"]) != len(self.param_groups):
+            raise RuntimeError("optimizer state in the checkpoint does not match this model/optimizer "
+                               f"({state['exp_avg'].numel()} vs {store.exp_avg.numel()} trainable elements, "
+                               f"{len(state['param_groups'])} vs {len(self.param_groups)} param groups)")
+        store.exp_avg.copy_(state["exp_avg"])
+        store.exp_avg_sq.copy_(state["exp_avg_sq"])
+        for dst, src in zip(res.exp_avg + res.exp_avg_sq, state["resident_exp_avg"] + state["resident_exp_avg_sq"]):
+            if dst is not None:
+                dst.copy_(src)
+        if ds is not None:
+            ds.exp_avg.copy_(store.exp_avg[ds.train0:ds.train1])
+            ds.exp_avg_sq.copy_(store.exp_avg_sq[ds.train0:ds.train1])
+        self.step_count = state["step_count"]
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients accumulated since the last step (the next landing overwrites)."""
         self.executor.reset_window()

@@ -1,0 +1,128 @@
+"""Checkpoints in DeepSpeed's layout, written crash-safely.
+
+    save_dir/latest                                        the tag, as text (written last)
+    save_dir/<tag>/mp_rank_00_model_states.pt             fp32 module weights, counters, scheduler, client state
+    save_dir/<tag>/zero_pp_rank_0_mp_rank_00_optim_states.pt   Adam moments, step, param-group hyperparameters, RNG
+
+The default tag is ``global_step{N}``. Weights and moments are saved straight from the engine's flat host
+buffers (``torch.save`` writes each underlying storage once: no second copy of the model in RAM). A save
+goes to ``save_dir/.<tag>.tmp-<pid>``, every file is fsynced, the directory is renamed into place, and only
+then is ``latest`` replaced (itself through a temporary file and ``os.replace``): a process killed at any
+moment leaves the previous checkpoint and ``latest`` intact.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+_RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "lr_scheduler",
+             "loss_scaler", "ds_config", "ds_version", "megatrain_layout"}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> bool:
+    from . import __version__
+
+    engine.synchronize()  # the optimizer may still be writing the masters
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    os.makedirs(save_dir, exist_ok=True)
+    module = engine.master_state_dict()
+    if exclude_frozen_parameters:
+        trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+        module = {n: t for n, t in module.items() if n in trainable}
+    scaler = engine.config_settings.loss_scaler
+    model_states = {
+        "module": module, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
+        "ds_config": engine.config, "ds_version": __version__, **dict(client_state or {})}
+    optim_states = {"optimizer_state_dict": engine.optimizer.host_state_dict() if engine.optimizer else None,
+                    "rng": _rng_state()}
+    tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    _save(model_states, os.path.join(tmp, MODEL_FILE))
+    _save(optim_states, os.path.join(tmp, OPTIM_FILE))
+    _fsync_dir(tmp)
+    final = os.path.join(save_dir, tag)
+    old = None
+    if os.path.exists(final):  # replacing a checkpoint of the same tag: keep it until the new one is in place
+        old = os.path.join(save_dir, f".{tag}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(save_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
+        with open(latest_tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(save_dir, "latest"))
+        _fsync_dir(save_dir)
+    return True
+
+
+def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False):
+    """Returns ``(path, client_state)``, or ``(None, None)`` when there is nothing to load."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return None, None
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(load_dir, str(tag))
+    if not os.path.isfile(os.path.join(path, MODEL_FILE)):
+        return None, None
+    engine.synchronize()
+    model_states = torch.load(os.path.join(path, MODEL_FILE), map_location="cpu", weights_only=False)
+    engine.load_master_state_dict(model_states["module"], strict=load_module_strict)
+    if not load_module_only:
+        if load_optimizer_states and engine.optimizer is not None:
+            optim = torch.load(os.path.join(path, OPTIM_FILE), map_location="cpu", weights_only=False)
+            engine.optimizer.load_host_state_dict(optim["optimizer_state_dict"])
+            torch.set_rng_state(optim["rng"]["torch"])
+            if "cuda" in optim["rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(optim["rng"]["cuda"])
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and model_states["lr_scheduler"]:
+            engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
+        engine.global_steps = model_states["global_steps"]
+        engine.global_samples = model_states["global_samples"]
+        engine.micro_steps = model_states["micro_steps"]
+        engine.skipped_steps = model_states["skipped_steps"]
+        scaler = engine.config_settings.loss_scaler
+        if scaler is not None and model_states.get("loss_scaler"):
+            for key, value in model_states["loss_scaler"].items():
+                setattr(scaler, key, value)
+    client_state = {k: v for k, v in model_states.items() if k not in _RESERVED}
+    return path, client_state

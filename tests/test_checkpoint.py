@@ -1,0 +1,108 @@
+"""Checkpoints: exact resume, DeepSpeed's layout and return values, crash-safe writes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatrain_ds
+from tests.models import tiny_hf
+
+HERE = Path(__file__).resolve().parent
+CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+       "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+       "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 2,
+                                                         "total_num_steps": 6}}}
+
+
+def _engine(seed=0, cfg=CFG):
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("qwen2", tied=False, seed=seed), config=cfg)
+    return engine
+
+
+def _steps(engine, first, count):
+    losses = []
+    for step in range(first, first + count):
+        for micro in range(2):
+            ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(100 * step + micro))
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_exact_resume(tmp_path):
+    straight = _engine()
+    want = _steps(straight, 0, 6)
+    want_state = {k: v.clone() for k, v in straight.master_state_dict().items()}
+    first = _engine()
+    got = _steps(first, 0, 3)
+    assert first.save_checkpoint(str(tmp_path), client_state={"epoch": 7})
+    assert (tmp_path / "latest").read_text() == "global_step3"
+    assert sorted(os.listdir(tmp_path / "global_step3")) == ["mp_rank_00_model_states.pt",
+                                                              "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    resumed = _engine(seed=1)  # different init: everything must come from the checkpoint
+    path, client = resumed.load_checkpoint(str(tmp_path))
+    assert path == str(tmp_path / "global_step3") and client == {"epoch": 7}
+    assert (resumed.global_steps, resumed.global_samples, resumed.micro_steps) == (3, 12, 6)
+    assert resumed.get_lr() == first.get_lr()
+    got += _steps(resumed, 3, 3)
+    assert got == want  # bit-identical losses
+    state = resumed.master_state_dict()
+    assert all(torch.equal(state[k], want_state[k]) for k in want_state)
+    for e in (straight, first, resumed):
+        e.destroy()
+
+
+def test_nothing_to_load_and_module_only(tmp_path):
+    engine = _engine()
+    assert engine.load_checkpoint(str(tmp_path)) == (None, None)
+    _steps(engine, 0, 1)
+    engine.save_checkpoint(str(tmp_path), tag="mine")
+    other = _engine(seed=1)
+    path, _ = other.load_checkpoint(str(tmp_path), tag="mine", load_module_only=True)
+    assert path.endswith("mine") and other.global_steps == 0
+    a, b = engine.master_state_dict(), other.master_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert other.load_checkpoint(str(tmp_path), tag="missing") == (None, None)
+    engine.destroy(), other.destroy()
+
+
+SAVER = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+import megatrain_ds
+from tests.models import tiny_hf
+cfg = {{"train_micro_batch_size_per_gpu": 1, "optimizer": {{"type": "AdamW"}}}}
+engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=24), config=cfg)
+engine.global_steps = 5
+for k in range(1000):
+    engine.save_checkpoint(sys.argv[1], tag="global_step{{}}".format(6 + k))
+    print("saved", 6 + k, flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.2, 0.6])
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, delay):
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=24),
+                                         config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})
+    engine.global_steps = 5
+    engine.save_checkpoint(str(tmp_path))
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(repo=str(HERE.parent)))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    time.sleep(3.0 + delay)  # import + first saves, then kill at a varying point of a write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    tag = (tmp_path / "latest").read_text()
+    assert tag.startswith("global_step")
+    path, _ = engine.load_checkpoint(str(tmp_path))  # whatever latest names is complete and loads
+    assert path == str(tmp_path / tag)
+    assert (tmp_path / "global_step5").is_dir()
+    engine.destroy()
