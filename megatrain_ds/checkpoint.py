@@ -20,7 +20,7 @@ import torch
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 _RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "lr_scheduler",
-             "loss_scaler", "ds_config", "ds_version", "megatrain_layout"}
+             "loss_scaler", "ds_config", "ds_version", "hf_config"}
 
 
 def _fsync_dir(path: str) -> None:
@@ -62,7 +62,9 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
-        "ds_config": engine.config, "ds_version": __version__, **dict(client_state or {})}
+        "ds_config": engine.config, "ds_version": __version__,
+        "hf_config": engine.module.config.to_dict() if hasattr(getattr(engine.module, "config", None), "to_dict")
+        else None, **dict(client_state or {})}
     optim_states = {"optimizer_state_dict": engine.optimizer.host_state_dict() if engine.optimizer else None,
                     "rng": _rng_state()}
     tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
@@ -126,3 +128,32 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = 
                 setattr(scaler, key, value)
     client_state = {k: v for k, v in model_states.items() if k not in _RESERVED}
     return path, client_state
+
+
+def consolidated_state_dict(engine, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's ``state_dict()`` on the CPU, parameters from their fp32 masters cast to ``dtype``
+    (default: the compute dtype), persistent buffers as they are; tied names each get their tensor."""
+    engine.synchronize()
+    dtype = dtype or engine.compute_dtype
+    out = {}
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        home = getattr(tensor, "_megatrain_home", None)
+        value = home.read() if home is not None else tensor.detach().cpu()
+        out[name] = value.to(dtype) if value.is_floating_point() and home is not None else value.clone()
+    return out
+
+
+def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    """Consolidated weights in the compute dtype, written atomically; ``*.safetensors`` names use safetensors."""
+    os.makedirs(save_dir, exist_ok=True)
+    state = consolidated_state_dict(engine)
+    final = os.path.join(save_dir, save_filename)
+    tmp = os.path.join(save_dir, f".{save_filename}.tmp-{os.getpid()}")
+    if save_filename.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
+    else:
+        _save(state, tmp)
+    os.replace(tmp, final)
+    return True

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .activations import HostActivations
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import consolidated_state_dict, load_checkpoint, save_16bit_model, save_checkpoint
 from .config import TrainConfig
 from .executor import StreamedLayers
 from .device_state import DeviceOptimizerState
@@ -305,6 +305,13 @@ class MegaTrainEngine(nn.Module):
                         load_lr_scheduler_states=True, load_module_only=False):
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False) -> bool:
+        return save_16bit_model(self, save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:
+        """What accelerate's ``get_state_dict`` calls under ZeRO-3: the full model in the compute dtype."""
+        return consolidated_state_dict(self)
 
     def load_master_state_dict(self, state: dict, strict: bool = True) -> None:
         """Write fp32 weights keyed like ``master_state_dict()`` into the host masters (and every copy
