@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .checkpoint import MODEL_FILE
+from .checkpoint import MODEL_FILE, OPTIM_FILE, _unflatten
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,9 +48,13 @@ def convert(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: st
     states = torch.load(os.path.join(path, MODEL_FILE), map_location="cpu", weights_only=False)
     if not states.get("hf_config"):
         raise SystemExit("megatrain-ds convert: the checkpoint has no Hugging Face config (the model was not a "
-                         "transformers model); its weights are under 'module' in " + MODEL_FILE)
+                         "transformers model); DeepSpeed's zero_to_fp32 still reads its weights")
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in states["module"].items()}
+    optim = torch.load(os.path.join(path, OPTIM_FILE), map_location="cpu", weights_only=False, mmap=True)
+    weights = _unflatten(states, optim["optimizer_state_dict"]["fp32_flat_groups"])
+    weights.update(states["module"])  # persistent buffers
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() if v.is_floating_point() else v.contiguous()
+               for k, v in weights.items()}
     limit, shards, current, size = _size(max_shard_size), [], {}, 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()

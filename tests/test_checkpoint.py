@@ -45,7 +45,7 @@ def test_exact_resume(tmp_path):
     got = _steps(first, 0, 3)
     assert first.save_checkpoint(str(tmp_path), client_state={"epoch": 7})
     assert (tmp_path / "latest").read_text() == "global_step3"
-    assert sorted(os.listdir(tmp_path / "global_step3")) == ["mp_rank_00_model_states.pt",
+    assert sorted(os.listdir(tmp_path / "global_step3")) == ["zero_pp_rank_0_mp_rank_00_model_states.pt",
                                                               "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     resumed = _engine(seed=1)  # different init: everything must come from the checkpoint
     path, client = resumed.load_checkpoint(str(tmp_path))
@@ -149,4 +149,28 @@ def test_convert_command_writes_a_loadable_hf_folder(tmp_path, max_shard):
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, engine(input_ids=ids).logits.cpu(),
                                    rtol=1e-5, atol=1e-5)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("tied,freeze", [(True, False), (False, True)])
+def test_deepspeed_zero_to_fp32_reads_our_checkpoint(tmp_path, tied, freeze):
+    """DeepSpeed's own zero_to_fp32 reconstructs the right fp32 weights (tied and frozen ones included)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    model = tiny_hf("qwen2", tied=tied)
+    if freeze:
+        for name, p in model.named_parameters():
+            if "mlp" in name:
+                p.requires_grad_(False)
+    engine, *_ = megatrain_ds.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                          if p.requires_grad], config=CFG)
+    _steps(engine, 0, 2)
+    engine.save_checkpoint(str(tmp_path))
+    ours = engine.master_state_dict()
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    assert set(theirs) == names
+    for name in names:
+        source = name if name in ours else "model.embed_tokens.weight"  # tied lm_head
+        assert torch.equal(torch.as_tensor(theirs[name].contiguous()), ours[source]), name
     engine.destroy()
