@@ -37,27 +37,43 @@ def _steps(engine, first, count):
     return losses
 
 
-def test_exact_resume(tmp_path):
+RESUMER = """
+import json, sys, torch
+sys.path.insert(0, {repo!r})
+from tests.test_checkpoint import _engine, _steps
+engine = _engine(seed=1)  # different init: everything must come from the checkpoint
+path, client = engine.load_checkpoint(sys.argv[1])
+losses = _steps(engine, 3, 3)
+torch.save(dict(engine.master_state_dict()), sys.argv[2])
+print(json.dumps({{"path": path, "client": client, "losses": losses, "lr": engine.get_lr(),
+                  "counters": [engine.global_steps, engine.global_samples, engine.micro_steps]}}))
+"""
+
+
+def test_exact_resume_in_a_fresh_process(tmp_path):
+    """3 steps, save, a fresh process loads and runs 3 more == 6 straight steps, bit for bit (fp32, CPU,
+    GA 2, WarmupDecayLR, clipping)."""
     straight = _engine()
     want = _steps(straight, 0, 6)
     want_state = {k: v.clone() for k, v in straight.master_state_dict().items()}
     first = _engine()
     got = _steps(first, 0, 3)
-    assert first.save_checkpoint(str(tmp_path), client_state={"epoch": 7})
-    assert (tmp_path / "latest").read_text() == "global_step3"
-    assert sorted(os.listdir(tmp_path / "global_step3")) == ["zero_pp_rank_0_mp_rank_00_model_states.pt",
-                                                              "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
-    resumed = _engine(seed=1)  # different init: everything must come from the checkpoint
-    path, client = resumed.load_checkpoint(str(tmp_path))
-    assert path == str(tmp_path / "global_step3") and client == {"epoch": 7}
-    assert (resumed.global_steps, resumed.global_samples, resumed.micro_steps) == (3, 12, 6)
-    assert resumed.get_lr() == first.get_lr()
-    got += _steps(resumed, 3, 3)
-    assert got == want  # bit-identical losses
-    state = resumed.master_state_dict()
+    assert first.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 7})
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
+    assert sorted(os.listdir(tmp_path / "ckpt" / "global_step3")) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    script = tmp_path / "resume.py"
+    script.write_text(RESUMER.format(repo=str(HERE.parent)))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "final.pt")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["path"] == str(tmp_path / "ckpt" / "global_step3") and out["client"] == {"epoch": 7}
+    assert out["counters"] == [6, 24, 12]
+    assert got + out["losses"] == want  # bit-identical losses
+    state = torch.load(tmp_path / "final.pt")
     assert all(torch.equal(state[k], want_state[k]) for k in want_state)
-    for e in (straight, first, resumed):
-        e.destroy()
+    straight.destroy(), first.destroy()
 
 
 def test_nothing_to_load_and_module_only(tmp_path):
