@@ -196,13 +196,15 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = 
 def consolidated_state_dict(engine, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The whole model's ``state_dict()`` on the CPU, parameters from their fp32 masters cast to ``dtype``
     (default: the compute dtype), persistent buffers as they are; tied names each get their tensor."""
-    engine.synchronize()
+    masters = engine.master_state_dict()  # one sync; views of the host masters
     dtype = dtype or engine.compute_dtype
+    kept = {id(p): n for n, p in engine.module.named_parameters()}  # tied names share one master
     out = {}
     for name, tensor in engine.module.state_dict(keep_vars=True).items():
-        home = getattr(tensor, "_megatrain_home", None)
-        value = home.read() if home is not None else tensor.detach().cpu()
-        out[name] = value.to(dtype) if value.is_floating_point() and home is not None else value.clone()
+        if isinstance(tensor, torch.nn.Parameter):
+            out[name] = masters[kept[id(tensor)]].to(dtype, copy=True)
+        else:  # persistent buffer
+            out[name] = tensor.detach().cpu().clone()
     return out
 
 

@@ -362,7 +362,7 @@ class MegaTrainEngine(nn.Module):
         if home.layer is None:
             return self.resident.master[home.resident_index].detach().to("cpu", copy=True)
         if ds is not None and ds.owns(home.layer):
-            ds.sync_to_host()
+            self.store.master_of(home.layer).copy_(ds.master_of(home.layer))  # this layer only
         return self.store.param_master(home.layer, home.name).clone()
 
     def _write_master(self, home: ParamHome, value: torch.Tensor) -> None:

@@ -134,3 +134,20 @@ def test_checkpointing_module():
     x = torch.randn(3, requires_grad=True)
     megatrain_ds.checkpointing.checkpoint(lambda t: (t * 2).sum(), x).backward()
     assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_gather_and_export_with_device_held_optimizer_state():
+    """Layers whose masters live on the device (gpu_optimizer_layers) are read from there, not stale host copies."""
+    cfg = {**CFG, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "megatrain": {"gpu_optimizer_layers": 2}}
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
+    _train(engine, None, steps=2)
+    device_master = engine.executor.device_state.master_of(0)
+    w = engine.module.model.layers[0].self_attn.q_proj.weight
+    with megatrain_ds.zero.GatheredParameters(w):
+        gathered = w.data.clone()
+    want = engine.store.param_master(0, "self_attn.q_proj.weight")
+    assert torch.equal(gathered, want)
+    assert torch.equal(want.reshape(-1), device_master[:want.numel()].cpu())  # layout: q_proj first
+    exported = engine._zero3_consolidated_16bit_state_dict()
+    assert torch.equal(exported["model.layers.0.self_attn.q_proj.weight"], gathered)
+    engine.destroy()
