@@ -59,8 +59,9 @@ def breakdown_table(rows: list[dict]) -> str:
         b = r.get("breakdown")
         if not b:
             continue
-        cells = " | ".join(f"{b.get(k, float('nan')):.3f}" for k in keys)
-        out.append(f"| {r['name']} | {cells} | {100 * b['gpu_idle_s'] / b['step_s']:.0f}% |")
+        cells = " | ".join(f"{b[k]:.3f}" if b.get(k) is not None else "n/a" for k in keys)
+        idle = f"{100 * b['gpu_idle_s'] / b['step_s']:.0f}%" if b.get("gpu_idle_s") is not None else "n/a (CPU)"
+        out.append(f"| {r['name']} | {cells} | {idle} |")
     return "\n".join(out)
 
 

@@ -1,6 +1,7 @@
 """``megatrain-ds``: command-line tools that need no GPU.
 
     megatrain-ds convert CHECKPOINT_DIR OUT_DIR [--tag TAG] [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
+    megatrain-ds bench [benchmarks.h2h options]      (from the repository root)
 
 ``convert`` turns a megatrain_ds checkpoint (``save_checkpoint``'s layout; ``latest`` picks the tag) into a
 Hugging Face model folder: ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards and
@@ -90,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     conv.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     conv.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
+    sub.add_parser("bench", help="the head-to-head harness (python -m benchmarks.h2h), run from the repo root",
+                   add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        try:
+            from benchmarks.h2h import main as h2h_main
+        except ImportError:
+            raise SystemExit("megatrain-ds bench: run it from the megatrain_ds repository root (the harness lives "
+                             "in benchmarks/, next to the package)") from None
+        return h2h_main(argv[1:])
     args = parser.parse_args(argv)
     files = convert(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size)
     print(f"wrote {len(files)} safetensors file(s) and config.json to {args.out_dir}")

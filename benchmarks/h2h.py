@@ -1,0 +1,184 @@
+"""Head-to-head: megatrain_ds vs DeepSpeed ZeRO-3 CPU offload vs the whole model on the GPU, one command.
+
+    python -m benchmarks.h2h --model qwen2.5-3b --tokens-per-step 16384 --out runs/3b
+    python -m benchmarks.h2h --model qwen2.5-3b --best-batch --out runs/3b-best
+    python -m benchmarks.h2h --model qwen2.5-14b --depth-sweep 28,56,84 --systems megatrain,zero3 --out runs/sweep
+    python -m benchmarks.h2h --model tiny --device cpu --systems megatrain,resident --seq 64 \
+        --tokens-per-step 256 --out /tmp/h2h          # CPU smoke test
+
+Each system runs in its own process (``benchmarks.run_system``), one after another, on the same model shape and
+data. Before a run, host memory is checked against what the system needs (bytes/param below) and the run is
+skipped with the numbers when it does not fit; a device OOM is recorded as "oom", not a crash. Writes
+``results.json`` (per run: tokens_per_s, tflops, peak_gpu_bytes, peak_host_rss_bytes, host_bytes_per_param,
+breakdown where the system has one; plus the hardware), ``results.md`` (tables) and ``results.png`` (plot).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+from tqdm import tqdm
+
+from benchmarks import report
+from benchmarks.shapes import SHAPES, make_config
+
+# Peak host bytes per parameter each system needs (measured: 3B on the H200 box, benchmarks/results/):
+# model build (fp32, 4 B) + state. megatrain 17.3, zero3 25.9, resident builds on the GPU.
+HOST_BYTES_PER_PARAM = {"megatrain": 18.0, "zero3": 27.0, "resident": 1.0}
+
+
+def hardware() -> dict:
+    info = {"cpu_cores": os.cpu_count(), "platform": platform.platform(), "host_mem_bytes": _meminfo("MemTotal")}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,pcie.link.gen.current,"
+                              "pcie.link.width.current", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30)
+        info["gpu"] = out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["gpu"] = None
+    return info
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _n_params(config) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_one(system: str, args, layers: int | None, tokens: int, path: str) -> dict:
+    """One system in its own process; returns its result dict (or a 'skipped' record)."""
+    config = make_config(args.model, layers=layers)
+    need = HOST_BYTES_PER_PARAM[system] * _n_params(config)
+    have = _meminfo("MemAvailable")
+    if have and need > have:
+        return {"system": system, "model": args.model, "layers": config.num_hidden_layers, "tokens_per_step": tokens,
+                "status": "skipped", "error": f"needs ~{need / 2**30:.0f} GiB host memory, {have / 2**30:.0f} GiB free"}
+    cmd = [sys.executable, "-m", "benchmarks.run_system", "--system", system, "--model", args.model,
+           "--tokens-per-step", str(tokens), "--seq", str(args.seq), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--device", args.device, "--json", path]
+    if layers:
+        cmd += ["--layers", str(layers)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+    else:
+        result = {"system": system, "status": "error", "error": proc.stderr[-2000:]}
+    result["name"] = os.path.splitext(os.path.basename(path))[0]
+    return result
+
+
+def best_batch(system: str, args, layers: int | None, out: str) -> dict:
+    """Double the tokens per step from one sequence until the system runs out of memory; keep the fastest."""
+    best, tokens = None, args.seq
+    while tokens <= args.max_tokens:
+        res = run_one(system, args, layers, tokens, os.path.join(out, f"{system}_best_{tokens}.json"))
+        tqdm.write(report_line(res))
+        if res.get("status") != "ok":
+            break
+        if best is None or res["tokens_per_s"] > best["tokens_per_s"]:
+            best = res
+        tokens *= 2
+    return best or res
+
+
+def report_line(res: dict) -> str:
+    if res.get("status") != "ok":
+        return f"[{res.get('system')}] tokens/step={res.get('tokens_per_step')} {str(res.get('status')).upper()}: " \
+               f"{str(res.get('error', '')).strip().splitlines()[-1:] if res.get('error') else ''}"
+    return (f"[{res['system']}] L={res['layers']} tokens/step={res['tokens_per_step']} "
+            f"{res['tokens_per_s']:,.0f} tokens/s {res['tflops']:.1f} TFLOPS "
+            f"peak GPU {res['peak_gpu_bytes'] / 1e9:.1f} GB host {res['peak_host_rss_bytes'] / 1e9:.1f} GB")
+
+
+def plot(results: list[dict], path: str, depth_sweep: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.get("status") == "ok"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    systems = sorted({r["system"] for r in ok})
+    if depth_sweep:
+        for system in systems:
+            rows = sorted((r for r in ok if r["system"] == system), key=lambda r: r["layers"])
+            ax.plot([r["layers"] for r in rows], [r["tflops"] for r in rows], marker="o", label=system)
+        ax.set_xlabel("decoder layers")
+    else:
+        ax.bar(systems, [max(r["tflops"] for r in ok if r["system"] == s) for s in systems])
+        ax.set_xlabel("system")
+    ax.set_ylabel("model TFLOPS")
+    ax.set_title(f"{ok[0]['model'] if ok else ''}: throughput" if ok else "no successful run")
+    if depth_sweep and ok:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="megatrain,zero3,resident")
+    p.add_argument("--model", default="qwen2.5-3b", choices=list(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    p.add_argument("--tokens-per-step", type=int, default=16384)
+    p.add_argument("--best-batch", action="store_true", help="search each system's fastest batch that fits")
+    p.add_argument("--max-tokens", type=int, default=262144, help="upper end of the --best-batch search")
+    p.add_argument("--depth-sweep", default=None, help="comma-separated layer counts, e.g. 28,56,84,120,180")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(HOST_BYTES_PER_PARAM)
+    if unknown:
+        p.error(f"unknown system(s) {sorted(unknown)}; choose from {sorted(HOST_BYTES_PER_PARAM)}")
+    depths = [int(d) for d in args.depth_sweep.split(",")] if args.depth_sweep else [args.layers]
+    results = []
+    for layers in depths:
+        for system in tqdm(systems, desc=f"{args.model} L={layers or 'default'}", unit="system"):
+            if args.best_batch:
+                res = best_batch(system, args, layers, args.out)
+            else:
+                tag = f"{system}_L{layers or 'default'}_{args.tokens_per_step}"
+                res = run_one(system, args, layers, args.tokens_per_step, os.path.join(args.out, tag + ".json"))
+                tqdm.write(report_line(res))
+            results.append(res)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"hardware": hardware(), "argv": sys.argv[1:] if argv is None else argv, "results": results},
+                  f, indent=2, default=str)
+    ok = [r for r in results if r.get("status") == "ok"]
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(report.throughput_table(ok) + "\n\n" + report.breakdown_table(ok) + "\n")
+        for r in results:
+            if r.get("status") != "ok":
+                f.write(f"\n- {report_line(r)}")
+    plot(results, os.path.join(args.out, "results.png"), depth_sweep=bool(args.depth_sweep))
+    print(f"wrote {args.out}/results.json, results.md, results.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

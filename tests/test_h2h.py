@@ -1,0 +1,30 @@
+"""CPU smoke test of the head-to-head harness: it runs each system in its own process and writes
+results.json (with the fields users compare), results.md and a PNG plot."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_h2h_cpu_smoke(tmp_path):
+    out = tmp_path / "h2h"
+    cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems",
+           "megatrain,resident", "--seq", "64", "--tokens-per-step", "256", "--steps", "2", "--warmup", "1",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["hardware"]["cpu_cores"] >= 1
+    by_system = {r["system"]: r for r in data["results"]}
+    assert set(by_system) == {"megatrain", "resident"}
+    for r in by_system.values():
+        assert r["status"] == "ok"
+        assert r["tokens_per_s"] > 0 and r["tflops"] > 0
+        assert r["peak_gpu_bytes"] == 0 and r["peak_host_rss_bytes"] > 0 and r["host_bytes_per_param"] > 0
+    assert "breakdown" in by_system["megatrain"]
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "megatrain" in (out / "results.md").read_text()
