@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 tqdm.write(report_line(res))
             results.append(res)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"hardware": hardware(), "argv": sys.argv[1:] if argv is None else argv, "results": results},
+        recorded = [os.path.basename(a) if a == args.out else a for a in (sys.argv[1:] if argv is None else argv)]
+        json.dump({"hardware": hardware(), "argv": recorded, "results": results},
                   f, indent=2, default=str)
     ok = [r for r in results if r.get("status") == "ok"]
     with open(os.path.join(args.out, "results.md"), "w") as f:

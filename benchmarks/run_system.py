@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                "tokens_per_step": args.tokens_per_step, "device": args.device, "status": "error",
                "error": traceback.format_exc()}
         sys.stderr.write(res["error"])
-    res.setdefault("argv", sys.argv[1:] if argv is None else list(argv))
+    recorded = sys.argv[1:] if argv is None else list(argv)
+    res.setdefault("argv", [os.path.basename(a) if a == args.json else a for a in recorded])  # no machine paths
     write_json(args.json, res)
     if "ds_config" in res:
         write_json(os.path.splitext(args.json)[0] + ".ds_config.json", res["ds_config"])
