@@ -4,7 +4,7 @@
     python -m benchmarks.h2h --model qwen2.5-3b --best-batch --out runs/3b-best
     python -m benchmarks.h2h --model qwen2.5-14b --depth-sweep 28,56,84 --systems megatrain,zero3 --out runs/sweep
     python -m benchmarks.h2h --model tiny --device cpu --systems megatrain,resident --seq 64 \
-        --tokens-per-step 256 --out /tmp/h2h          # CPU smoke test
+        --tokens-per-step 256 --out runs/h2h-smoke    # CPU smoke test
 
 Each system runs in its own process (``benchmarks.run_system``), one after another, on the same model shape and
 data. Before a run, host memory is checked against what the system needs (bytes/param below) and the run is
