@@ -55,7 +55,7 @@ def _rng_state() -> dict:
 def _fp32_layout(engine):
     """(fp32 flat groups, param_shapes per group, frozen name -> tensor), as ZeRO-3 with one process lays
     them out: the groups are views of the host masters, in the order their parameters are listed."""
-    engine.master_state_dict()  # syncs GPU-held masters to the host
+    engine.sync_masters_to_host()
     store, groups, shapes, frozen = engine.store, [], [], {}
     for i, layout in enumerate(store.layouts):
         master = store.master_of(i)
@@ -104,7 +104,6 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
                     exclude_frozen_parameters: bool = False) -> bool:
     from . import __version__
 
-    engine.synchronize()  # the optimizer may still be writing the masters
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     os.makedirs(save_dir, exist_ok=True)
     groups, param_shapes, frozen = _fp32_layout(engine)

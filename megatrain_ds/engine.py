@@ -30,9 +30,8 @@ from .timing import StepTimer
 from .zero import ParamHome, mark_partitioned
 
 
-def _param_groups(model: nn.Module, model_parameters, settings) -> list[dict]:
+def _param_groups(model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
     """User's ``model_parameters`` (None, params, or dicts) -> torch-style groups of trainable params."""
-    defaults = dict(lr=settings.lr, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay)
     if model_parameters is None:
         model_parameters = model.parameters()
     items = list(model_parameters)
@@ -89,7 +88,9 @@ class MegaTrainEngine(nn.Module):
         self.compute_dtype, self.wire_dtype = compute_dtype, wire_dtype
         model.train()
         settings = config.optimizer
-        groups = _param_groups(model, model_parameters, settings) if settings else []
+        defaults = settings and dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                                     weight_decay=settings.weight_decay)
+        groups = _param_groups(model, model_parameters, defaults) if settings else []
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
 
         # 1. Split: streamed layers (host flat buffers) vs resident params (device copies).
@@ -119,8 +120,9 @@ class MegaTrainEngine(nn.Module):
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin,
                                        state_on_device=n_device > 0)
+        in_layers = {id(m) for m in layers.modules()}  # their buffers: the executor's per-layer device copies
         for module in model.modules():  # buffers outside the layers (e.g. rotary tables) live on the device
-            if module is layers or any(module is layer for layer in layers):
+            if id(module) in in_layers:
                 continue
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(device)
@@ -131,8 +133,6 @@ class MegaTrainEngine(nn.Module):
         # 3. Host optimizer over the fp32 masters.
         self.optimizer = None
         if settings is not None:
-            defaults = dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                            weight_decay=settings.weight_decay)
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
             self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
                                 config.loss_scaler)
@@ -150,13 +150,6 @@ class MegaTrainEngine(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
-        labels = kwargs.get("labels")
-        if (isinstance(labels, torch.Tensor) and labels.device.type == "cpu" and self._head is not None
-                and torch.is_grad_enabled()
-                and kwargs.get("num_items_in_batch") is None):
-            # count the loss's tokens on the host now: counting them on the GPU later would be a CPU-GPU
-            # sync between the last layer and the loss
-            kwargs["num_items_in_batch"] = int((labels[:, 1:] != -100).sum())
         args, kwargs = _to_device(args, self.device), _to_device(kwargs, self.device)
         self.timer.begin_forward()
         if self._head is not None and torch.is_grad_enabled() and kwargs.get("labels") is not None:
@@ -281,11 +274,15 @@ class MegaTrainEngine(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy)."""
+    def sync_masters_to_host(self) -> None:
+        """Wait for queued updates and copy GPU-held layer masters and moments into the host buffers."""
         self.synchronize()
         if self.executor.device_state is not None:
-            self.executor.device_state.sync_to_host()  # resident masters on the device are read (copied) below
+            self.executor.device_state.sync_to_host()
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy)."""
+        self.sync_masters_to_host()
         out = {}
         prefix = self.block_name + "."
         for i, layout in enumerate(self.store.layouts):

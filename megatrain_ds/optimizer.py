@@ -150,10 +150,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def host_state_dict(self) -> dict:
         """Adam moments (flat host buffers, no copy), step count and group hyperparameters. The caller has
-        synchronized; GPU-held state is copied to the host first."""
-        ds, store, res = self.executor.device_state, self.executor.store, self.resident
-        if ds is not None:
-            ds.sync_to_host()
+        run ``engine.sync_masters_to_host()``."""
+        store, res = self.executor.store, self.resident
         cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
         return {"step_count": self.step_count, "adam_w_mode": self.adam_w_mode,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
