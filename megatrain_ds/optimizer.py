@@ -223,7 +223,7 @@ class HostAdamW(torch.optim.Optimizer):
                     continue
                 sq = fut.result()
                 if sq is None:  # the window's boundary was moved after its backward: norm it now
-                    g = grads[k] if grads is not None else self.executor.store.grad_of(k)
+                    g = grads[k] if grads is not None else self._layer_grad(k)
                     sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2  # rare: slow is ok
                 total += sq
         norm = math.sqrt(total) / scale  # of the unscaled gradients
@@ -236,6 +236,11 @@ class HostAdamW(torch.optim.Optimizer):
             coef = min(1.0, self._clip / (norm + 1e-6))
         self._coef = coef / scale  # the updates multiply the landed gradients by this
         return norm
+
+    def _layer_grad(self, i: int) -> torch.Tensor:
+        """Layer i's accumulated gradient, wherever it lives (GPU-held optimizer state or host store)."""
+        ds = self.executor.device_state
+        return ds.grad_of(i) if ds is not None and ds.owns(i) else self.executor.store.grad_of(i)
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, hp, coef):
         device = params[0].device  # CPU (host layers) or the GPU (device-state layers): the same fused kernel API

@@ -152,3 +152,22 @@ def test_engine_properties_and_destroy(monkeypatch):
     engine.destroy()
     assert engine.worker._shutdown  # the host worker thread is gone
     assert not engine.store.regions and all(not r.registered for r in regions)  # pinned memory released
+
+
+@pytest.mark.parametrize("device_layers", [0, 2])
+def test_boundary_moved_after_backward_gives_the_same_norm(device_layers):
+    """If the boundary is declared only after the last backward, the per-layer norms are taken late (from
+    wherever each layer's gradient lives); the step must equal one where it was known up front."""
+    extra = {"megatrain": {"gpu_optimizer_layers": device_layers}}
+    late, early = _engine(ga=4, **extra), _engine(ga=4, **extra)
+    for seed in range(2):
+        ids = _ids(seed)
+        late.backward(late(input_ids=ids, labels=ids).loss)  # boundary not known during backward
+        if seed == 1:
+            late.set_gradient_accumulation_boundary(True)
+        late.step()
+        early.set_gradient_accumulation_boundary(seed == 1)  # known before backward
+        early.backward(early(input_ids=ids, labels=ids).loss)
+        early.step()
+    assert late.global_steps == early.global_steps == 1
+    _assert_same_training(late, early)
