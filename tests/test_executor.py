@@ -43,11 +43,8 @@ def _expected_trace(layers: int, num_slots: int) -> list[tuple]:
             trace.append(("h2d", i + 1, slot_of[i + 1]))
         trace.append(("fwd", i, slot_of[i]))
     resident = set(range(max(0, layers - num_slots), layers))
-    free_slots = []
     for i in reversed(range(layers)):
         if i - 1 >= 0 and i - 1 not in resident:
-            slot = slot_of[i + 1] if i + 1 < layers else None
-            # the slot freed by the most recent backward layer is the least recently used one
             slot_of[i - 1] = _lru_slot(slot_of, i, layers, num_slots, resident)
             resident.add(i - 1)
             trace.append(("h2d", i - 1, slot_of[i - 1]))
