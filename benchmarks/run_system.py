@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.system not in SYSTEMS:
         sys.stderr.write(f"system {args.system!r} unavailable:\n{MEGATRAIN_IMPORT_ERROR}\n")
         return 2
+    t0 = time.perf_counter()
     try:
         res = SYSTEMS[args.system](config, args.tokens_per_step, seq=args.seq, steps=args.steps,
                                    warmup=args.warmup, device=args.device, seed=args.seed)
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                "tokens_per_step": args.tokens_per_step, "device": args.device, "status": "error",
                "error": traceback.format_exc()}
         sys.stderr.write(res["error"])
+    res["process_wall_s"] = time.perf_counter() - t0  # build + warm-up + measured steps (s)
     recorded = sys.argv[1:] if argv is None else list(argv)
     res.setdefault("argv", [os.path.basename(a) if a == args.json else a for a in recorded])  # no machine paths
     write_json(args.json, res)

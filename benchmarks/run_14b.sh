@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
+# on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
+#
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 96k | big | sweep
+#
+# Each phase fits one 10-minute device command: every system is a separate benchmarks.h2h call under its own
+# time limit, so a slow or stuck system cannot take the other's result with it; each call's results.json is
+# copied to OUTDIR as <phase>_<system>.json as soon as it exists, and the combined log goes to OUTDIR/<phase>.log.
+# Steps: 2 warm-up + 3 measured at 16K, 1 + 2 at 96K and above (a 14B step at 96K takes tens of seconds).
+set -u
+phase=${1:?phase}; out=${2:?outdir}
+mkdir -p "$out"
+source benchmarks/device_setup.sh
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} TORCH_EXTENSIONS_DIR=$PWD/.site/ext
+work=$(mktemp -d)
+log="$out/$phase.log"
+free -g | tee -a "$log"
+
+one() {  # one <limit_s> <tag> <h2h args...>
+  local limit=$1 tag=$2; shift 2
+  echo "== $tag: h2h $* (limit ${limit}s)" | tee -a "$log"
+  timeout --signal=INT --kill-after=20 "$limit" python3 -m benchmarks.h2h --model qwen2.5-14b --out "$work/$tag" "$@" \
+    2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | tee -a "$log"
+  [ -f "$work/$tag/results.json" ] && cp "$work/$tag/results.json" "$out/${phase}_$tag.json"
+  # a system killed by the limit leaves its per-run JSON only if it finished; keep whatever is there
+  for f in "$work/$tag"/*_L*.json; do [ -f "$f" ] && [ ! -f "$out/${phase}_$tag.json" ] && cp "$f" "$out/${phase}_$tag.json"; done
+  return 0
+}
+
+case $phase in
+  16k)   one 250 megatrain --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 3
+         one 330 zero3 --systems zero3 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
+  96k)   one 230 megatrain --systems megatrain --tokens-per-step 98304 --warmup 1 --steps 2
+         one 350 zero3 --systems zero3 --tokens-per-step 98304 --warmup 1 --steps 2 ;;
+  big)   one 280 megatrain --systems megatrain --tokens-per-step 196608 --warmup 1 --steps 2
+         one 300 zero3 --systems zero3 --tokens-per-step 65536 --warmup 1 --steps 2 ;;
+  sweep) one 280 megatrain --systems megatrain --depth-sweep 24,72 --tokens-per-step 16384 --warmup 1 --steps 2
+         one 300 zero3 --systems zero3 --depth-sweep 24 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
+rm -rf "$work"
