@@ -3,7 +3,7 @@
 # (on a GPU box with its own torch: make demo SYSTEM_PYTHON=1).
 PYTHON ?= python3
 VENV := .venv
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
 
 ifeq ($(SYSTEM_PYTHON),1)
 PY := $(PYTHON)

@@ -14,14 +14,23 @@ import sys
 
 
 def load(folder: str) -> list[dict]:
+    """Every run in ``folder``: run_system JSONs (one run each) and h2h ``results.json`` files (a list of runs,
+    possibly renamed, e.g. ``16k_zero3.json``); a run is named after its file, or after its h2h tag."""
     rows = []
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         if path.endswith(".ds_config.json"):
             continue
         with open(path, encoding="utf-8") as fh:
-            row = json.load(fh)
-        row["name"] = os.path.splitext(os.path.basename(path))[0]
-        rows.append(row)
+            data = json.load(fh)
+        stem = os.path.splitext(os.path.basename(path))[0]
+        if isinstance(data.get("results"), list):  # an h2h results file
+            for row in data["results"]:
+                row.setdefault("name", stem)
+                row.setdefault("tokens_per_step", 0)
+                rows.append(row)
+            continue
+        data["name"] = stem
+        rows.append(data)
     return rows
 
 

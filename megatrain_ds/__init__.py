@@ -49,12 +49,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
     init_distributed(distributed_port=distributed_port)
     settings = parse_config(config)
+    client_groups = None
     if optimizer is not None:
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             params = model_parameters if model_parameters is not None else model.parameters()
             optimizer = optimizer(params)
         settings.optimizer, model_parameters = optimizer_from_client(optimizer)
+        client_groups = optimizer.param_groups
     engine = MegaTrainEngine(model, settings, model_parameters=model_parameters)
+    if client_groups is not None:
+        _share_param_groups(engine.optimizer, client_groups)
     scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) else lr_scheduler
     if scheduler is None:
         scheduler = _build_scheduler(settings.scheduler, engine.optimizer)
@@ -89,6 +93,16 @@ def optimizer_from_client(optimizer) -> tuple[OptimizerSettings, list[dict]]:
     settings = OptimizerSettings(type="AdamW" if adam_w else "Adam", lr=float(g0["lr"]), betas=tuple(g0["betas"]),
                                  eps=float(g0["eps"]), weight_decay=float(g0["weight_decay"]), adam_w_mode=adam_w)
     return settings, [dict(g) for g in groups]
+
+
+def _share_param_groups(host_optimizer, client_groups: list[dict]) -> None:
+    """As in DeepSpeed, the engine's optimizer works on the client optimizer's own group dicts, so an LR
+    scheduler the script built on its optimizer (e.g. a torch LambdaLR, stepped by accelerate) drives the
+    engine's learning rate. The groups correspond one to one (``optimizer_from_client``)."""
+    for k, group in enumerate(client_groups):
+        for key, value in host_optimizer.param_groups[k].items():
+            group.setdefault(key, value)  # "params" stays the client's list; the engine keeps its own layout
+        host_optimizer.param_groups[k] = group
 
 
 def add_config_arguments(parser):

@@ -120,6 +120,12 @@ class MegaTrainEngine(nn.Module):
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin,
                                        state_on_device=n_device > 0)
+        # The module may be called without the engine (the HF Trainer evaluates ``trainer.model``; generate):
+        # a module owning resident parameters refreshes their device copies first (a no-op when current).
+        resident_ids = {id(p) for p in resident}
+        for module in model.modules():
+            if any(id(p) in resident_ids for p in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(lambda _module, _args: self.resident.upload())
         in_layers = {id(m) for m in layers.modules()}  # their buffers: the executor's per-layer device copies
         for module in model.modules():  # buffers outside the layers (e.g. rotary tables) live on the device
             if id(module) in in_layers:
@@ -305,6 +311,13 @@ class MegaTrainEngine(nn.Module):
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False) -> bool:
         return save_16bit_model(self, save_dir, save_filename)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's flag (``zero_optimization.stage3_gather_16bit_weights_on_model_save``): accelerate's
+        ``get_state_dict`` and the HF Trainer's ``save_model`` export full weights only when it is set."""
+        block = self.config.get("zero_optimization") or {}
+        return bool(block.get("stage3_gather_16bit_weights_on_model_save",
+                              block.get("gather_16bit_weights_on_model_save", False)))
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:
         """What accelerate's ``get_state_dict`` calls under ZeRO-3: the full model in the compute dtype."""
