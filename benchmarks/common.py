@@ -107,6 +107,17 @@ def count_params(model: torch.nn.Module) -> int:
     return total
 
 
+# Called after every step with (steps done, steps in all, that step's seconds); benchmarks.run_system sets it
+# to print a progress line that benchmarks.h2h turns into a progress bar per system.
+STEP_PROGRESS: Callable[[int, int, float], None] | None = None
+PROGRESS_TAG = "@@h2h-step"
+
+
+def print_step_progress(done: int, total: int, seconds: float) -> None:
+    """One machine-readable line on stdout: ``@@h2h-step DONE TOTAL SECONDS``."""
+    print(f"{PROGRESS_TAG} {done} {total} {seconds:.4f}", flush=True)
+
+
 def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], warmup: int,
             device: str) -> tuple[list[float], list[float], list[float]]:
     """Run ``step`` on every batch; return (warm-up step times s, measured step times s, losses).
@@ -124,6 +135,8 @@ def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Te
         elapsed = time.perf_counter() - t0
         (warm_times if i < warmup else times).append(elapsed)
         losses.append(float(loss.detach().float().item()))
+        if STEP_PROGRESS is not None:
+            STEP_PROGRESS(i + 1, len(batches), elapsed)
     return warm_times, times, losses
 
 

@@ -24,6 +24,7 @@ import sys
 from tqdm import tqdm
 
 from benchmarks import report
+from benchmarks.common import PROGRESS_TAG
 from benchmarks.shapes import SHAPES, make_config
 
 # Peak host bytes per parameter each system needs (measured: 3B on the H200 box, benchmarks/results/):
@@ -73,22 +74,48 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str) -> di
                 "status": "skipped", "error": f"needs ~{need / 2**30:.0f} GiB host memory, {have / 2**30:.0f} GiB free"}
     cmd = [sys.executable, "-m", "benchmarks.run_system", "--system", system, "--model", args.model,
            "--tokens-per-step", str(tokens), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--device", args.device, "--json", path]
+           "--warmup", str(args.warmup), "--device", args.device, "--json", path, "--progress"]
     if layers:
         cmd += ["--layers", str(layers)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    tail = _run_with_progress(cmd, f"{system} L={config.num_hidden_layers} T={tokens}")
     if os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
     else:
-        result = {"system": system, "status": "error", "error": proc.stderr[-2000:]}
+        result = {"system": system, "status": "error", "error": "".join(tail)[-2000:]}
     result["name"] = os.path.splitext(os.path.basename(path))[0]
     return result
 
 
+def _run_with_progress(cmd: list[str], desc: str) -> list[str]:
+    """Run one system's process; its per-step lines drive a progress bar (the first step includes the model
+    build and warm-up). Returns the last lines of its other output (stdout and stderr) for error reports."""
+    from collections import deque
+
+    tail: deque[str] = deque(maxlen=200)
+    bar = tqdm(desc=desc, unit="step", leave=True, bar_format="{desc}: {n_fmt}/{total_fmt} steps "
+               "[{elapsed}{postfix}]")
+    bar.set_postfix_str("building the model")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(PROGRESS_TAG):
+            _, done, total, seconds = line.split()
+            bar.total = int(total)
+            bar.n = int(done)
+            bar.set_postfix_str(f"last step {float(seconds):.2f} s", refresh=False)
+            bar.refresh()
+        else:
+            tail.append(line)
+    proc.wait()
+    bar.close()
+    return list(tail)
+
+
 def best_batch(system: str, args, layers: int | None, out: str) -> dict:
-    """Double the tokens per step from one sequence until the system runs out of memory; keep the fastest."""
-    best, tokens = None, args.seq
+    """Double the tokens per step from ``--min-tokens`` (default one sequence) until the system runs out of
+    memory or passes ``--max-tokens``; keep the fastest."""
+    best, tokens = None, max(args.seq, args.min_tokens // args.seq * args.seq)
     while tokens <= args.max_tokens:
         res = run_one(system, args, layers, tokens, os.path.join(out, f"{system}_best_{tokens}.json"))
         tqdm.write(report_line(res))
@@ -142,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--tokens-per-step", type=int, default=16384)
     p.add_argument("--best-batch", action="store_true", help="search each system's fastest batch that fits")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="start of the --best-batch search (default: one sequence); it doubles from there")
     p.add_argument("--max-tokens", type=int, default=262144, help="upper end of the --best-batch search")
     p.add_argument("--depth-sweep", default=None, help="comma-separated layer counts, e.g. 28,56,84,120,180")
     p.add_argument("--seq", type=int, default=1024)
@@ -158,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     depths = [int(d) for d in args.depth_sweep.split(",")] if args.depth_sweep else [args.layers]
     results = []
     for layers in depths:
-        for system in tqdm(systems, desc=f"{args.model} L={layers or 'default'}", unit="system"):
+        for system in systems:
             if args.best_batch:
                 res = best_batch(system, args, layers, args.out)
             else:

@@ -18,6 +18,7 @@ import time
 import traceback
 import warnings
 
+from benchmarks import common
 from benchmarks.shapes import SHAPES, make_config
 from benchmarks.systems import run_resident, run_zero3
 
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True, help="path of the result JSON")
+    parser.add_argument("--progress", action="store_true",
+                        help="print '@@h2h-step DONE TOTAL SECONDS' after each step (read by benchmarks.h2h)")
     return parser.parse_args(argv)
 
 
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.system not in SYSTEMS:
         sys.stderr.write(f"system {args.system!r} unavailable:\n{MEGATRAIN_IMPORT_ERROR}\n")
         return 2
+    if args.progress:
+        common.STEP_PROGRESS = common.print_step_progress
     t0 = time.perf_counter()
     try:
         res = SYSTEMS[args.system](config, args.tokens_per_step, seq=args.seq, steps=args.steps,

@@ -28,3 +28,6 @@ def test_h2h_cpu_smoke(tmp_path):
     assert "breakdown" in by_system["megatrain"]
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "megatrain" in (out / "results.md").read_text()
+    # a progress bar per system, over its steps (warm-up + measured; megatrain runs one more to close its breakdown)
+    assert "megatrain L=2 T=256: 4/4 steps" in proc.stderr, proc.stderr[-3000:]
+    assert "resident L=2 T=256: 3/3 steps" in proc.stderr, proc.stderr[-3000:]
