@@ -70,12 +70,21 @@ class MegatrainSettings:
     # implies fp32 landing; 16 host bytes/param. Measured on 3B/16K/H200: 1.72 s/step vs 2.22 (bf16 wire,
     # bf16 landing) and 1.88 (bf16 wire, fp32 landing). False suits H2D-bound runs (small batches).
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory, not on the GPU
-    gpu_optimizer_layers: int = -1  # leading layers whose optimizer state lives on the GPU; -1 = from
-    # zero_optimization.offload_optimizer.ratio (fraction of optimizer state on the CPU; default 1.0 = none)
+    gpu_optimizer_layers: int | str = -1  # leading layers whose optimizer state lives on the GPU; -1 = from
+    # zero_optimization.offload_optimizer.ratio (fraction of optimizer state on the CPU; default 1.0 = none);
+    # "auto" = after the first step, as many leading layers as fit in the GPU memory that step left free
+    gpu_memory_reserve: float = 0.1  # "auto": fraction of the GPU's memory kept free above the first step's peak
 
     def __post_init__(self) -> None:
         if self.num_slots < 2:
             raise ConfigError(f"megatrain.num_slots must be >= 2 for double buffering, got {self.num_slots}")
+        n = self.gpu_optimizer_layers
+        if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= -1)):
+            raise ConfigError(f"megatrain.gpu_optimizer_layers must be a layer count >= 0, -1 (from "
+                              f"offload_optimizer.ratio) or \"auto\", got {n!r}")
+        if not 0.0 <= float(self.gpu_memory_reserve) < 1.0:
+            raise ConfigError(f"megatrain.gpu_memory_reserve must be a fraction in [0, 1), got "
+                              f"{self.gpu_memory_reserve!r}")
 
 
 @dataclass(kw_only=True, slots=True)

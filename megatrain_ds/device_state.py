@@ -16,7 +16,8 @@ trailing 24 of 36 layers on the GPU, where the forward still waited 0.22 s for t
 
 Their host copies of master and moments go stale and are refreshed by ``sync_to_host()`` (checkpoints,
 ``master_state_dict``). Cost: 16 bytes of GPU memory per parameter of those layers. ratio 1.0 (default)
-keeps every persistent tensor on the host.
+keeps every persistent tensor on the host. ``megatrain.gpu_optimizer_layers: "auto"`` picks the count after
+the first step, from the GPU memory that step left free (the embedding's state then stays on the host).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from .host_state import HostLayerStore
 class DeviceOptimizerState:
     """fp32 master, moments and gradient of layers [lo, hi) on the device."""
 
-    def __init__(self, store: HostLayerStore, lo: int, hi: int, device: torch.device) -> None:
+    def __init__(self, store: HostLayerStore, lo: int, hi: int, device: torch.device,
+                 moments_from_host: bool = False) -> None:
         self.store, self.lo, self.hi, self.device = store, lo, hi, device
         self.full0 = store.offsets[lo].full
         self.full1 = store.offsets[hi].full if hi < len(store.layouts) else store.n_full
@@ -36,9 +38,21 @@ class DeviceOptimizerState:
         self.train1 = store.offsets[hi].train if hi < len(store.layouts) else store.n_train
         self.master = store.master[self.full0:self.full1].to(device, copy=True)
         n_train = self.train1 - self.train0
-        self.exp_avg = torch.zeros(n_train, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(n_train, dtype=torch.float32, device=device)
+        if moments_from_host:  # moved here after training started ("auto"): the moments so far come along
+            self.exp_avg = store.exp_avg[self.train0:self.train1].to(device, copy=True)
+            self.exp_avg_sq = store.exp_avg_sq[self.train0:self.train1].to(device, copy=True)
+        else:
+            self.exp_avg = torch.zeros(n_train, dtype=torch.float32, device=device)
+            self.exp_avg_sq = torch.zeros(n_train, dtype=torch.float32, device=device)
         self.grad = torch.zeros(n_train, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def nbytes(store: HostLayerStore, hi: int) -> int:
+        """Device bytes the state of layers [0, hi) takes: fp32 master (all elements) + moments and gradient
+        (trainable elements)."""
+        full = store.offsets[hi].full if hi < len(store.layouts) else store.n_full
+        train = store.offsets[hi].train if hi < len(store.layouts) else store.n_train
+        return 4 * full + 12 * train
 
     def owns(self, i: int) -> bool:
         return self.lo <= i < self.hi

@@ -112,7 +112,10 @@ class MegaTrainEngine(nn.Module):
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         n_device = mt.gpu_optimizer_layers
-        if n_device < 0:  # from DeepSpeed's offload_optimizer.ratio: the fraction of optimizer state on the CPU
+        self._auto_device_state = n_device == "auto"  # decided after the first step (see _place_state_auto)
+        if n_device == "auto":
+            n_device = 0
+        elif n_device < 0:  # from DeepSpeed's offload_optimizer.ratio: the fraction of optimizer state on the CPU
             n_device = round((1.0 - config.offload_optimizer_ratio) * len(layers))
         if n_device > 0:
             self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n_device, len(layers)), device)
@@ -123,9 +126,9 @@ class MegaTrainEngine(nn.Module):
         # The module may be called without the engine (the HF Trainer evaluates ``trainer.model``; generate):
         # a module owning resident parameters refreshes their device copies first (a no-op when current).
         resident_ids = {id(p) for p in resident}
-        for module in model.modules():
-            if any(id(p) in resident_ids for p in module.parameters(recurse=False)):
-                module.register_forward_pre_hook(lambda _module, _args: self.resident.upload())
+        self._refresh_hooks = [
+            module.register_forward_pre_hook(lambda _module, _args: self.resident.upload())
+            for module in model.modules() if any(id(p) in resident_ids for p in module.parameters(recurse=False))]
         in_layers = {id(m) for m in layers.modules()}  # their buffers: the executor's per-layer device copies
         for module in model.modules():  # buffers outside the layers (e.g. rotary tables) live on the device
             if id(module) in in_layers:
@@ -216,10 +219,49 @@ class MegaTrainEngine(nn.Module):
             if self.lr_scheduler is not None and not skipped:  # DeepSpeed does not advance it on overflow
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.timer.end_step()
+            if self._auto_device_state:
+                self._auto_device_state = False
+                self._place_state_auto()
             spp = self.config_settings.steps_per_print
             if self.config_settings.wall_clock_breakdown and spp != float("inf") and self.global_steps % spp == 0:
                 print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
+
+    def _auto_budget_bytes(self) -> int | None:
+        """GPU bytes free for optimizer state after the first step: total x (1 - reserve) minus the step's peak
+        reserved by the caching allocator. None off CUDA (nothing to place)."""
+        if self.device.type != "cuda":
+            return None
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = torch.cuda.max_memory_reserved(self.device)
+        return int(total * (1.0 - self.config_settings.megatrain.gpu_memory_reserve) - peak)
+
+    def _place_state_auto(self) -> None:
+        """``gpu_optimizer_layers: "auto"``: once the first step has shown the working set, move the optimizer
+        state of as many leading layers as fit onto the GPU (their updates then run there, beside the CPU's).
+        Later batches are assumed to be no larger than the first (a longer one may then run out of memory)."""
+        budget = self._auto_budget_bytes()
+        if budget is None or self.optimizer is None:
+            return
+        n_layers = len(self.store.layouts)
+        n = 0
+        while n < n_layers and DeviceOptimizerState.nbytes(self.store, n + 1) <= budget:
+            n += 1
+        if n > 0:
+            self.move_layer_state_to_device(n)
+        print(f"[megatrain_ds] gpu_optimizer_layers auto: {n} of {n_layers} layers' optimizer state on the GPU "
+              f"({DeviceOptimizerState.nbytes(self.store, n) / 2**30:.1f} GiB of {max(budget, 0) / 2**30:.1f} GiB "
+              "left free by the first step)", flush=True)
+
+    def move_layer_state_to_device(self, n: int) -> None:
+        """Keep the fp32 master, Adam moments and gradient of the leading ``n`` layers on the device from now on
+        (between steps; the state so far comes along)."""
+        if self.executor.device_state is not None:
+            raise RuntimeError("layer optimizer state is already on the device "
+                               f"(layers [0, {self.executor.device_state.hi}))")
+        self.synchronize()  # every queued update has been applied to the host buffers
+        self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n, len(self.store.layouts)),
+                                                          self.device, moments_from_host=True)
 
     # ------------------------------------------------------------------ queries
     def train_batch_size(self) -> int:
@@ -398,6 +440,9 @@ class MegaTrainEngine(nn.Module):
         return self.timer.last
 
     def destroy(self) -> None:
+        for handle in self._refresh_hooks:  # the module outlives the engine; its hooks must not
+            handle.remove()
+        self._refresh_hooks = []
         self.synchronize()
         self.worker.shutdown(wait=True)
         self.store.close()

@@ -288,4 +288,7 @@ def test_module_called_without_the_engine_sees_the_last_step():
         direct = engine.module(input_ids=ids.to(engine.device)).logits.cpu()
         through_engine = engine(input_ids=ids).logits.cpu()
     assert torch.equal(direct, through_engine)
+    hooked = engine.module.model.embed_tokens
+    assert len(hooked._forward_pre_hooks) == 1
     engine.destroy()
+    assert len(hooked._forward_pre_hooks) == 0  # the module no longer calls into the destroyed engine

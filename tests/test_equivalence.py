@@ -150,6 +150,34 @@ def test_optimizer_state_on_device_matches_pytorch(ga, monkeypatch):
     assert engine.executor.device_state is not None and (engine.executor.device_state.lo, engine.executor.device_state.hi) == (0, 2)
 
 
+@pytest.mark.parametrize("ga", [1, 2])
+def test_auto_optimizer_state_placement_after_the_first_step_matches_pytorch(ga, monkeypatch):
+    """gpu_optimizer_layers "auto": after the first step the leading layers whose state fits the memory the
+    step left free move to the device, moments and all (here the free memory is set to what 2 of 4 layers
+    take; the same code runs on CPU); the run stays plain PyTorch's."""
+    from megatrain_ds.device_state import DeviceOptimizerState
+    from megatrain_ds.engine import MegaTrainEngine
+
+    placed = []
+
+    def budget(engine):
+        placed.append(engine.global_steps)  # asked once, after the first step
+        return DeviceOptimizerState.nbytes(engine.store, 2) + 1
+
+    monkeypatch.setattr(MegaTrainEngine, "_auto_budget_bytes", budget)
+    monkeypatch.setattr(sys.modules[__name__], "_ds_config", _with_auto)
+    engine = _compare(lambda: tiny_hf("qwen2", tied=False, layers=4), ga=ga)
+    assert placed == [1]
+    assert (engine.executor.device_state.lo, engine.executor.device_state.hi) == (0, 2)
+    assert not engine.resident.on_device  # the embedding's state stays where it was
+
+
+def _with_auto(ga, clip=CLIP):
+    cfg = _plain_ds_config(ga, clip)
+    cfg["megatrain"] = {"gpu_optimizer_layers": "auto"}
+    return cfg
+
+
 def _with_ratio(ga, clip=CLIP):
     cfg = _plain_ds_config(ga, clip)
     cfg["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}
