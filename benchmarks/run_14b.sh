@@ -2,7 +2,7 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | sweep
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweep
 #
 # Each phase fits one 10-minute device command: every system is a separate benchmarks.h2h call under its own
 # time limit, so a slow or stuck system cannot take the other's result with it; each call's results.json is
@@ -40,6 +40,7 @@ case $phase in
   auto)  export MEGATRAIN_OPTIONS='{"gpu_optimizer_layers": "auto"}'   # optimizer state of the leading layers on the GPU
          one 250 megatrain16k --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 3
          one 250 megatrain32k --systems megatrain --tokens-per-step 32768 --warmup 1 --steps 2 ;;
+  adam)  python3 -m benchmarks.host_adam --gparams 2 --threads 8,16,32,64 2>&1 | grep -v -i warning | tee -a "$log" ;;
   sweep) one 280 megatrain --systems megatrain --depth-sweep 24,72 --tokens-per-step 16384 --warmup 1 --steps 2
          one 300 zero3 --systems zero3 --depth-sweep 24 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
   *) echo "unknown phase $phase"; exit 2 ;;

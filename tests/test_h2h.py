@@ -31,3 +31,14 @@ def test_h2h_cpu_smoke(tmp_path):
     # a progress bar per system, over its steps (warm-up + measured; megatrain runs one more to close its breakdown)
     assert "megatrain L=2 T=256: 4/4 steps" in proc.stderr, proc.stderr[-3000:]
     assert "resident L=2 T=256: 3/3 steps" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_host_adam_probe_prints_a_row_per_thread_count(capsys):
+    from benchmarks import host_adam
+
+    assert host_adam.main(["--gparams", "0.002", "--threads", "1,2", "--repeats", "1", "--no-deepspeed"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[1]) > 0 and float(cells[2]) > 0 and cells[3] == "–" and float(cells[4]) > 0
