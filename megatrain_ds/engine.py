@@ -138,6 +138,9 @@ class MegaTrainEngine(nn.Module):
         self.module = model
         self._head = _fused_loss_head(model)
         self._mark_params(layers)
+        if self._auto_device_state and device.type == "cuda":
+            torch.cuda.empty_cache()  # the model's GPU copy, if it was built there, is gone: so is its peak
+            torch.cuda.reset_peak_memory_stats(device)
 
         # 3. Host optimizer over the fp32 masters.
         self.optimizer = None
@@ -228,13 +231,14 @@ class MegaTrainEngine(nn.Module):
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
 
     def _auto_budget_bytes(self) -> int | None:
-        """GPU bytes free for optimizer state after the first step: total x (1 - reserve) minus the step's peak
-        reserved by the caching allocator. None off CUDA (nothing to place)."""
+        """GPU bytes free for optimizer state after the first step: what the driver reports free now (other
+        processes and non-PyTorch memory accounted for), less the step's transient peak above what the caching
+        allocator holds now, less the reserve fraction of the GPU. None off CUDA (nothing to place)."""
         if self.device.type != "cuda":
             return None
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        peak = torch.cuda.max_memory_reserved(self.device)
-        return int(total * (1.0 - self.config_settings.megatrain.gpu_memory_reserve) - peak)
+        free, total = torch.cuda.mem_get_info(self.device)
+        transient = torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device)
+        return int(free - max(transient, 0) - total * self.config_settings.megatrain.gpu_memory_reserve)
 
     def _place_state_auto(self) -> None:
         """``gpu_optimizer_layers: "auto"``: once the first step has shown the working set, move the optimizer

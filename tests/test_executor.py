@@ -189,3 +189,30 @@ def test_gpu_offloaded_activations_cut_peak_memory():
         engine.destroy()
     # 16 saved inputs of 8x512x64 fp32 = 16 MiB on the GPU without offload
     assert peaks[1] < peaks[0] - 8 * 2**20, peaks
+
+
+@pytest.mark.gpu
+def test_gpu_auto_optimizer_state_placement():
+    """gpu_optimizer_layers "auto" on a real GPU: a tiny model's whole layer state fits, so after the first
+    step every layer's state is on the GPU; the losses stay those of the all-on-host run (fp32)."""
+    runs = {}
+    for mode in (0, "auto"):
+        torch.manual_seed(0)
+        model = tiny_hf("llama", layers=4)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "gradient_clipping": 1.0, "megatrain": {"gpu_optimizer_layers": mode}}
+        engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(5):
+            ids = torch.randint(0, 256, (2, 64), generator=gen)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        ds = engine.executor.device_state
+        runs[mode] = (losses, None if ds is None else (ds.lo, ds.hi), ds is not None and ds.master.is_cuda)
+        engine.destroy()
+    assert runs[0][1] is None
+    assert runs["auto"][1] == (0, 4) and runs["auto"][2]
+    torch.testing.assert_close(torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0)
