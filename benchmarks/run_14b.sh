@@ -2,12 +2,14 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweep
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB
 #
 # Each phase fits one 10-minute device command: every system is a separate benchmarks.h2h call under its own
 # time limit, so a slow or stuck system cannot take the other's result with it; each call's results.json is
 # copied to OUTDIR as <phase>_<system>.json as soon as it exists, and the combined log goes to OUTDIR/<phase>.log.
-# Steps: 2 warm-up + 3 measured at 16K, 1 + 2 at 96K and above (a 14B step at 96K takes tens of seconds).
+# Steps: 2 warm-up + 3 measured at 16K, 1 + 2 at 32K and above (a 14B step at 96K takes 22 s). The depth sweep at
+# the 14B width (sweepA/B, 16K tokens/step) adds 24, 72 and 96 layers to the 48 of the 16k phase for megatrain
+# (96 layers = 28.6 B params, ~480 GB of host memory) and 24 for ZeRO-3 (72 layers would need ~530 GB).
 set -u
 phase=${1:?phase}; out=${2:?outdir}
 mkdir -p "$out"
@@ -41,8 +43,10 @@ case $phase in
          one 250 megatrain16k --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 3
          one 250 megatrain32k --systems megatrain --tokens-per-step 32768 --warmup 1 --steps 2 ;;
   adam)  python3 -m benchmarks.host_adam --gparams 2 --threads 8,16,32,64 2>&1 | grep -v -i warning | tee -a "$log" ;;
-  sweep) one 280 megatrain --systems megatrain --depth-sweep 24,72 --tokens-per-step 16384 --warmup 1 --steps 2
-         one 300 zero3 --systems zero3 --depth-sweep 24 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+  sweepA) one 330 megatrainL72 --systems megatrain --layers 72 --tokens-per-step 16384 --warmup 1 --steps 2
+          one 250 zero3L24 --systems zero3 --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+  sweepB) one 200 megatrainL24 --systems megatrain --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2
+          one 380 megatrainL96 --systems megatrain --layers 96 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 rm -rf "$work"
