@@ -177,8 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--megatrain-options", default=None, metavar="JSON",
+                   help='extra keys for megatrain_ds\'s "megatrain" config block, e.g. \'{"gpu_optimizer_layers": "auto"}\'')
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.megatrain_options is not None:
+        try:
+            options = json.loads(args.megatrain_options)
+        except json.JSONDecodeError as exc:
+            p.error(f"--megatrain-options is not JSON: {exc}")
+        if not isinstance(options, dict):
+            p.error("--megatrain-options must be a JSON object")
+        os.environ["MEGATRAIN_OPTIONS"] = json.dumps(options)  # read by benchmarks.megatrain_system
     os.makedirs(args.out, exist_ok=True)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(HOST_BYTES_PER_PARAM)

@@ -39,9 +39,9 @@ case $phase in
          one 320 zero3 --systems zero3 --tokens-per-step 65536 --warmup 1 --steps 2 ;;
   32k)   one 270 zero3 --systems zero3 --tokens-per-step 32768 --warmup 1 --steps 2
          one 190 megatrain --systems megatrain --tokens-per-step 32768 --warmup 1 --steps 2 ;;
-  auto)  export MEGATRAIN_OPTIONS='{"gpu_optimizer_layers": "auto"}'   # optimizer state of the leading layers on the GPU
-         one 250 megatrain16k --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 3
-         one 250 megatrain32k --systems megatrain --tokens-per-step 32768 --warmup 1 --steps 2 ;;
+  auto)  auto='{"gpu_optimizer_layers": "auto"}'   # optimizer state of the leading layers on the GPU
+         one 250 megatrain16k --systems megatrain --megatrain-options "$auto" --tokens-per-step 16384 --warmup 2 --steps 3
+         one 250 megatrain32k --systems megatrain --megatrain-options "$auto" --tokens-per-step 32768 --warmup 1 --steps 2 ;;
   adam)  python3 -m benchmarks.host_adam --gparams 2 --threads 8,16,32,64 2>&1 | grep -v -i warning | tee -a "$log" ;;
   sweepA) one 330 megatrainL72 --systems megatrain --layers 72 --tokens-per-step 16384 --warmup 1 --steps 2
           one 250 zero3L24 --systems zero3 --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2 ;;

@@ -13,7 +13,7 @@ def test_h2h_cpu_smoke(tmp_path):
     out = tmp_path / "h2h"
     cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems",
            "megatrain,resident", "--seq", "64", "--tokens-per-step", "256", "--steps", "2", "--warmup", "1",
-           "--out", str(out)]
+           "--megatrain-options", '{"num_slots": 3}', "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,6 +26,7 @@ def test_h2h_cpu_smoke(tmp_path):
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0
         assert r["peak_gpu_bytes"] == 0 and r["peak_host_rss_bytes"] > 0 and r["host_bytes_per_param"] > 0
     assert "breakdown" in by_system["megatrain"]
+    assert by_system["megatrain"]["ds_config"]["megatrain"]["num_slots"] == 3  # --megatrain-options reached it
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "megatrain" in (out / "results.md").read_text()
     # a progress bar per system, over its steps (warm-up + measured; megatrain runs one more to close its breakdown)
