@@ -37,6 +37,9 @@ class PinnedRegion:
         self.tensor = torch.frombuffer(self.mm, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
         self.ptr, self.nbytes, self.registered = self.tensor.data_ptr(), nbytes, False
         if torch.cuda.is_available() and nbytes:
+            # Fault the pages in first, on all intra-op threads (the mapping is zero-filled already, so this
+            # writes nothing new): cudaHostRegister would otherwise fault hundreds of GB in on one thread.
+            self.tensor.zero_()
             err = torch.cuda.cudart().cudaHostRegister(self.ptr, nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (CUDA error {int(err)}): "
