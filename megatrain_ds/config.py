@@ -62,6 +62,8 @@ class MegatrainSettings:
     num_slots: int = 2  # device weight slots (2 = double buffering); more = deeper prefetch
     loss_chunk_rows: int = 0  # rows per LM-head chunk; 0 = about 256 MiB of fp32 logits per chunk
     use_liger: bool = True  # liger-kernel's fused linear cross-entropy on CUDA when installed
+    liger_kernels: bool = False  # CUDA: liger-kernel's fused RMSNorm, SwiGLU MLP and RoPE in the decoder layers
+    # (liger's own instance patching, as the HF Trainer's use_liger_kernel; RoPE is patched module-wide)
     trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
     fp32_grad_landing: bool = False  # GA 1, bf16: land gradients in fp32 (GPU converts; +2 host bytes/param,
     # 2x D2H bytes) so the host optimizer skips its bf16->fp32 pass

@@ -11,6 +11,7 @@ Reading order: ``__init__`` (how the model is split and where each tensor lives)
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from .activations import HostActivations
 from .checkpoint import consolidated_state_dict, load_checkpoint, save_16bit_model, save_checkpoint
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .executor import StreamedLayers
 from .device_state import DeviceOptimizerState
 from .host_state import HostLayerStore
@@ -28,6 +29,22 @@ from .optimizer import HostAdamW, ResidentParams
 from .streams import make_streams
 from .timing import StepTimer
 from .zero import ParamHome, mark_partitioned
+
+
+def _apply_liger_kernels(model: nn.Module, device: torch.device) -> None:
+    """``megatrain.liger_kernels``: liger-kernel's RMSNorm, SwiGLU MLP and RoPE in place of the model's (CUDA
+    only; the loss is megatrain_ds's own chunked / fused linear cross-entropy either way)."""
+    if device.type != "cuda":
+        warnings.warn("megatrain.liger_kernels: liger-kernel runs on CUDA only; the model's own kernels are used",
+                      stacklevel=3)
+        return
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as exc:
+        raise ConfigError("megatrain.liger_kernels needs liger-kernel (pip install 'megatrain-ds[gpu]'): "
+                          f"{exc}") from exc
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
 
 
 def _param_groups(model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
@@ -87,6 +104,8 @@ class MegaTrainEngine(nn.Module):
         wire_dtype = torch.float32 if mt.stream_fp32_master else compute_dtype
         self.compute_dtype, self.wire_dtype = compute_dtype, wire_dtype
         model.train()
+        if mt.liger_kernels:
+            _apply_liger_kernels(model, device)  # before the layer templates are made from the layers
         settings = config.optimizer
         defaults = settings and dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
                                      weight_decay=settings.weight_decay)

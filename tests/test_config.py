@@ -183,3 +183,16 @@ def test_zero_block_is_accepted_and_mapped():
             "stage": 3, "overlap_comm": True, "reduce_bucket_size": 1000}})
     unused = [str(w.message) for w in caught if "no effect" in str(w.message)]
     assert len(unused) == 1 and "overlap_comm, reduce_bucket_size" in unused[0]
+
+
+def test_liger_kernels_on_cpu_warn_and_keep_the_models_kernels():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("qwen2", layers=2), config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "megatrain": {"liger_kernels": True}})
+    assert any("megatrain.liger_kernels" in str(w.message) for w in caught)
+    ids = torch.randint(0, 256, (2, 8))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.destroy()

@@ -216,3 +216,32 @@ def test_gpu_auto_optimizer_state_placement():
     assert runs[0][1] is None
     assert runs["auto"][1] == (0, 4) and runs["auto"][2]
     torch.testing.assert_close(torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_liger_kernels_in_the_layers():
+    """megatrain.liger_kernels: the layer templates run liger's RMSNorm and SwiGLU (RoPE patched module-wide);
+    5 fp32 steps give the losses of the model's own kernels to 1e-4."""
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    runs = {}
+    for liger in (False, True):
+        torch.manual_seed(0)
+        model = tiny_hf("qwen2", layers=3)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "megatrain": {"liger_kernels": liger}}
+        engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(5):
+            ids = torch.randint(0, 256, (2, 64), generator=gen)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        norm = engine.executor.templates[0].input_layernorm
+        runs[liger] = (losses, getattr(norm.forward, "__func__", None) is LigerRMSNorm.forward)
+        engine.destroy()
+    assert runs[True][1] and not runs[False][1]
+    torch.testing.assert_close(torch.tensor(runs[True][0]), torch.tensor(runs[False][0]), rtol=1e-4, atol=0)
