@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Qwen2.5-3B runs on the lent H200 box (issue 6), each phase one <= 10-minute device command:
+#
+#   bash benchmarks/run_3b.sh PHASE OUTDIR      PHASE: gputests | best | knobs
+#
+#   gputests  the test suite on the GPU (the real three-stream path; tests marked gpu run only there)
+#   best      the harness's own best-batch search for all three systems (from 8K tokens/step, doubling)
+#   knobs     megatrain at 16K with gpu_optimizer_layers "auto", and at 128K with liger_kernels, vs defaults
+# Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
+set -u
+phase=${1:?phase}; out=${2:?outdir}
+mkdir -p "$out"
+source benchmarks/device_setup.sh
+export TORCH_EXTENSIONS_DIR=$PWD/.site/ext
+work=$(mktemp -d)
+log="$out/$phase.log"
+
+one() {  # one <limit_s> <tag> <h2h args...>
+  local limit=$1 tag=$2; shift 2
+  echo "== $tag: h2h $* (limit ${limit}s)" | tee -a "$log"
+  timeout --signal=INT --kill-after=20 "$limit" python3 -m benchmarks.h2h --model qwen2.5-3b --out "$work/$tag" "$@" \
+    2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | tee -a "$log"
+  [ -f "$work/$tag/results.json" ] && cp "$work/$tag/results.json" "$out/${phase}_$tag.json"
+  return 0
+}
+
+case $phase in
+  gputests) timeout 560 python3 -m pytest -q -x tests 2>&1 | tail -n 30 | tee -a "$log" ;;
+  best)  one 200 megatrain --systems megatrain --best-batch --min-tokens 8192 --max-tokens 262144 --warmup 1 --steps 3
+         one 170 resident --systems resident --best-batch --min-tokens 8192 --max-tokens 131072 --warmup 1 --steps 3
+         one 200 zero3 --systems zero3 --best-batch --min-tokens 16384 --max-tokens 131072 --warmup 1 --steps 3 ;;
+  knobs) one 130 host16k --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 5
+         one 130 auto16k --systems megatrain --megatrain-options '{"gpu_optimizer_layers": "auto"}' \
+             --tokens-per-step 16384 --warmup 2 --steps 5
+         one 150 host128k --systems megatrain --tokens-per-step 131072 --warmup 1 --steps 3
+         one 150 liger128k --systems megatrain --megatrain-options '{"liger_kernels": true}' \
+             --tokens-per-step 131072 --warmup 1 --steps 3 ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
+rm -rf "$work"
