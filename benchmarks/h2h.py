@@ -112,19 +112,34 @@ def _run_with_progress(cmd: list[str], desc: str) -> list[str]:
     return list(tail)
 
 
-def best_batch(system: str, args, layers: int | None, out: str) -> dict:
+def best_batch(system: str, args, layers: int | None, out: str, on_probe=lambda res: None) -> dict:
     """Double the tokens per step from ``--min-tokens`` (default one sequence) until the system runs out of
-    memory or passes ``--max-tokens``; keep the fastest."""
+    memory or passes ``--max-tokens``; every probe goes to ``on_probe``; the fastest gets ``best_batch: True``."""
     best, tokens = None, max(args.seq, args.min_tokens // args.seq * args.seq)
     while tokens <= args.max_tokens:
         res = run_one(system, args, layers, tokens, os.path.join(out, f"{system}_best_{tokens}.json"))
         tqdm.write(report_line(res))
+        on_probe(res)
         if res.get("status") != "ok":
             break
         if best is None or res["tokens_per_s"] > best["tokens_per_s"]:
             best = res
         tokens *= 2
+    if best is not None:
+        best["best_batch"] = True
     return best or res
+
+
+def best_vs_best_table(best: list[dict]) -> str:
+    """Each system at its fastest batch, with ratios against ZeRO-3's and the whole-on-GPU run's best."""
+    peer = {r["system"]: r["tokens_per_s"] for r in best}
+    out = ["| system (L) | best tokens/step | tokens/s | TFLOPS | vs ZeRO-3 best | vs whole-on-GPU best | peak GPU GB |",
+           "|---|---|---|---|---|---|---|"]
+    for r in sorted(best, key=lambda r: -r["tokens_per_s"]):
+        ratio = lambda s: f"{r['tokens_per_s'] / peer[s]:.2f}×" if peer.get(s) else "–"  # noqa: E731
+        out.append(f"| {r['system']} ({r['layers']}) | {r['tokens_per_step']} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['tflops']:.1f} | {ratio('zero3')} | {ratio('resident')} | {r['peak_gpu_bytes'] / 1e9:.1f} |")
+    return "\n".join(out)
 
 
 def report_line(res: dict) -> str:
@@ -196,22 +211,31 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown system(s) {sorted(unknown)}; choose from {sorted(HOST_BYTES_PER_PARAM)}")
     depths = [int(d) for d in args.depth_sweep.split(",")] if args.depth_sweep else [args.layers]
     results = []
+    results_path = os.path.join(args.out, "results.json")
+    recorded = [os.path.basename(a) if a == args.out else a for a in (sys.argv[1:] if argv is None else argv)]
+
+    def write_results() -> None:  # after every run: a harness killed mid-way keeps what it measured
+        with open(results_path + ".tmp", "w") as f:
+            json.dump({"hardware": info, "argv": recorded, "results": results}, f, indent=2, default=str)
+        os.replace(results_path + ".tmp", results_path)
+
+    info = hardware()
     for layers in depths:
         for system in systems:
-            if args.best_batch:
-                res = best_batch(system, args, layers, args.out)
+            if args.best_batch:  # every probe is recorded; the fastest is marked best_batch
+                best_batch(system, args, layers, args.out, on_probe=lambda res: (results.append(res), write_results()))
+                write_results()
             else:
                 tag = f"{system}_L{layers or 'default'}_{args.tokens_per_step}"
                 res = run_one(system, args, layers, args.tokens_per_step, os.path.join(args.out, tag + ".json"))
                 tqdm.write(report_line(res))
-            results.append(res)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        recorded = [os.path.basename(a) if a == args.out else a for a in (sys.argv[1:] if argv is None else argv)]
-        json.dump({"hardware": hardware(), "argv": recorded, "results": results},
-                  f, indent=2, default=str)
+                results.append(res)
+                write_results()
     ok = [r for r in results if r.get("status") == "ok"]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(report.throughput_table(ok) + "\n\n" + report.breakdown_table(ok) + "\n")
+        if args.best_batch:
+            f.write("\n" + best_vs_best_table([r for r in ok if r.get("best_batch")]) + "\n")
         for r in results:
             if r.get("status") != "ok":
                 f.write(f"\n- {report_line(r)}")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Qwen2.5-3B runs on the lent H200 box (issue 6), each phase one <= 10-minute device command:
 #
-#   bash benchmarks/run_3b.sh PHASE OUTDIR      PHASE: gputests | best | knobs
+#   bash benchmarks/run_3b.sh PHASE OUTDIR      PHASE: gputests | best1 | best2 | knobs
 #
 #   gputests  the test suite on the GPU (the real three-stream path; tests marked gpu run only there)
-#   best      the harness's own best-batch search for all three systems (from 8K tokens/step, doubling)
+#   best1/2   the harness's own best-batch search for all three systems (doubling; results.json grows per run)
 #   knobs     megatrain at 16K with gpu_optimizer_layers "auto", and at 128K with liger_kernels, vs defaults
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
@@ -26,9 +26,9 @@ one() {  # one <limit_s> <tag> <h2h args...>
 
 case $phase in
   gputests) timeout 560 python3 -m pytest -q -x tests 2>&1 | tail -n 30 | tee -a "$log" ;;
-  best)  one 200 megatrain --systems megatrain --best-batch --min-tokens 8192 --max-tokens 262144 --warmup 1 --steps 3
-         one 170 resident --systems resident --best-batch --min-tokens 8192 --max-tokens 131072 --warmup 1 --steps 3
-         one 200 zero3 --systems zero3 --best-batch --min-tokens 16384 --max-tokens 131072 --warmup 1 --steps 3 ;;
+  best1) one 290 megatrain --systems megatrain --best-batch --min-tokens 16384 --max-tokens 262144 --warmup 1 --steps 3
+         one 200 resident --systems resident --best-batch --min-tokens 8192 --max-tokens 131072 --warmup 1 --steps 3 ;;
+  best2) one 500 zero3 --systems zero3 --best-batch --min-tokens 16384 --max-tokens 131072 --warmup 1 --steps 3 ;;
   knobs) one 130 host16k --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 5
          one 130 auto16k --systems megatrain --megatrain-options '{"gpu_optimizer_layers": "auto"}' \
              --tokens-per-step 16384 --warmup 2 --steps 5

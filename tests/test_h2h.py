@@ -43,3 +43,20 @@ def test_host_adam_probe_prints_a_row_per_thread_count(capsys):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1]) > 0 and float(cells[2]) > 0 and cells[3] == "–" and float(cells[4]) > 0
+
+
+def test_h2h_best_batch_records_every_probe_and_marks_the_fastest(tmp_path):
+    out = tmp_path / "best"
+    cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems",
+           "megatrain,resident", "--seq", "64", "--best-batch", "--min-tokens", "64", "--max-tokens", "128",
+           "--steps", "1", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((out / "results.json").read_text())["results"]
+    for system in ("megatrain", "resident"):
+        probes = [r for r in runs if r["system"] == system]
+        assert [r["tokens_per_step"] for r in probes] == [64, 128]
+        best = [r for r in probes if r.get("best_batch")]
+        assert len(best) == 1 and best[0]["tokens_per_s"] == max(r["tokens_per_s"] for r in probes)
+    assert "best tokens/step" in (out / "results.md").read_text()
