@@ -4,49 +4,33 @@
 #
 #   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB
 #
-# Each phase fits one 10-minute device command: every system is a separate benchmarks.h2h call under its own
-# time limit, so a slow or stuck system cannot take the other's result with it; each call's results.json is
-# copied to OUTDIR as <phase>_<system>.json as soon as it exists, and the combined log goes to OUTDIR/<phase>.log.
+# Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
+# limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
 # Steps: 2 warm-up + 3 measured at 16K, 1 + 2 at 32K and above (a 14B step at 96K takes 22 s). The depth sweep at
 # the 14B width (sweepA/B, 16K tokens/step) adds 24, 72 and 96 layers to the 48 of the 16k phase for megatrain
 # (96 layers = 28.6 B params, ~480 GB of host memory) and 24 for ZeRO-3 (72 layers would need ~530 GB).
 set -u
-phase=${1:?phase}; out=${2:?outdir}
-mkdir -p "$out"
-source benchmarks/device_setup.sh
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} TORCH_EXTENSIONS_DIR=$PWD/.site/ext
-work=$(mktemp -d)
-log="$out/$phase.log"
+phase=${1:?phase}; out=${2:?outdir}; model=qwen2.5-14b
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one GPU of the box
+source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 
-one() {  # one <limit_s> <tag> <h2h args...>
-  local limit=$1 tag=$2; shift 2
-  echo "== $tag: h2h $* (limit ${limit}s)" | tee -a "$log"
-  timeout --signal=INT --kill-after=20 "$limit" python3 -m benchmarks.h2h --model qwen2.5-14b --out "$work/$tag" "$@" \
-    2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | tee -a "$log"
-  [ -f "$work/$tag/results.json" ] && cp "$work/$tag/results.json" "$out/${phase}_$tag.json"
-  # a system killed by the limit leaves its per-run JSON only if it finished; keep whatever is there
-  for f in "$work/$tag"/*_L*.json; do [ -f "$f" ] && [ ! -f "$out/${phase}_$tag.json" ] && cp "$f" "$out/${phase}_$tag.json"; done
-  return 0
-}
-
 case $phase in
-  16k)   one 250 megatrain --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 3
-         one 330 zero3 --systems zero3 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
-  96k)   one 230 megatrain --systems megatrain --tokens-per-step 98304 --warmup 1 --steps 2
-         one 350 zero3 --systems zero3 --tokens-per-step 98304 --warmup 1 --steps 2 ;;
-  64k)   one 250 megatrain --systems megatrain --tokens-per-step 65536 --warmup 1 --steps 2
-         one 320 zero3 --systems zero3 --tokens-per-step 65536 --warmup 1 --steps 2 ;;
-  32k)   one 270 zero3 --systems zero3 --tokens-per-step 32768 --warmup 1 --steps 2
-         one 190 megatrain --systems megatrain --tokens-per-step 32768 --warmup 1 --steps 2 ;;
+  16k)   h2h_call 250 megatrain --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 3
+         h2h_call 330 zero3 --systems zero3 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
+  96k)   h2h_call 230 megatrain --systems megatrain --tokens-per-step 98304 --warmup 1 --steps 2
+         h2h_call 350 zero3 --systems zero3 --tokens-per-step 98304 --warmup 1 --steps 2 ;;
+  64k)   h2h_call 250 megatrain --systems megatrain --tokens-per-step 65536 --warmup 1 --steps 2
+         h2h_call 320 zero3 --systems zero3 --tokens-per-step 65536 --warmup 1 --steps 2 ;;
+  32k)   h2h_call 270 zero3 --systems zero3 --tokens-per-step 32768 --warmup 1 --steps 2
+         h2h_call 190 megatrain --systems megatrain --tokens-per-step 32768 --warmup 1 --steps 2 ;;
   auto)  auto='{"gpu_optimizer_layers": "auto"}'   # optimizer state of the leading layers on the GPU
-         one 250 megatrain16k --systems megatrain --megatrain-options "$auto" --tokens-per-step 16384 --warmup 2 --steps 3
-         one 250 megatrain32k --systems megatrain --megatrain-options "$auto" --tokens-per-step 32768 --warmup 1 --steps 2 ;;
+         h2h_call 250 megatrain16k --systems megatrain --megatrain-options "$auto" --tokens-per-step 16384 --warmup 2 --steps 3
+         h2h_call 250 megatrain32k --systems megatrain --megatrain-options "$auto" --tokens-per-step 32768 --warmup 1 --steps 2 ;;
   adam)  python3 -m benchmarks.host_adam --gparams 2 --threads 8,16,32,64 2>&1 | grep -v -i warning | tee -a "$log" ;;
-  sweepA) one 330 megatrainL72 --systems megatrain --layers 72 --tokens-per-step 16384 --warmup 1 --steps 2
-          one 250 zero3L24 --systems zero3 --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
-  sweepB) one 200 megatrainL24 --systems megatrain --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2
-          one 380 megatrainL96 --systems megatrain --layers 96 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+  sweepA) h2h_call 330 megatrainL72 --systems megatrain --layers 72 --tokens-per-step 16384 --warmup 1 --steps 2
+          h2h_call 250 zero3L24 --systems zero3 --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+  sweepB) h2h_call 200 megatrainL24 --systems megatrain --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2
+          h2h_call 380 megatrainL96 --systems megatrain --layers 96 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
-rm -rf "$work"

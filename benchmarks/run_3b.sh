@@ -8,33 +8,20 @@
 #   knobs     megatrain at 16K with gpu_optimizer_layers "auto", and at 128K with liger_kernels, vs defaults
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
-phase=${1:?phase}; out=${2:?outdir}
-mkdir -p "$out"
-source benchmarks/device_setup.sh
-export TORCH_EXTENSIONS_DIR=$PWD/.site/ext
-work=$(mktemp -d)
-log="$out/$phase.log"
-
-one() {  # one <limit_s> <tag> <h2h args...>
-  local limit=$1 tag=$2; shift 2
-  echo "== $tag: h2h $* (limit ${limit}s)" | tee -a "$log"
-  timeout --signal=INT --kill-after=20 "$limit" python3 -m benchmarks.h2h --model qwen2.5-3b --out "$work/$tag" "$@" \
-    2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | tee -a "$log"
-  [ -f "$work/$tag/results.json" ] && cp "$work/$tag/results.json" "$out/${phase}_$tag.json"
-  return 0
-}
+phase=${1:?phase}; out=${2:?outdir}; model=qwen2.5-3b
+source benchmarks/phase_lib.sh
+free -g | tee -a "$log"
 
 case $phase in
   gputests) timeout 560 python3 -m pytest -q -x tests 2>&1 | tail -n 30 | tee -a "$log" ;;
-  best1) one 290 megatrain --systems megatrain --best-batch --min-tokens 16384 --max-tokens 262144 --warmup 1 --steps 3
-         one 200 resident --systems resident --best-batch --min-tokens 8192 --max-tokens 131072 --warmup 1 --steps 3 ;;
-  best2) one 500 zero3 --systems zero3 --best-batch --min-tokens 16384 --max-tokens 131072 --warmup 1 --steps 3 ;;
-  knobs) one 130 host16k --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 5
-         one 130 auto16k --systems megatrain --megatrain-options '{"gpu_optimizer_layers": "auto"}' \
+  best1) h2h_call 290 megatrain --systems megatrain --best-batch --min-tokens 16384 --max-tokens 262144 --warmup 1 --steps 3
+         h2h_call 200 resident --systems resident --best-batch --min-tokens 8192 --max-tokens 131072 --warmup 1 --steps 3 ;;
+  best2) h2h_call 500 zero3 --systems zero3 --best-batch --min-tokens 16384 --max-tokens 131072 --warmup 1 --steps 3 ;;
+  knobs) h2h_call 130 host16k --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 5
+         h2h_call 130 auto16k --systems megatrain --megatrain-options '{"gpu_optimizer_layers": "auto"}' \
              --tokens-per-step 16384 --warmup 2 --steps 5
-         one 150 host128k --systems megatrain --tokens-per-step 131072 --warmup 1 --steps 3
-         one 150 liger128k --systems megatrain --megatrain-options '{"liger_kernels": true}' \
+         h2h_call 150 host128k --systems megatrain --tokens-per-step 131072 --warmup 1 --steps 3
+         h2h_call 150 liger128k --systems megatrain --megatrain-options '{"liger_kernels": true}' \
              --tokens-per-step 131072 --warmup 1 --steps 3 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
-rm -rf "$work"

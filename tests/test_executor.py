@@ -191,57 +191,50 @@ def test_gpu_offloaded_activations_cut_peak_memory():
     assert peaks[1] < peaks[0] - 8 * 2**20, peaks
 
 
+def _five_step_run(arch: str, layers: int, megatrain: dict, inspect_engine):
+    """5 fp32 steps of a tiny model with the given ``megatrain`` block: (losses, inspect_engine(engine))."""
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "gradient_clipping": 1.0, "megatrain": megatrain}
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf(arch, layers=layers), config=cfg)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(5):
+        ids = torch.randint(0, 256, (2, 64), generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    seen = inspect_engine(engine)
+    engine.destroy()
+    return losses, seen
+
+
 @pytest.mark.gpu
 def test_gpu_auto_optimizer_state_placement():
     """gpu_optimizer_layers "auto" on a real GPU: a tiny model's whole layer state fits, so after the first
     step every layer's state is on the GPU; the losses stay those of the all-on-host run (fp32)."""
-    runs = {}
-    for mode in (0, "auto"):
-        torch.manual_seed(0)
-        model = tiny_hf("llama", layers=4)
-        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "gradient_clipping": 1.0, "megatrain": {"gpu_optimizer_layers": mode}}
-        engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(5):
-            ids = torch.randint(0, 256, (2, 64), generator=gen)
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+    def placed(engine):
         ds = engine.executor.device_state
-        runs[mode] = (losses, None if ds is None else (ds.lo, ds.hi), ds is not None and ds.master.is_cuda)
-        engine.destroy()
-    assert runs[0][1] is None
-    assert runs["auto"][1] == (0, 4) and runs["auto"][2]
-    torch.testing.assert_close(torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0)
+        return None if ds is None else (ds.lo, ds.hi, ds.master.is_cuda)
+
+    host_losses, host_placed = _five_step_run("llama", 4, {"gpu_optimizer_layers": 0}, placed)
+    auto_losses, auto_placed = _five_step_run("llama", 4, {"gpu_optimizer_layers": "auto"}, placed)
+    assert host_placed is None and auto_placed == (0, 4, True)
+    torch.testing.assert_close(torch.tensor(auto_losses), torch.tensor(host_losses), rtol=1e-5, atol=0)
 
 
 @pytest.mark.gpu
 def test_gpu_liger_kernels_in_the_layers():
-    """megatrain.liger_kernels: the layer templates run liger's RMSNorm and SwiGLU (RoPE patched module-wide);
+    """megatrain.liger_kernels: the layer templates run liger's RMSNorm (and SwiGLU; RoPE patched module-wide);
     5 fp32 steps give the losses of the model's own kernels to 1e-4."""
     pytest.importorskip("liger_kernel")
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
 
-    runs = {}
-    for liger in (False, True):
-        torch.manual_seed(0)
-        model = tiny_hf("qwen2", layers=3)
-        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "megatrain": {"liger_kernels": liger}}
-        engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(5):
-            ids = torch.randint(0, 256, (2, 64), generator=gen)
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        norm = engine.executor.templates[0].input_layernorm
-        runs[liger] = (losses, getattr(norm.forward, "__func__", None) is LigerRMSNorm.forward)
-        engine.destroy()
-    assert runs[True][1] and not runs[False][1]
-    torch.testing.assert_close(torch.tensor(runs[True][0]), torch.tensor(runs[False][0]), rtol=1e-4, atol=0)
+    def liger_norm(engine):
+        return getattr(engine.executor.templates[0].input_layernorm.forward, "__func__", None) is LigerRMSNorm.forward
+
+    own_losses, own_liger = _five_step_run("qwen2", 3, {"liger_kernels": False}, liger_norm)
+    liger_losses, liger_used = _five_step_run("qwen2", 3, {"liger_kernels": True}, liger_norm)
+    assert liger_used and not own_liger
+    torch.testing.assert_close(torch.tensor(liger_losses), torch.tensor(own_losses), rtol=1e-4, atol=0)

@@ -1,0 +1,20 @@
+# Sourced by benchmarks/run_3b.sh and run_14b.sh: one device command per phase, each system in its own
+# benchmarks.h2h call under its own time limit (a slow or stuck system cannot take the others' results with it).
+# Needs: model, phase, out set by the caller. Provides: h2h_call LIMIT TAG H2H-ARGS...
+set -u
+mkdir -p "$out"
+source benchmarks/device_setup.sh
+export TORCH_EXTENSIONS_DIR=$PWD/.site/ext  # DeepSpeed's JIT ops, built once per machine
+work=$(mktemp -d)
+log="$out/$phase.log"
+trap 'rm -rf "$work"' EXIT
+
+h2h_call() {  # h2h_call <limit_s> <tag> <h2h args...>: OUTDIR/<phase>_<tag>.json is that call's results.json
+  local limit=$1 tag=$2; shift 2
+  echo "== $tag: h2h --model $model $* (limit ${limit}s)" | tee -a "$log"
+  timeout --signal=INT --kill-after=20 "$limit" python3 -m benchmarks.h2h --model "$model" --out "$work/$tag" "$@" \
+    2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | tee -a "$log"
+  # h2h rewrites results.json after every run, so a call cut off by its limit still leaves what it measured
+  [ -f "$work/$tag/results.json" ] && cp "$work/$tag/results.json" "$out/${phase}_$tag.json"
+  return 0
+}
