@@ -99,8 +99,11 @@ def _run_with_progress(cmd: list[str], desc: str) -> list[str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith(PROGRESS_TAG):
-            _, done, total, seconds = line.split()
+        if PROGRESS_TAG in line:  # anywhere: a child's partial stderr line (no newline yet) may precede it
+            head, _, rest = line.partition(PROGRESS_TAG)
+            if head.strip():
+                tail.append(head + "\n")
+            done, total, seconds = rest.split()[:3]
             bar.total = int(total)
             bar.n = int(done)
             bar.set_postfix_str(f"last step {float(seconds):.2f} s", refresh=False)

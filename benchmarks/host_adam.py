@@ -76,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         torch.set_num_threads(t)  # also the OpenMP thread count DeepSpeed's op uses
         fused = fused_adamw_seconds(n, args.repeats)
-        ds_cell = f"{n / _best_time(ds_step, args.repeats) / 1e9:.2f}" if ds_step else "–"
+        ds_cell = f"{n / _best_time(ds_step, args.repeats) / 1e9:.3g}" if ds_step else "–"
         copy = copy_seconds(n, args.repeats)
-        print(f"| {t} | {n / fused / 1e9:.2f} | {n * ADAM_BYTES_PER_PARAM / fused / 1e9:.0f} | {ds_cell} | "
-              f"{2 * 4 * n / copy / 1e9:.0f} |", flush=True)
+        # 3 significant digits: a slow or tiny run still prints a nonzero rate
+        print(f"| {t} | {n / fused / 1e9:.3g} | {n * ADAM_BYTES_PER_PARAM / fused / 1e9:.3g} | {ds_cell} | "
+              f"{2 * 4 * n / copy / 1e9:.3g} |", flush=True)
     return 0
 
 
