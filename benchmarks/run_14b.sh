@@ -2,12 +2,12 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | 7b
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b
 #
 # Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
 # limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
 # Steps: 2 warm-up + 3 measured at 16K, 1 + 2 at 32K and above (a 14B step at 96K takes 22 s). The depth sweep at
-# the 14B width (sweepA/B, 16K tokens/step) adds 24, 72 and 96 layers to the 48 of the 16k phase for megatrain
+# the 14B width (sweepA/B/C, 16K tokens/step) adds 24, 72 and 96 layers to the 48 of the 16k phase for megatrain
 # (96 layers = 28 B params, ~470 GB of host memory) and 24 for ZeRO-3 (72 layers would need ~540 GB).
 set -u
 phase=${1:?phase}; out=${2:?outdir}; model=qwen2.5-14b
@@ -32,12 +32,13 @@ case $phase in
   # the harness's host-memory check (~27 B/param), recorded with its numbers
   sweepA) h2h_call 320 megatrainL96 --systems megatrain --layers 96 --tokens-per-step 16384 --warmup 1 --steps 2
           h2h_call 100 megatrainL24 --systems megatrain --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2
-          h2h_call 150 zero3L24 --systems zero3 --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2
           h2h_call 30 zero3L72 --systems zero3 --layers 72 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
-  sweepB) h2h_call 280 megatrainL72 --systems megatrain --layers 72 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+  # ZeRO-3 at 24 layers builds for 2:13 (a 150 s limit in sweepA cut it after its first step)
+  sweepB) h2h_call 220 zero3L24 --systems zero3 --layers 24 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+  sweepC) h2h_call 280 megatrainL72 --systems megatrain --layers 72 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
   # Qwen2.5-7B (issue 6; ZeRO-3 needs ~190 GB of host memory, more than the one-GPU boxes have)
   7b)    model=qwen2.5-7b
          h2h_call 110 megatrain --systems megatrain --tokens-per-step 16384 --warmup 1 --steps 2
-         h2h_call 170 zero3 --systems zero3 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+         h2h_call 200 zero3 --systems zero3 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
