@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/run_3b.sh PHASE OUTDIR      PHASE: gputests | best1 | best2 | knobs
 #
-#   gputests  the test suite on the GPU (the real three-stream path; tests marked gpu run only there)
+#   gputests  the test suite on the GPU (the real three-stream path; tests marked gpu run only there);
+#             PYTEST_ARGS="-m gpu tests" runs only those
 #   best1/2   the harness's own best-batch search for all three systems (doubling; results.json grows per run)
 #   knobs     megatrain at 16K with gpu_optimizer_layers "auto", and at 128K with liger_kernels, vs defaults
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
@@ -13,7 +14,7 @@ source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 
 case $phase in
-  gputests) timeout 560 python3 -m pytest -q -x tests 2>&1 | tail -n 30 | tee -a "$log" ;;
+  gputests) timeout ${GPUTEST_LIMIT:-560} python3 -m pytest -q ${PYTEST_ARGS:-tests} 2>&1 | tail -n 30 | tee -a "$log" ;;
   best1) h2h_call 290 megatrain --systems megatrain --best-batch --min-tokens 16384 --max-tokens 262144 --warmup 1 --steps 3
          h2h_call 200 resident --systems resident --best-batch --min-tokens 8192 --max-tokens 131072 --warmup 1 --steps 3 ;;
   best2) h2h_call 500 zero3 --systems zero3 --best-batch --min-tokens 16384 --max-tokens 131072 --warmup 1 --steps 3 ;;
