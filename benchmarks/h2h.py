@@ -172,6 +172,7 @@ def plot(results: list[dict], path: str, depth_sweep: bool) -> None:
         ax.bar(systems, [max(r["tflops"] for r in ok if r["system"] == s) for s in systems])
         ax.set_xlabel("system")
     ax.set_ylabel("model TFLOPS")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"{ok[0]['model'] if ok else ''}: throughput" if ok else "no successful run")
     if depth_sweep and ok:
         ax.legend()

@@ -1,12 +1,14 @@
 """Markdown tables from a folder of ``benchmarks.run_system`` result JSONs.
 
     python -m benchmarks.report benchmarks/results/2026-11-22_h200_qwen2.5-3b
+    python -m benchmarks.report DIR --depth-plot depth.png --tokens 16384   # also TFLOPS vs layers
 
-Rows are grouped by tokens per step; each row's ratios are against the ``zero3`` and ``resident`` rows
-of the same tokens per step (same device run). Units: tokens/s, TFLOPS (ANCHORS formula), GB = 1e9 bytes.
+Rows are grouped by tokens per step and depth; each row's ratios are against the ``zero3`` and ``resident``
+rows of the same tokens per step and number of layers. Units: tokens/s, TFLOPS (ANCHORS formula), GB = 1e9 bytes.
 """
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -27,10 +29,16 @@ def load(folder: str) -> list[dict]:
             for row in data["results"]:
                 row.setdefault("name", stem)
                 row.setdefault("tokens_per_step", 0)
+                row["file"] = stem
                 rows.append(row)
             continue
-        data["name"] = stem
+        data["name"] = data["file"] = stem
         rows.append(data)
+    # the same run name from two files (e.g. one configuration with and without a knob): name them by file too
+    names = [r["name"] for r in rows]
+    for row in rows:
+        if names.count(row["name"]) > 1:
+            row["name"] = f"{row['file']}: {row['name']}"
     return rows
 
 
@@ -41,19 +49,21 @@ def _ratio(row: dict, peer: dict | None) -> str:
 
 
 def throughput_table(rows: list[dict]) -> str:
-    out = ["| run | tokens/step | s/step | tokens/s | TFLOPS | vs ZeRO-3 | vs whole-on-GPU | peak GPU GB "
+    """One row per run, grouped by (tokens/step, layers); ratios against that group's zero3/resident row."""
+    out = ["| run | layers | tokens/step | s/step | tokens/s | TFLOPS | vs ZeRO-3 | vs whole-on-GPU | peak GPU GB "
            "| peak host RSS GB | host B/param |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for tokens in sorted({r["tokens_per_step"] for r in rows}):
-        group = [r for r in rows if r["tokens_per_step"] == tokens]
-        zero3 = next((r for r in group if r["system"] == "zero3"), None)
-        resident = next((r for r in group if r["system"] == "resident"), None)
-        for r in sorted(group, key=lambda r: -r.get("tokens_per_s", 0)):
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    groups = sorted({(r["tokens_per_step"], r.get("layers") or 0) for r in rows})
+    for tokens, layers in groups:
+        group = [r for r in rows if (r["tokens_per_step"], r.get("layers") or 0) == (tokens, layers)]
+        zero3 = next((r for r in group if r["system"] == "zero3" and r.get("status") == "ok"), None)
+        resident = next((r for r in group if r["system"] == "resident" and r.get("status") == "ok"), None)
+        for r in sorted(group, key=lambda r: -(r.get("tokens_per_s") or 0)):
             if r.get("status") != "ok":
-                out.append(f"| {r['name']} | {tokens} | {r.get('status')} | | | | | | | |")
+                out.append(f"| {r['name']} | {layers} | {tokens} | {r.get('status')} | | | | | | | |")
                 continue
             out.append(
-                f"| {r['name']} | {tokens} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                f"| {r['name']} | {layers} | {tokens} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                 f"{r['tflops']:.1f} | {_ratio(r, zero3)} | {_ratio(r, resident)} | "
                 f"{r['peak_gpu_bytes'] / 1e9:.1f} | {r['peak_host_rss_bytes'] / 1e9:.1f} | "
                 f"{r['host_bytes_per_param']:.1f} |")
@@ -75,10 +85,20 @@ def breakdown_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    rows = load(argv[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder")
+    p.add_argument("--depth-plot", metavar="PNG", help="also plot TFLOPS vs layers per system (h2h's depth plot)")
+    p.add_argument("--tokens", type=int, default=16384, help="the tokens/step of the runs in the depth plot")
+    args = p.parse_args(argv)
+    rows = load(args.folder)
     print(throughput_table(rows))
     print()
     print(breakdown_table(rows))
+    if args.depth_plot:
+        from benchmarks.h2h import plot
+
+        plot([r for r in rows if r["tokens_per_step"] == args.tokens], args.depth_plot, depth_sweep=True)
+        print(f"wrote {args.depth_plot}")
     return 0
 
 

@@ -60,3 +60,25 @@ def test_h2h_best_batch_records_every_probe_and_marks_the_fastest(tmp_path):
         best = [r for r in probes if r.get("best_batch")]
         assert len(best) == 1 and best[0]["tokens_per_s"] == max(r["tokens_per_s"] for r in probes)
     assert "best tokens/step" in (out / "results.md").read_text()
+
+
+def test_report_compares_rows_of_the_same_depth_and_names_duplicate_runs_by_file(tmp_path):
+    """A depth sweep puts several depths at one tokens/step: each megatrain row is compared with the ZeRO-3 row
+    of its own depth, and one run name coming from two files is told apart by the file."""
+    from benchmarks import report
+
+    def run(system, layers, tok_s):
+        return {"system": system, "layers": layers, "tokens_per_step": 16384, "status": "ok",
+                "name": f"{system}_L{layers}_16384", "median_step_s": 16384 / tok_s, "tokens_per_s": tok_s,
+                "tflops": 1.0, "peak_gpu_bytes": 0, "peak_host_rss_bytes": 0, "host_bytes_per_param": 0.0}
+
+    files = {"sweep_megatrain": [run("megatrain", 24, 300.0), run("megatrain", 48, 150.0)],
+             "sweep_zero3": [run("zero3", 24, 200.0), run("zero3", 48, 50.0)],
+             "knob_megatrain": [run("megatrain", 48, 120.0)]}
+    for stem, rows in files.items():
+        (tmp_path / f"{stem}.json").write_text(json.dumps({"hardware": {}, "results": rows}))
+    table = report.throughput_table(report.load(str(tmp_path)))
+    lines = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+    assert "1.50×" in lines["megatrain_L24_16384"]          # 300 / 200, not 300 / 50
+    assert "3.00×" in lines["sweep_megatrain: megatrain_L48_16384"]   # 150 / 50
+    assert "2.40×" in lines["knob_megatrain: megatrain_L48_16384"]    # 120 / 50
