@@ -6,8 +6,9 @@ Bytes per parameter (trainable, bf16 compute):
     = 18 with GA > 1 (an fp32 accumulator; landings go through a small pinned ring)
 In fp32 mode the pinned master *is* the wire copy: 16 bytes with GA 1.
 
-Flat buffers are allocated once and pinned with ``cudaHostRegister`` (the caching host allocator behind
-``pin_memory=True`` rounds each block up to a power of two, which would cost up to 2x on a 12 GB buffer).
+Flat buffers are allocated once, each in its own private mapping (huge pages, not inherited by fork), and
+the streamed ones pinned with ``cudaHostRegister`` (the caching host allocator behind ``pin_memory=True``
+rounds each block up to a power of two, which would cost up to 2x on a 12 GB buffer).
 """
 from __future__ import annotations
 
@@ -22,8 +23,29 @@ import torch
 from .model_map import LayerLayout
 
 
+def _anonymous_mapping(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping for engine state, advised (best effort, Linux) to use huge pages and to stay
+    out of forked children.
+
+    Huge pages: 512x fewer pages to fault in, to pin with ``cudaHostRegister`` and to free at exit (hundreds
+    of GB at 14B+). Not inherited by ``fork()``: a DataLoader worker would otherwise share every page
+    copy-on-write, so each page the optimizer writes afterwards would be copied while the worker lives (the
+    host state would double), and pages pinned for DMA would be copied eagerly at each fork. A forked child
+    cannot read the engine's state (it has no use for it; spawn a process instead).
+    """
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        if hasattr(mmap, advice) and nbytes:
+            try:
+                mm.madvise(getattr(mmap, advice))
+            except OSError:  # e.g. transparent huge pages compiled out: 4 KiB pages, same semantics
+                pass
+    return mm
+
+
 class PinnedRegion:
-    """An anonymous mmap page-locked with ``cudaHostRegister``; owns the mapping until released.
+    """A private anonymous mapping (see ``_anonymous_mapping``), page-locked with ``cudaHostRegister`` when
+    ``pin`` and CUDA is available; owns the mapping until released.
 
     Why not ``torch.empty(pin_memory=True)``: the caching host allocator rounds each block up to a power of
     two (a 6.2 GB wire copy would take 8 GB). Why an mmap: a page-aligned mapping no other object shares, so
@@ -31,12 +53,12 @@ class PinnedRegion:
     reused) while it is still registered: ``release()`` unregisters first.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool = True) -> None:
         nbytes = numel * torch.tensor([], dtype=dtype).element_size()
-        self.mm = mmap.mmap(-1, max(nbytes, 1))
+        self.mm = _anonymous_mapping(nbytes)
         self.tensor = torch.frombuffer(self.mm, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
         self.ptr, self.nbytes, self.registered = self.tensor.data_ptr(), nbytes, False
-        if torch.cuda.is_available() and nbytes:
+        if pin and torch.cuda.is_available() and nbytes:
             # Fault the pages in first, on all intra-op threads (the mapping is zero-filled already, so this
             # writes nothing new): cudaHostRegister would otherwise fault hundreds of GB in on one thread.
             self.tensor.zero_()
@@ -56,10 +78,11 @@ class PinnedRegion:
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool, regions: list) -> torch.Tensor:
-    """A flat host tensor; page-locked (and recorded in ``regions`` for release) when ``pin``."""
-    if not pin:
-        return torch.empty(numel, dtype=dtype)
-    region = PinnedRegion(numel, dtype)
+    """A flat, zero-filled host tensor in its own mapping (``_anonymous_mapping``); page-locked when ``pin``.
+    Recorded in ``regions`` for release."""
+    if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system: the plain allocator, unpinned
+        return torch.zeros(numel, dtype=dtype)
+    region = PinnedRegion(numel, dtype, pin)
     regions.append(region)
     return region.tensor
 
@@ -94,8 +117,8 @@ class HostLayerStore:
         self.wire_is_master = wire_dtype == torch.float32
         # in fp32 mode the master is what streams to the GPU, so it is the pinned one
         self.master = host_buffer(full, torch.float32, pin and self.wire_is_master, self.regions)
-        self.exp_avg = torch.zeros(train, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(train, dtype=torch.float32)
+        self.exp_avg = host_buffer(train, torch.float32, False, self.regions)
+        self.exp_avg_sq = host_buffer(train, torch.float32, False, self.regions)
         self.wire = self.master if self.wire_is_master else host_buffer(full, wire_dtype, pin, self.regions)
         # Gradients: landed directly in their home (GA 1; in the wire dtype, or fp32 when
         # ``grad_dtype`` says so: the GPU converts before the D2H), or landed in a pinned ring and
