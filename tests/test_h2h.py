@@ -82,3 +82,17 @@ def test_report_compares_rows_of_the_same_depth_and_names_duplicate_runs_by_file
     assert "1.50×" in lines["megatrain_L24_16384"]          # 300 / 200, not 300 / 50
     assert "3.00×" in lines["sweep_megatrain: megatrain_L48_16384"]   # 150 / 50
     assert "2.40×" in lines["knob_megatrain: megatrain_L48_16384"]    # 120 / 50
+
+
+def test_h2h_depth_sweep_runs_each_depth_and_plots_tflops_against_layers(tmp_path):
+    out = tmp_path / "depth"
+    cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems", "megatrain",
+           "--seq", "64", "--tokens-per-step", "128", "--depth-sweep", "1,3", "--steps", "1", "--warmup", "1",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((out / "results.json").read_text())["results"]
+    assert [(r["system"], r["layers"], r["status"]) for r in runs] == [("megatrain", 1, "ok"), ("megatrain", 3, "ok")]
+    assert runs[1]["n_params"] > runs[0]["n_params"]  # same width, more layers
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
