@@ -80,15 +80,10 @@ def initialize(*args, **kwargs):
 def _ensure_process_group() -> None:
     """As DeepSpeed's ``zero.Init`` does: make sure a process group exists (transformers' ZeRO-3 weight loading
     asks ``torch.distributed`` and ``deepspeed.comm`` for the rank). One process: an in-memory world of one."""
-    import torch.distributed as dist
-
-    import deepspeed.comm
+    from megatrain_ds.comm import ensure_deepspeed_comm
 
     _require_one_process()
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if not deepspeed.comm.is_initialized():
-        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    ensure_deepspeed_comm()
 
 
 def _zero_init_class():

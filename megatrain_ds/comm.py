@@ -25,6 +25,18 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                             world_size=world)
 
 
+def ensure_deepspeed_comm() -> None:
+    """Make ``torch.distributed`` and ``deepspeed.comm`` answer in one process, as DeepSpeed's own
+    initialize leaves them (its monitors and transformers' ZeRO-3 loading ask them for the rank): an
+    in-memory world of one, no port, no launcher. Under a launcher the group must already exist."""
+    import deepspeed.comm
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not deepspeed.comm.is_initialized():
+        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+
 def get_rank(group=None) -> int:
     return dist.get_rank(group) if is_initialized() else int(os.environ.get("RANK", 0))
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .loss_scale import LossScaler
+from .monitor import monitor_config
 
 
 class ConfigError(ValueError):
@@ -106,6 +107,7 @@ class TrainConfig:
     zero_stage: int = 0
     offload_optimizer_ratio: float = 1.0  # zero_optimization.offload_optimizer.ratio
     megatrain: MegatrainSettings = field(default_factory=MegatrainSettings)
+    monitor: Any = None  # DeepSpeed's monitor config when a tensorboard/wandb/csv_monitor/comet block is enabled
     raw: dict = field(default_factory=dict)
 
 
@@ -258,4 +260,4 @@ def parse_config(config, world_size: int = 1) -> TrainConfig:
         steps_per_print=float("inf") if spp in (None, "inf", float("inf")) else _num(spp, "steps_per_print"),
         wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)), zero_stage=zero_stage,
         offload_optimizer_ratio=ratio,
-        megatrain=MegatrainSettings(**mt), raw=cfg)
+        megatrain=MegatrainSettings(**mt), monitor=monitor_config(cfg), raw=cfg)

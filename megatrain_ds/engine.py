@@ -25,6 +25,7 @@ from .device_state import DeviceOptimizerState
 from .host_state import HostLayerStore
 from .loss import linear_cross_entropy
 from .model_map import build_layout, find_block_list
+from .monitor import Monitor
 from .optimizer import HostAdamW, ResidentParams
 from .streams import make_streams
 from .timing import StepTimer
@@ -177,6 +178,8 @@ class MegaTrainEngine(nn.Module):
         self.skipped_steps = 0  # fp16 steps skipped on overflow
         self._boundary_override: bool | None = None
         self._last_norm = None
+        # DeepSpeed's monitors (tensorboard / wandb / csv_monitor / comet blocks), when one is enabled
+        self.monitor = Monitor(config.monitor) if config.monitor is not None else None
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -232,6 +235,7 @@ class MegaTrainEngine(nn.Module):
             else:
                 self.executor.reset_window()
             self.global_steps += 1
+            previous_samples = self.global_samples
             self.global_samples += self.config_settings.train_batch_size
             skipped = False
             if self.optimizer is not None and self.config_settings.loss_scaler is not None:
@@ -244,6 +248,8 @@ class MegaTrainEngine(nn.Module):
             if self._auto_device_state:
                 self._auto_device_state = False
                 self._place_state_auto()
+            if self.monitor is not None:
+                self.monitor.write_step(self, previous_samples)
             spp = self.config_settings.steps_per_print
             if self.config_settings.wall_clock_breakdown and spp != float("inf") and self.global_steps % spp == 0:
                 print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)

@@ -1,7 +1,8 @@
 """The same DeepSpeed tutorial-style script, run by real DeepSpeed (ZeRO-3, CPU offload, gloo on CPU) and by
 megatrain_ds (only the import line changed): per-step losses, learning rates and grad norms agree.
 
-Config: tests/scripts/tutorial_ds_config.json (AdamW, WarmupDecayLR, GA 2, clipping 1.0, fp32).
+Config: tests/scripts/tutorial_ds_config.json (AdamW, WarmupDecayLR, GA 2, clipping 1.0, fp32, csv_monitor):
+the monitor files the two runs write (DeepSpeed's csv writer, relative to each run's folder) agree too.
 The DeepSpeed run JIT-builds its CPU Adam op on first use (~1-2 min on a 2-core machine, then cached).
 """
 import json
@@ -38,12 +39,15 @@ def _run(script: Path, out: Path, cwd: Path) -> dict:
 @pytest.fixture(scope="module")
 def both_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
-    real = _run(SCRIPT, tmp / "deepspeed.json", tmp)
+    (tmp / "deepspeed").mkdir()
+    (tmp / "megatrain").mkdir()
+    real = _run(SCRIPT, tmp / "deepspeed.json", tmp / "deepspeed")
     ours_script = tmp / "tutorial_train_megatrain.py"
     text = SCRIPT.read_text()
     assert text.count("\nimport deepspeed\n") == 1
     ours_script.write_text(text.replace("\nimport deepspeed\n", "\nimport megatrain_ds as deepspeed\n"))
-    ours = _run(ours_script, tmp / "megatrain.json", tmp)
+    ours = _run(ours_script, tmp / "megatrain.json", tmp / "megatrain")
+    real["monitor"], ours["monitor"] = tmp / "deepspeed" / "monitor" / "run", tmp / "megatrain" / "monitor" / "run"
     return real, ours
 
 
@@ -60,3 +64,15 @@ def test_the_run_trained(both_runs):
     real, _ = both_runs
     assert real["lr"][0] < real["lr"][5] and real["lr"][-1] < real["lr"][5]
     assert sum(real["loss"][-8:]) / 8 < sum(real["loss"][:8]) / 8
+
+
+def test_monitor_writes_deepspeeds_events(both_runs):
+    """csv_monitor: the same files, rows and values as DeepSpeed's (the learning rate per optimizer step,
+    x = samples seen)."""
+    real, ours = both_runs
+    want = sorted(p.name for p in real["monitor"].iterdir())
+    assert want == ["Train_Samples_lr.csv"] and sorted(p.name for p in ours["monitor"].iterdir()) == want
+    rows_real = (real["monitor"] / want[0]).read_text().splitlines()
+    rows_ours = (ours["monitor"] / want[0]).read_text().splitlines()
+    assert rows_real[0] == "step,lr" and len(rows_real) == len(real["lr"]) + 1  # a row per optimizer step
+    assert rows_ours == rows_real

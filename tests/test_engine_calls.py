@@ -172,3 +172,37 @@ def test_boundary_moved_after_backward_gives_the_same_norm(device_layers):
         early.step()
     assert late.global_steps == early.global_steps == 1
     _assert_same_training(late, early)
+
+
+def test_monitor_blocks_write_lr_and_the_step_breakdown(tmp_path):
+    """csv_monitor (DeepSpeed's writer): the lr per optimizer step at x = samples seen, and with
+    wall_clock_breakdown each step's breakdown, written once the next step has closed it, at its own x."""
+    out = tmp_path / "mon"
+    engine = _engine(ga=1, wall_clock_breakdown=True, steps_per_print=1000,
+                     scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                               "warmup_num_steps": 4}},
+                     csv_monitor={"enabled": True, "output_path": str(out), "job_name": "job"})
+    lrs = []
+    for seed in range(3):
+        _micro(engine, seed)  # forward, backward, step
+        lrs.append(engine.get_lr()[0])
+    engine.destroy()
+
+    def rows(name):
+        lines = (out / "job" / f"Train_Samples_{name}.csv").read_text().splitlines()
+        return lines[0], [(int(x), float(v)) for x, v in (line.split(",") for line in lines[1:])]
+
+    assert rows("lr") == ("step,lr", [(2, lrs[0]), (4, lrs[1]), (6, lrs[2])])
+    assert lrs[0] < lrs[1] < lrs[2]  # the warm-up moved it
+    for part in ("step", "compute", "cpu_optimizer") + (("gpu_idle",) if torch.cuda.is_available() else ()):
+        header, data = rows(f"elapsed_time_ms_{part}")
+        assert header == f"step,elapsed_time_ms_{part}" and [x for x, _ in data] == [2, 4]
+        assert all(v >= 0 for _, v in data)
+    assert all(v > 0 for _, v in rows("elapsed_time_ms_step")[1])
+    if not torch.cuda.is_available():  # no GPU, no GPU idle time: not written rather than written as 0
+        assert not (out / "job" / "Train_Samples_elapsed_time_ms_gpu_idle.csv").exists()
+
+
+def test_a_bad_monitor_key_is_an_error_naming_it():
+    with pytest.raises(megatrain_ds.ConfigError, match="csv_monitor.output_pth"):
+        _engine(csv_monitor={"enabled": True, "output_pth": "x"})

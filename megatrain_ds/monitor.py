@@ -1,0 +1,67 @@
+"""DeepSpeed's monitors on megatrain_ds: the ``tensorboard``, ``wandb``, ``csv_monitor`` and ``comet`` config
+blocks, validated by DeepSpeed's own config model and written by DeepSpeed's own writers.
+
+Events, under DeepSpeed's names, at each accumulation boundary, x = samples seen (``global_samples``):
+``Train/Samples/lr`` (the first group's), ``Train/Samples/loss_scale`` (fp16), and with
+``wall_clock_breakdown`` the previous step's breakdown in milliseconds, ``Train/Samples/elapsed_time_ms_step``
+(as DeepSpeed) plus ``..._h2d``, ``..._compute``, ``..._d2h``, ``..._cpu_optimizer``,
+``..._wait_for_optimizer`` and ``..._gpu_idle`` (a step's breakdown is complete once the next forward has
+begun, so it is written one step later, at its own x).
+"""
+from __future__ import annotations
+
+MONITOR_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet")
+BREAKDOWN_EVENTS = ("step", "h2d", "compute", "d2h", "cpu_optimizer", "wait_for_optimizer", "gpu_idle")
+
+
+def monitor_config(cfg: dict):
+    """DeepSpeed's monitor config for ``cfg`` when a monitor block is enabled, else None. Any monitor block
+    present is validated, enabled or not (as DeepSpeed does): a bad key or value raises ConfigError naming it."""
+    from .config import ConfigError
+
+    present = [k for k in MONITOR_BLOCKS if k in cfg]
+    if not present:
+        return None
+    for k in present:
+        if not isinstance(cfg[k], dict):
+            raise ConfigError(f"'{k}' must be a block like {{\"enabled\": true, ...}}, got {cfg[k]!r}")
+    from deepspeed.monitor.config import get_monitor_config
+
+    try:
+        monitor = get_monitor_config(cfg)
+    except Exception as exc:  # pydantic.ValidationError: name the block and the key
+        lines = str(exc).splitlines()
+        detail = "; ".join(line.strip() for line in lines[1:3]) if len(lines) > 1 else str(exc)
+        raise ConfigError(f"monitor config ({', '.join(present)}): {detail}") from None
+    return monitor if monitor.enabled else None
+
+
+class Monitor:
+    """Writes the engine's events through DeepSpeed's ``MonitorMaster`` (one process: rank 0)."""
+
+    def __init__(self, ds_monitor_config) -> None:
+        from deepspeed.monitor.monitor import MonitorMaster
+
+        from .comm import ensure_deepspeed_comm
+
+        ensure_deepspeed_comm()  # DeepSpeed's writers ask deepspeed.comm for the rank
+        self.master = MonitorMaster(ds_monitor_config)
+        self._last_breakdown = None
+
+    def write_step(self, engine, previous_samples: int) -> None:
+        samples = engine.global_samples
+        events = []
+        if engine.get_lr():
+            events.append(("Train/Samples/lr", engine.get_lr()[0], samples))
+        scaler = engine.config_settings.loss_scaler
+        if scaler is not None:
+            events.append(("Train/Samples/loss_scale", scaler.scale, samples))
+        breakdown = engine.last_step_breakdown()
+        if breakdown and breakdown is not self._last_breakdown:  # the previous step's, written once
+            self._last_breakdown = breakdown
+            for name in BREAKDOWN_EVENTS:
+                if breakdown.get(f"{name}_s") is not None:
+                    events.append((f"Train/Samples/elapsed_time_ms_{name}", 1e3 * breakdown[f"{name}_s"],
+                                   previous_samples))
+        if events:
+            self.master.write_events(events)
