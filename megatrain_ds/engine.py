@@ -251,8 +251,11 @@ class MegaTrainEngine(nn.Module):
             if self.monitor is not None:
                 self.monitor.write_step(self, previous_samples)
             spp = self.config_settings.steps_per_print
-            if self.config_settings.wall_clock_breakdown and spp != float("inf") and self.global_steps % spp == 0:
-                print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)
+            if spp != float("inf") and self.global_steps % spp == 0:  # DeepSpeed's progress line
+                print(f"[megatrain_ds] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+                      f"mom={self.get_mom()}", flush=True)
+                if self.config_settings.wall_clock_breakdown:
+                    print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
 
     def _auto_budget_bytes(self) -> int | None:
@@ -340,6 +343,10 @@ class MegaTrainEngine(nn.Module):
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_mom(self) -> list:
+        """Each group's Adam betas, as DeepSpeed's ``get_mom``."""
+        return [g["betas"] for g in self.optimizer.param_groups] if self.optimizer else []
 
     def synchronize(self) -> None:
         """Wait for every queued host task (landings, optimizer) and device work."""

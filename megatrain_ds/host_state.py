@@ -30,7 +30,7 @@ def _anonymous_mapping(nbytes: int) -> mmap.mmap:
     Huge pages: 512x fewer pages to fault in, to pin with ``cudaHostRegister`` and to free at exit (hundreds
     of GB at 14B+). Not inherited by ``fork()``: a DataLoader worker would otherwise share every page
     copy-on-write, so each page the optimizer writes afterwards would be copied while the worker lives (the
-    host state would double), and pages pinned for DMA would be copied eagerly at each fork. A forked child
+    host state would get a second copy), and pages pinned for DMA would be copied eagerly at each fork. A forked child
     cannot read the engine's state (it has no use for it; spawn a process instead).
     """
     mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -43,7 +43,7 @@ def _anonymous_mapping(nbytes: int) -> mmap.mmap:
     return mm
 
 
-class PinnedRegion:
+class HostRegion:
     """A private anonymous mapping (see ``_anonymous_mapping``), page-locked with ``cudaHostRegister`` when
     ``pin`` and CUDA is available; owns the mapping until released.
 
@@ -82,7 +82,7 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool, regions: list) -> tor
     Recorded in ``regions`` for release."""
     if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system: the plain allocator, unpinned
         return torch.zeros(numel, dtype=dtype)
-    region = PinnedRegion(numel, dtype, pin)
+    region = HostRegion(numel, dtype, pin)
     regions.append(region)
     return region.tensor
 
@@ -113,7 +113,7 @@ class HostLayerStore:
             full += layout.numel
             train += layout.n_train
         self.n_full, self.n_train = full, train
-        self.regions: list[PinnedRegion] = []
+        self.regions: list[HostRegion] = []
         self.wire_is_master = wire_dtype == torch.float32
         # in fp32 mode the master is what streams to the GPU, so it is the pinned one
         self.master = host_buffer(full, torch.float32, pin and self.wire_is_master, self.regions)

@@ -166,6 +166,10 @@ def test_steps_per_print_and_wall_clock_breakdown(capsys):
         engine.step()
     out = capsys.readouterr().out
     assert "step 4:" in out and "CPU optim" in out and "step 1:" not in out
+    # DeepSpeed's progress line, every steps_per_print optimizer steps
+    progress = [line for line in out.splitlines() if "step=" in line]
+    assert len(progress) == 2 and "step=2, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]" in progress[0]
+    assert engine.get_mom() == [(0.9, 0.999)]
     engine.destroy()
 
 
