@@ -1,7 +1,9 @@
 """DeepSpeed-style JSON config, parsed once into typed settings.
 
-Top-level keys the engine does not use are ignored (as DeepSpeed does); unknown keys inside a block the
-engine does use are rejected with an error naming the key. ``"auto"`` must have been resolved by the
+Top-level keys the engine does not use are ignored (as DeepSpeed does), except DeepSpeed features that would
+act on the run: removed ones are errors with DeepSpeed's message, enabled ones megatrain_ds does not implement
+(``FEATURES_NOT_IMPLEMENTED``) a warning naming them; unknown keys inside a block the engine does use are
+rejected with an error naming the key. ``"auto"`` must have been resolved by the
 caller (accelerate / HF Trainer do that); an unresolved ``"auto"`` is an error naming its key.
 """
 from __future__ import annotations
@@ -241,9 +243,44 @@ def _zero(cfg: dict) -> tuple[int, float]:
     return stage, ratio
 
 
+# DeepSpeed features that act on a run but that megatrain_ds does not implement: accepted when enabled (they do
+# not change what is trained), with one warning naming each and what happens instead.
+FEATURES_NOT_IMPLEMENTED = {
+    "flops_profiler": "no FLOPs profile is printed (wall_clock_breakdown gives the step breakdown; "
+                      "benchmarks/ computes model TFLOPS)",
+    "comms_logger": "one process: no collectives to log",
+    "autotuning": "no autotuning experiments are run",
+    "data_efficiency": "no curriculum sampling or random-LTD: batches are used as given",
+    "activation_checkpointing": "every streamed layer is recomputed in its backward already; the block's "
+                                "options (partitioning, CPU checkpointing, ...) do not apply",
+    "torch_autocast": "mixed precision comes from the bf16 / fp16 blocks: compute stays fp32 unless one is "
+                      "enabled",
+}
+
+
+def _features(cfg: dict) -> None:
+    """Keys DeepSpeed itself rejects (removed features) are errors with DeepSpeed's message; enabled features
+    megatrain_ds does not implement are a warning naming them."""
+    try:
+        from deepspeed.runtime.config import _reject_removed_config_keys
+    except ImportError:  # deepspeed is a dependency; an older one without the check: ours only
+        _reject_removed_config_keys = None
+    if _reject_removed_config_keys is not None:
+        try:
+            _reject_removed_config_keys(cfg)
+        except Exception as exc:  # DeepSpeedConfigError
+            raise ConfigError(str(exc)) from None
+    ignored = [k for k in FEATURES_NOT_IMPLEMENTED if k in cfg
+               and (not isinstance(cfg[k], dict) or cfg[k].get("enabled", k == "activation_checkpointing"))]
+    if ignored:
+        warnings.warn("DeepSpeed features megatrain_ds does not implement, ignored: "
+                      + "; ".join(f"{k}: {FEATURES_NOT_IMPLEMENTED[k]}" for k in ignored), stacklevel=3)
+
+
 def parse_config(config, world_size: int = 1) -> TrainConfig:
     """Parse a DeepSpeed config (dict/path/base64) into ``TrainConfig``."""
     cfg = load_config_source(config)
+    _features(cfg)
     tb, mb, ga = _batch(cfg, world_size)
     sched = cfg.get("scheduler")
     if sched is not None:

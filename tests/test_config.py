@@ -200,3 +200,18 @@ def test_liger_kernels_on_cpu_warn_and_keep_the_models_kernels():
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     engine.destroy()
+
+
+def test_deepspeed_features_not_implemented_warn_and_removed_ones_are_errors():
+    base = {"train_micro_batch_size_per_gpu": 1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parse_config({**base, "flops_profiler": {"enabled": True, "profile_step": 1},
+                      "comms_logger": {"enabled": False}, "activation_checkpointing": {"partition_activations": True}})
+    msgs = [str(w.message) for w in caught if "does not implement" in str(w.message)]
+    assert len(msgs) == 1 and "flops_profiler" in msgs[0] and "activation_checkpointing" in msgs[0]
+    assert "comms_logger" not in msgs[0]  # disabled: nothing to say
+    with pytest.raises(ConfigError, match="'amp'|Apex AMP"):
+        parse_config({**base, "amp": {"enabled": True}})
+    with pytest.raises(ConfigError, match="curriculum_learning"):
+        parse_config({**base, "curriculum_learning": {"enabled": True}})
