@@ -29,6 +29,13 @@ def _check_keys(block: dict, allowed: set[str], where: str) -> None:
             raise ConfigError(f"unknown key '{where}.{key}' (allowed: {', '.join(sorted(allowed))})")
 
 
+def validation_error_parts(exc: Exception) -> tuple[str, str]:
+    """(key, reason) of a pydantic ValidationError from one of DeepSpeed's config models: the first line
+    after the title names the key, the next says why."""
+    lines = str(exc).splitlines()
+    return (lines[1].strip() if len(lines) > 1 else "?"), (lines[2].strip() if len(lines) > 2 else str(exc))
+
+
 def _num(value: Any, key: str, cast=float):
     if value == "auto":
         raise ConfigError(f"'{key}' is \"auto\": resolve it before initialize() (accelerate and the HF "
@@ -223,10 +230,9 @@ def _zero(cfg: dict) -> tuple[int, float]:
     if DeepSpeedZeroConfig is not None:
         try:
             DeepSpeedZeroConfig(**block)
-        except Exception as exc:  # pydantic.ValidationError: its first line after the title names the key
-            lines = str(exc).splitlines()
-            key = lines[1].strip() if len(lines) > 1 else "?"
-            raise ConfigError(f"zero_optimization.{key}: {lines[2].strip() if len(lines) > 2 else exc}") from None
+        except Exception as exc:  # pydantic.ValidationError
+            key, why = validation_error_parts(exc)
+            raise ConfigError(f"zero_optimization.{key}: {why}") from None
     stage = int(_num(block.get("stage", 0), "zero_optimization.stage", int))
     ratio = _num((block.get("offload_optimizer") or {}).get("ratio", 1.0), "zero_optimization.offload_optimizer.ratio")
     if not 0.0 <= ratio <= 1.0:

@@ -17,7 +17,7 @@ BREAKDOWN_EVENTS = ("step", "h2d", "compute", "d2h", "cpu_optimizer", "wait_for_
 def monitor_config(cfg: dict):
     """DeepSpeed's monitor config for ``cfg`` when a monitor block is enabled, else None. Any monitor block
     present is validated, enabled or not (as DeepSpeed does): a bad key or value raises ConfigError naming it."""
-    from .config import ConfigError
+    from .config import ConfigError, validation_error_parts
 
     present = [k for k in MONITOR_BLOCKS if k in cfg]
     if not present:
@@ -29,10 +29,9 @@ def monitor_config(cfg: dict):
 
     try:
         monitor = get_monitor_config(cfg)
-    except Exception as exc:  # pydantic.ValidationError: name the block and the key
-        lines = str(exc).splitlines()
-        detail = "; ".join(line.strip() for line in lines[1:3]) if len(lines) > 1 else str(exc)
-        raise ConfigError(f"monitor config ({', '.join(present)}): {detail}") from None
+    except Exception as exc:  # pydantic.ValidationError: its key is "<block>.<key>"
+        key, why = validation_error_parts(exc)
+        raise ConfigError(f"{key}: {why}") from None
     return monitor if monitor.enabled else None
 
 
