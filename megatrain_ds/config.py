@@ -276,8 +276,11 @@ def _features(cfg: dict) -> None:
             _reject_removed_config_keys(cfg)
         except Exception as exc:  # DeepSpeedConfigError
             raise ConfigError(str(exc)) from None
-    ignored = [k for k in FEATURES_NOT_IMPLEMENTED if k in cfg
-               and (not isinstance(cfg[k], dict) or cfg[k].get("enabled", k == "activation_checkpointing"))]
+    def enabled(key: str) -> bool:  # activation_checkpointing has no "enabled" flag: present means used
+        block = cfg[key]
+        return not isinstance(block, dict) or bool(block.get("enabled", key == "activation_checkpointing"))
+
+    ignored = [k for k in FEATURES_NOT_IMPLEMENTED if k in cfg and enabled(k)]
     if ignored:
         warnings.warn("DeepSpeed features megatrain_ds does not implement, ignored: "
                       + "; ".join(f"{k}: {FEATURES_NOT_IMPLEMENTED[k]}" for k in ignored), stacklevel=3)

@@ -49,9 +49,8 @@ class Monitor:
 
     def write_step(self, engine, previous_samples: int) -> None:
         samples = engine.global_samples
-        events = []
-        if engine.get_lr():
-            events.append(("Train/Samples/lr", engine.get_lr()[0], samples))
+        lrs = engine.get_lr()
+        events = [("Train/Samples/lr", lrs[0], samples)] if lrs else []
         scaler = engine.config_settings.loss_scaler
         if scaler is not None:
             events.append(("Train/Samples/loss_scale", scaler.scale, samples))
