@@ -10,9 +10,10 @@ import os
 
 import torch
 
-from . import checkpointing, comm, ops, zero
+from . import checkpointing, comm, ops, runtime, zero
+from .surface import module_getattr as __getattr__  # other deepspeed.<name>: DeepSpeed's, or an error naming it
 from .comm import init_distributed
-from .config import ConfigError, OptimizerSettings, TrainConfig, parse_config
+from .config import ConfigError, OptimizerSettings, TrainConfig, parse_config, warn_not_acted_on
 from .engine import MegaTrainEngine
 from .model_map import UnsupportedModelError
 
@@ -36,19 +37,23 @@ def _build_scheduler(spec: dict | None, optimizer):
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None,
-               config=None, config_params=None, **kwargs):
-    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
+               config=None, mesh_param=None, config_params=None):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    One process only (``comm.require_one_process``); it leaves ``torch.distributed`` and ``deepspeed.comm``
+    initialized, as DeepSpeed does. The config is validated here, and every accepted setting that megatrain_ds
+    does not act on (config keys, ``mpu``, a missing optimizer) is named in ONE warning."""
     if model is None:
         raise ValueError("initialize() needs model=")
-    if config is None:
-        config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+    comm.require_one_process()  # before any process group: WORLD_SIZE > 1 would wait for peers first
+    config = _config_argument(args, config, config_params)
     local_rank = getattr(args, "local_rank", None)
     if isinstance(local_rank, int) and local_rank >= 0:  # deepspeed launcher passes --local_rank
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
     init_distributed(distributed_port=distributed_port)
-    settings = parse_config(config)
+    settings = parse_config(config, warn=False)
+    notes = settings.not_acted_on
+    _check_parallelism(mpu, mesh_param, notes)
     client_groups = None
     if optimizer is not None:
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -56,6 +61,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             optimizer = optimizer(params)
         settings.optimizer, model_parameters = optimizer_from_client(optimizer)
         client_groups = optimizer.param_groups
+    if settings.optimizer is None:  # legitimate for a frozen reference model (DPO): said once, not an error
+        notes.append("no optimizer (no 'optimizer' block and no optimizer= argument): engine.step() will not "
+                     "update the weights")
+    warn_not_acted_on(notes)
     engine = MegaTrainEngine(model, settings, model_parameters=model_parameters)
     if client_groups is not None:
         _share_param_groups(engine.optimizer, client_groups)
@@ -65,8 +74,48 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine.lr_scheduler = scheduler
     dataloader = None
     if training_data is not None:
-        dataloader = torch_dataloader(training_data, settings.micro_batch_size, collate_fn)
+        dataloader = torch_dataloader(training_data, settings.micro_batch_size, collate_fn,
+                                      drop_last=settings.dataloader_drop_last)
     return engine, engine.optimizer, dataloader, scheduler
+
+
+def _config_argument(args, config, config_params):
+    """The config, from ``config=``, ``config_params=`` or ``args.deepspeed_config`` (DeepSpeed's rules: the
+    legacy ``args.deepscale_config`` counts as ``deepspeed_config``; a config both in args and in the call is an
+    error)."""
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ConfigError("a DeepSpeed config is given both in args.deepspeed_config and to initialize(config=...): "
+                          "pass one (DeepSpeed refuses this too)")
+    return config if config is not None else from_args
+
+
+# mpu methods whose size > 1 means a kind of parallelism megatrain_ds does not implement (Megatron's mpu,
+# accelerate's Ulysses sequence-parallel mpu, DeepSpeed's groups)
+_MPU_SIZES = ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
+              "get_pipeline_model_parallel_world_size", "get_sequence_parallel_world_size",
+              "get_data_parallel_world_size", "get_expert_parallel_world_size")
+
+
+def _check_parallelism(mpu, mesh_param, notes: list[str]) -> None:
+    """``mpu`` / ``mesh_param``: an error when they ask for model, sequence or data parallelism (sizes > 1); with
+    every size 1 there is nothing to do, which the not-acted-on warning says."""
+    if mpu is not None:
+        sizes = {name: int(getattr(mpu, name)()) for name in _MPU_SIZES if callable(getattr(mpu, name, None))}
+        bigger = {name.removeprefix("get_"): n for name, n in sizes.items() if n > 1}
+        if bigger:
+            raise NotImplementedError(
+                f"initialize(mpu=...): {', '.join(f'{k}={v}' for k, v in bigger.items())}: megatrain_ds trains the "
+                "whole model in one process (model, sequence and data parallelism are not implemented); pass no mpu")
+        notes.append("mpu: every parallel world size is 1; megatrain_ds uses none of its process groups")
+    if mesh_param is not None:
+        sizes = [int(n) for n in mesh_param]
+        if any(n > 1 for n in sizes):
+            raise NotImplementedError(f"initialize(mesh_param={tuple(mesh_param)}): data / sequence parallelism is "
+                                      "not implemented; megatrain_ds trains in one process (pass no mesh_param)")
+        notes.append("mesh_param: every size is 1; no device mesh is made")
 
 
 def optimizer_from_client(optimizer) -> tuple[OptimizerSettings, list[dict]]:
@@ -114,10 +163,15 @@ def add_config_arguments(parser):
     return parser
 
 
-def torch_dataloader(data, batch_size: int, collate_fn=None):
+def torch_dataloader(data, batch_size: int, collate_fn=None, drop_last: bool = False):
+    """The batches DeepSpeed's ``DeepSpeedDataLoader`` gives one process: a ``DistributedSampler`` over a world of
+    one (a seeded shuffle, seed 0; DeepSpeed never calls ``set_epoch``, so every epoch has the same order) and
+    ``dataloader_drop_last`` from the config."""
     import torch.utils.data
 
-    return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0)
+    return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                                       drop_last=drop_last)
 
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "comm", "zero", "ops", "checkpointing",

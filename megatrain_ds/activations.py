@@ -17,11 +17,18 @@ class HostActivations:
     def __init__(self, streams, device: torch.device) -> None:
         self.streams, self.device = streams, device
         self.pin = device.type == "cuda"
-        self.on_host: dict[int, tuple[torch.Tensor, object]] = {}  # layer -> (pinned copy, saved event)
-        self.on_device: dict[int, tuple[torch.Tensor, object]] = {}  # layer -> (device copy, ready event)
+        # keyed by the layer call (executor.LayerCall), not the layer index: two forwards before one backward
+        # (a policy and a reference pass, gradient accumulation in one graph) each keep their own inputs
+        self.on_host: dict[object, tuple[torch.Tensor, object]] = {}  # call -> (pinned copy, saved event)
+        self.on_device: dict[object, tuple[torch.Tensor, object]] = {}  # call -> (device copy, ready event)
 
-    def save(self, i: int, hidden: torch.Tensor) -> None:
-        """Queue the D2H of layer i's input (call after the layer's forward kernels are queued)."""
+    def clear(self) -> None:
+        """Drop every saved input (a backward failed: its graph is gone)."""
+        self.on_host.clear()
+        self.on_device.clear()
+
+    def save(self, i, hidden: torch.Tensor) -> None:
+        """Queue the D2H of a layer call's input (call after the layer's forward kernels are queued)."""
         st = self.streams
         host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.pin)
         st.wait(st.d2h, st.record(st.compute()))
@@ -30,8 +37,8 @@ class HostActivations:
         st.hand_over(hidden, st.d2h)
         self.on_host[i] = (host, st.record(st.d2h))
 
-    def prefetch(self, i: int) -> None:
-        """Queue the H2D of layer i's input, if it was saved and is not on its way already."""
+    def prefetch(self, i) -> None:
+        """Queue the H2D of a layer call's input, if it was saved and is not on its way already."""
         if i not in self.on_host or i in self.on_device:
             return
         st = self.streams
@@ -41,8 +48,8 @@ class HostActivations:
             dev = host.to(self.device, non_blocking=True)
         self.on_device[i] = (dev, st.record(st.h2d))
 
-    def load(self, i: int) -> torch.Tensor:
-        """Layer i's input on the device, ordered before the compute stream's next kernel."""
+    def load(self, i) -> torch.Tensor:
+        """A layer call's input on the device, ordered before the compute stream's next kernel."""
         self.prefetch(i)
         dev, ready = self.on_device.pop(i)
         st = self.streams

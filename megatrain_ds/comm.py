@@ -1,8 +1,15 @@
-"""``deepspeed.comm`` as scripts use it. One process is a world of size 1 with no process group needed;
-under a launcher (WORLD_SIZE > 1) the calls go to ``torch.distributed`` once it is initialized."""
+"""``deepspeed.comm`` as scripts use it.
+
+One process is a world: ``init_distributed()`` (and ``initialize``) leave ``torch.distributed`` and
+``deepspeed.comm`` initialized with one process, as DeepSpeed does, so a script may ask for its rank at once
+(``torch.distributed.get_rank()``). With no launcher that world is an in-memory store (no MASTER_ADDR, no port).
+Several processes (``WORLD_SIZE > 1``): ``init_distributed`` joins the launcher's group, but ``initialize``
+refuses (``require_one_process``): data parallelism is not implemented yet.
+"""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch.distributed as dist
 
@@ -14,27 +21,59 @@ def is_initialized() -> bool:
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
                      verbose: bool = True, timeout=None, init_method: str | None = None, dist_init_required=None,
                      config=None, rank: int = -1, world_size: int = -1) -> None:
-    """Initialize ``torch.distributed`` when launched with several processes; a no-op for one process
-    (a plain ``python train.py`` needs no MASTER_ADDR)."""
+    """DeepSpeed's ``init_distributed``: a world of one for one process (``ensure_deepspeed_comm``); under a
+    launcher (WORLD_SIZE > 1), ``torch.distributed`` from its environment. Idempotent."""
     world = int(os.environ.get("WORLD_SIZE", world_size if world_size > 0 else 1))
     if world <= 1 or is_initialized():
+        if world <= 1:  # as DeepSpeed's launcher-less discovery: scripts read these right after this call
+            for key in ("RANK", "LOCAL_RANK"):
+                os.environ.setdefault(key, "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        ensure_deepspeed_comm(dist_backend)
         return
     backend = dist_backend or ("nccl" if __import__("torch").cuda.is_available() else "gloo")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    kwargs = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend=backend, init_method=init_method, rank=int(os.environ.get("RANK", rank)),
-                            world_size=world)
+                            world_size=world, **kwargs)
+    ensure_deepspeed_comm(backend)
 
 
-def ensure_deepspeed_comm() -> None:
+def ensure_deepspeed_comm(backend: str | None = None) -> None:
     """Make ``torch.distributed`` and ``deepspeed.comm`` answer in one process, as DeepSpeed's own
     initialize leaves them (its monitors and transformers' ZeRO-3 loading ask them for the rank): an
-    in-memory world of one, no port, no launcher. Under a launcher the group must already exist."""
-    import deepspeed.comm
-
+    in-memory world of one, no port, no launcher; ``backend`` defaults to gloo (collectives on CPU and CUDA
+    tensors). A group that exists already (a launcher's, the script's own) is kept. Idempotent."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend or "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        import deepspeed.comm
+    except ImportError:  # deepspeed is a dependency; without it only torch.distributed is set up
+        return
     if not deepspeed.comm.is_initialized():
-        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        try:  # over the existing group (DeepSpeed wraps it in its TorchBackend; nothing new is launched)
+            deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+        except Exception as exc:  # its accelerator probing may fail on an unusual box: torch.distributed still works
+            warnings.warn(f"deepspeed.comm could not be initialized over torch.distributed ({exc}); "
+                          "torch.distributed works, deepspeed.comm calls may not", stacklevel=3)
+
+
+def world_size_of_run() -> int:
+    """Processes in this run: the launcher's WORLD_SIZE or the process group's size, whichever is larger (a
+    launcher's environment counts even if the script made a group of one itself)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return max(world, dist.get_world_size()) if is_initialized() else world
+
+
+def require_one_process() -> None:
+    """``initialize`` with several processes is an error, before any process group is made: each process would
+    train its own copy of the model on its own batches, with no gradient averaging, and save over the others."""
+    world = world_size_of_run()
+    if world > 1:
+        raise NotImplementedError(
+            f"megatrain_ds trains in one process, but this run has {world} (WORLD_SIZE / the process group): data "
+            "parallelism across processes is not implemented yet. Launch one process: `python train.py`, "
+            "`deepspeed --num_gpus 1 train.py` or `torchrun --nproc_per_node 1 train.py`.")
 
 
 def get_rank(group=None) -> int:

@@ -1,15 +1,25 @@
 """DeepSpeed-style JSON config, parsed once into typed settings.
 
-Top-level keys the engine does not use are ignored (as DeepSpeed does), except DeepSpeed features that would
-act on the run: removed ones are errors with DeepSpeed's message, enabled ones megatrain_ds does not implement
-(``FEATURES_NOT_IMPLEMENTED``) a warning naming them; unknown keys inside a block the engine does use are
-rejected with an error naming the key. ``"auto"`` must have been resolved by the
-caller (accelerate / HF Trainer do that); an unresolved ``"auto"`` is an error naming its key.
+The rule is "never silently different from DeepSpeed":
+
+- Defaults come from the installed DeepSpeed (``deepspeed.runtime.constants`` and its pydantic config models), so
+  they follow its version (0.19: ``gradient_clipping`` 1.0, ``steps_per_print`` off).
+- Blocks DeepSpeed validates with a pydantic model (``fp16``, ``bf16``, ``zero_optimization``, ``compile``, the
+  monitors) go through that model: what it accepts we accept, with the value it gives (``"true"`` is true); what it
+  rejects is a ``ConfigError`` naming the key. Numbers DeepSpeed would only trip over later (a zero
+  ``gradient_accumulation_steps``, one beta, a negative lr) are errors naming the key, at ``initialize``.
+- An unresolved ``"auto"`` is an error naming its key: DeepSpeed's models quietly drop it to the default (an
+  ``"auto"`` bf16 would train in fp32); accelerate and the HF Trainer resolve it before us.
+- Top-level keys the engine does not use are ignored (as DeepSpeed does), except DeepSpeed features that act on a
+  run: removed ones are errors with DeepSpeed's message; accepted ones megatrain_ds does not act on are collected in
+  ``TrainConfig.not_acted_on`` and named in ONE warning per ``initialize`` (``warn_not_acted_on``). Unknown keys
+  inside a block the engine uses are errors naming the key.
 """
 from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +33,26 @@ class ConfigError(ValueError):
     """A config value megatrain_ds cannot use; the message names the key."""
 
 
+# DeepSpeed 0.19.8's values, used only when the installed DeepSpeed lacks the constant (or DeepSpeed is absent).
+_FALLBACK_DEFAULTS = {
+    "GRADIENT_CLIPPING_DEFAULT": 1.0, "STEPS_PER_PRINT_DEFAULT": None, "WALL_CLOCK_BREAKDOWN_DEFAULT": False,
+    "DATALOADER_DROP_LAST_DEFAULT": False, "FP16_ENABLED_DEFAULT": False, "FP16_AUTO_CAST_DEFAULT": False,
+    "FP16_LOSS_SCALE_DEFAULT": 0, "FP16_INITIAL_SCALE_POWER_DEFAULT": 16, "FP16_LOSS_SCALE_WINDOW_DEFAULT": 1000,
+    "FP16_HYSTERESIS_DEFAULT": 2, "FP16_CONSECUTIVE_HYSTERESIS_DEFAULT": False, "FP16_MIN_LOSS_SCALE_DEFAULT": 1,
+    "LOAD_UNIVERSAL_CHECKPOINT_DEFAULT": False, "USE_NODE_LOCAL_STORAGE_CHECKPOINT_DEFAULT": False,
+    "CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE_DEFAULT": False,
+}
+
+
+def ds_default(name: str):
+    """A default from the installed DeepSpeed's ``deepspeed.runtime.constants`` (so it follows its version)."""
+    try:
+        from deepspeed.runtime import constants
+    except ImportError:  # deepspeed is a dependency; a box without it gets 0.19.8's values
+        constants = None
+    return getattr(constants, name, _FALLBACK_DEFAULTS[name])
+
+
 def _check_keys(block: dict, allowed: set[str], where: str) -> None:
     for key in block:
         if key not in allowed:
@@ -30,25 +60,69 @@ def _check_keys(block: dict, allowed: set[str], where: str) -> None:
 
 
 def validation_error_parts(exc: Exception) -> tuple[str, str]:
-    """(key, reason) of a pydantic ValidationError from one of DeepSpeed's config models: the first line
-    after the title names the key, the next says why."""
+    """(key, reason) of a pydantic ValidationError from one of DeepSpeed's config models. The key is "" when the
+    model's own cross-field check failed (its reason names the keys)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        return ".".join(str(part) for part in first.get("loc", ())), str(first.get("msg", exc))
     lines = str(exc).splitlines()
     return (lines[1].strip() if len(lines) > 1 else "?"), (lines[2].strip() if len(lines) > 2 else str(exc))
 
 
-def _num(value: Any, key: str, cast=float):
+def _ds_model(module: str, name: str, block: dict, where: str):
+    """``block`` validated (and coerced) by DeepSpeed's own pydantic model ``module.name``; None when the installed
+    DeepSpeed has no such model (the caller then checks what it needs itself)."""
+    try:
+        model = getattr(__import__(module, fromlist=[name]), name)
+    except (ImportError, AttributeError):
+        return None
+    try:
+        return model(**block)
+    except Exception as exc:  # pydantic.ValidationError (or a DeepSpeed assert in a validator)
+        key, why = validation_error_parts(exc)
+        raise ConfigError(f"{where}.{key}: {why}" if key else f"{where}: {why}") from None
+
+
+def _reject_auto(value: Any, key: str) -> None:
     if value == "auto":
         raise ConfigError(f"'{key}' is \"auto\": resolve it before initialize() (accelerate and the HF "
-                          "Trainer fill it in; a plain script must give a number)")
+                          "Trainer fill it in; a plain script must give a value)")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _reject_auto(v, f"{key}.{k}")
+
+
+def _num(value: Any, key: str, cast=float, minimum: float | None = None):
+    """A number (bools are not numbers); ``cast=int`` also rejects fractions (``2.5`` micro-batches)."""
+    _reject_auto(value, key)
     try:
-        return cast(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"'{key}' must be a number, got {value!r}") from None
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)
+        if cast is int and not number.is_integer():
+            raise ValueError
+        number = cast(number) if cast is int else number
+    except (TypeError, ValueError, OverflowError):
+        kind = "an integer" if cast is int else "a number"
+        raise ConfigError(f"'{key}' must be {kind}, got {value!r}") from None
+    if minimum is not None and not number >= minimum:  # "not >=" also rejects nan
+        raise ConfigError(f"'{key}' must be >= {minimum}, got {value!r}")
+    return number
+
+
+def _bool(value: Any, key: str) -> bool:
+    """true/false only: ``bool("false")`` is True, so a string here would silently flip the setting."""
+    _reject_auto(value, key)
+    if not isinstance(value, bool):
+        raise ConfigError(f"'{key}' must be true or false, got {value!r}")
+    return value
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerSettings:
-    """The ``optimizer`` block."""
+    """The ``optimizer`` block. Defaults are those of DeepSpeed's own Adam (``FusedAdam`` / ``DeepSpeedCPUAdam``,
+    what it builds for an ``Adam``/``AdamW`` block; tests/test_faults_config.py checks them against its signatures)."""
 
     type: str = "AdamW"  # "Adam" (AdamW unless adam_w_mode is false) or "AdamW"
     lr: float = 1e-3
@@ -62,7 +136,13 @@ class OptimizerSettings:
             raise ConfigError(f"optimizer.type {self.type!r} is not supported by the host optimizer; use "
                               "\"AdamW\" or \"Adam\"")
         if self.type.lower() == "adamw":
-            self.adam_w_mode = True
+            self.adam_w_mode = True  # as DeepSpeed: type AdamW forces decoupled decay
+        # torch.optim.AdamW's own checks, at initialize instead of at the first step
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.params.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        for key in ("lr", "eps", "weight_decay"):
+            if not getattr(self, key) >= 0.0:
+                raise ConfigError(f"optimizer.params.{key} must be >= 0, got {getattr(self, key)!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +152,8 @@ class MegatrainSettings:
     num_slots: int = 2  # device weight slots (2 = double buffering); more = deeper prefetch
     loss_chunk_rows: int = 0  # rows per LM-head chunk; 0 = about 256 MiB of fp32 logits per chunk
     use_liger: bool = True  # liger-kernel's fused linear cross-entropy on CUDA when installed
+    fused_loss: bool = True  # labels= on a causal LM: LM head + cross-entropy in chunks, no whole logits (the
+    # output's .logits is None); false runs the model's own forward and returns its logits
     liger_kernels: bool = False  # CUDA: liger-kernel's fused RMSNorm, SwiGLU MLP and RoPE in the decoder layers
     # (liger's own instance patching, as the HF Trainer's use_liger_kernel; RoPE is patched module-wide)
     trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
@@ -110,13 +192,19 @@ class TrainConfig:
     scheduler: dict | None  # {"type": name, "params": {...}} passed to deepspeed.runtime.lr_schedules
     compute_dtype: str = "fp32"  # "bf16" | "fp16" | "fp32"
     loss_scaler: LossScaler | None = None  # fp16 only
-    gradient_clipping: float = 0.0
-    steps_per_print: float = 10
+    fp16_auto_cast: bool = False  # fp16.auto_cast: the engine's forward casts floating-point positional inputs
+    # to half, as DeepSpeed's (loss_scale.cast_inputs_half)
+    gradient_clipping: float = field(default_factory=lambda: float(ds_default("GRADIENT_CLIPPING_DEFAULT")))
+    # <= 0: no clipping (as DeepSpeed)
+    steps_per_print: float = math.inf  # optimizer steps between progress lines; inf = never
     wall_clock_breakdown: bool = False
+    dataloader_drop_last: bool = False  # initialize(training_data=...): drop the last partial batch
     zero_stage: int = 0
     offload_optimizer_ratio: float = 1.0  # zero_optimization.offload_optimizer.ratio
     megatrain: MegatrainSettings = field(default_factory=MegatrainSettings)
     monitor: Any = None  # DeepSpeed's monitor config when a tensorboard/wandb/csv_monitor/comet block is enabled
+    not_acted_on: list[str] = field(default_factory=list)  # accepted settings megatrain_ds ignores, each
+    # "key: what happens instead"; warned about once per initialize (warn_not_acted_on)
     raw: dict = field(default_factory=dict)
 
 
@@ -144,18 +232,16 @@ def load_config_source(config) -> dict:
 
 
 def _batch(cfg: dict, world: int) -> tuple[int, int, int]:
-    tb = cfg.get("train_batch_size")
-    mb = cfg.get("train_micro_batch_size_per_gpu")
-    ga = cfg.get("gradient_accumulation_steps")
-    tb = None if tb is None else _num(tb, "train_batch_size", int)
-    mb = None if mb is None else _num(mb, "train_micro_batch_size_per_gpu", int)
-    ga = None if ga is None else _num(ga, "gradient_accumulation_steps", int)
+    """DeepSpeed's batch rule (``DeepSpeedConfig._set_batch_related_parameters``): the missing ones of
+    train = micro x GA x world are derived, then all three must be >= 1 and the product must hold."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    tb, mb, ga = (None if cfg.get(k) is None else _num(cfg[k], k, int, minimum=1) for k in keys)
     if tb is not None and mb is not None and ga is None:
         ga = tb // (mb * world)
     elif tb is not None and ga is not None and mb is None:
         mb = tb // (ga * world)
     elif mb is not None and tb is None:
-        ga = ga or 1
+        ga = 1 if ga is None else ga
         tb = mb * ga * world
     elif tb is not None and mb is None and ga is None:
         ga, mb = 1, tb // world
@@ -168,89 +254,143 @@ def _batch(cfg: dict, world: int) -> tuple[int, int, int]:
     return tb, mb, ga
 
 
-def _optimizer(cfg: dict) -> OptimizerSettings | None:
+OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "torch_adam", "amsgrad",
+                    "fused", "foreach", "fp32_optimizer_states"}
+
+
+def _optimizer(cfg: dict, notes: list[str]) -> OptimizerSettings | None:
     block = cfg.get("optimizer")
     if block is None:
         return None
     _check_keys(block, {"type", "params"}, "optimizer")
-    params = dict(block.get("params", {}))
-    _check_keys(params, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction",
-                         "torch_adam", "amsgrad", "fused"}, "optimizer.params")
-    if params.pop("amsgrad", False):
+    params = dict(block.get("params") or {})
+    if "max_grad_norm" in params:  # DeepSpeed's own error
+        raise ConfigError("optimizer.params.max_grad_norm is not supported: use the top-level 'gradient_clipping'")
+    _check_keys(params, OPTIMIZER_PARAMS, "optimizer.params")
+    flags = {k: _bool(params.pop(k), f"optimizer.params.{k}") for k in
+             ("adam_w_mode", "bias_correction", "torch_adam", "amsgrad", "fused", "fp32_optimizer_states")
+             if k in params}
+    params.pop("foreach", None)  # torch_adam's foreach: a kernel choice, same numbers
+    if flags.get("amsgrad"):
         raise ConfigError("optimizer.params.amsgrad=true is not supported by the host optimizer")
-    params.pop("torch_adam", None), params.pop("fused", None)
-    if not params.pop("bias_correction", True):
+    if not flags.get("bias_correction", True):
         raise ConfigError("optimizer.params.bias_correction=false is not supported by the host optimizer")
-    kwargs = {k: _num(v, f"optimizer.params.{k}") for k, v in params.items()
-              if k in ("lr", "eps", "weight_decay")}
+    if flags.get("fp32_optimizer_states") is False:
+        notes.append("optimizer.params.fp32_optimizer_states=false: Adam moments stay fp32 on the host")
+    kwargs = {k: _num(v, f"optimizer.params.{k}") for k, v in params.items() if k in ("lr", "eps", "weight_decay")}
     if "betas" in params:
-        kwargs["betas"] = tuple(_num(b, "optimizer.params.betas") for b in params["betas"])
-    if "adam_w_mode" in params:
-        kwargs["adam_w_mode"] = bool(params["adam_w_mode"])
-    return OptimizerSettings(type=str(block.get("type", "AdamW")), **kwargs)
+        betas = params["betas"]
+        _reject_auto(betas, "optimizer.params.betas")
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ConfigError(f"optimizer.params.betas must be a list of two numbers, got {betas!r}")
+        kwargs["betas"] = tuple(_num(b, "optimizer.params.betas") for b in betas)
+    typ = _name(block.get("type", "AdamW"), "optimizer.type")
+    if "adam_w_mode" in flags:
+        kwargs["adam_w_mode"] = flags["adam_w_mode"]
+    adam_w = typ.lower() == "adamw" or kwargs.get("adam_w_mode", True)
+    if flags.get("torch_adam") and adam_w and "weight_decay" not in kwargs:
+        # DeepSpeed builds torch.optim.AdamW(**params) here: torch's default decay (0.01), not FusedAdam's 0
+        import inspect
+
+        import torch
+        kwargs["weight_decay"] = inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default
+    return OptimizerSettings(type=typ, **kwargs)
 
 
-FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-             "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+def _name(value: Any, key: str) -> str:
+    _reject_auto(value, key)
+    if not isinstance(value, str):
+        raise ConfigError(f"'{key}' must be a name, got {value!r}")
+    return value
 
 
-def _precision(cfg: dict) -> tuple[str, LossScaler | None]:
-    bf16 = cfg.get("bf16", cfg.get("bfloat16", {})) or {}
-    fp16 = cfg.get("fp16", {}) or {}
-    _check_keys(fp16, FP16_KEYS, "fp16")
+def _precision_blocks(cfg: dict) -> tuple[dict, dict]:
+    """The fp16 and bf16 blocks' values after DeepSpeed's own models (its defaults, its coercions)."""
+    fp16 = cfg.get("fp16") or {}
+    bf16 = cfg["bf16"] if cfg.get("bf16") is not None else (cfg.get("bfloat16") or {})  # DeepSpeed's order
+    for block, where in ((fp16, "fp16"), (bf16, "bf16")):
+        if not isinstance(block, dict):
+            raise ConfigError(f"'{where}' must be a block like {{\"enabled\": true}}, got {block!r}")
+        _reject_auto(block, where)
+    fp16_model = _ds_model("deepspeed.runtime.precision_config", "DeepSpeedFP16Config", fp16, "fp16")
+    bf16_model = _ds_model("deepspeed.runtime.precision_config", "DeepSpeedBF16Config", bf16, "bf16")
+    if fp16_model is not None and bf16_model is not None:
+        return ({k: getattr(fp16_model, k) for k in type(fp16_model).model_fields},
+                {k: getattr(bf16_model, k) for k in type(bf16_model).model_fields})
+    # an older DeepSpeed without precision_config.py: its constants' defaults, our own checks
+    defaults = {k: ds_default(f"FP16_{k.upper()}_DEFAULT") for k in
+                ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                 "consecutive_hysteresis", "min_loss_scale")}
+    _check_keys(fp16, set(defaults) | {"fp16_master_weights_and_grads"}, "fp16")
     _check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
-    bf16_on, fp16_on = bf16.get("enabled", False) is True, fp16.get("enabled", False) is True
-    if bf16_on and fp16_on:
+    fp16_values = {**defaults, "fp16_master_weights_and_grads": False, **fp16}
+    for k in ("enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"):
+        _bool(fp16_values[k], f"fp16.{k}")
+    return fp16_values, {"enabled": _bool(bf16.get("enabled", False), "bf16.enabled"), **bf16}
+
+
+def _precision(cfg: dict, notes: list[str]) -> tuple[str, LossScaler | None, bool]:
+    """(compute dtype, fp16 loss scaler, fp16 auto_cast)."""
+    fp16, bf16 = _precision_blocks(cfg)
+    if fp16["enabled"] and bf16["enabled"]:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one")
-    if not fp16_on:
-        return ("bf16" if bf16_on else "fp32"), None
-    static = _num(fp16.get("loss_scale", 0), "fp16.loss_scale")
-    power = _num(fp16.get("initial_scale_power", 16), "fp16.initial_scale_power", int)
+    if fp16["auto_cast"] and not fp16["enabled"]:
+        notes.append("fp16.auto_cast without fp16.enabled: inputs are not cast to half (DeepSpeed would cast "
+                     "floating-point inputs to half on an fp32 model)")
+    if bf16["enabled"]:
+        if bf16.get("bf16_master_weights_and_grads") or bf16.get("bf16_optimizer_states"):
+            notes.append("bf16.bf16_master_weights_and_grads / bf16_optimizer_states: master weights and Adam "
+                         "moments stay fp32 on the host")
+        if bf16.get("check_grad_overflow") is False:
+            notes.append("bf16.check_grad_overflow=false: a step with non-finite gradients is still skipped "
+                         "(as DeepSpeed's ZeRO-3 does)")
+        return "bf16", None, False
+    if not fp16["enabled"]:
+        return "fp32", None, False
+    if fp16.get("fp16_master_weights_and_grads"):
+        notes.append("fp16.fp16_master_weights_and_grads: master weights and gradients stay fp32 on the host")
+    static = _num(fp16["loss_scale"], "fp16.loss_scale", minimum=0.0)
+    hysteresis = _num(fp16["hysteresis"], "fp16.hysteresis", int)
+    if hysteresis < 1:  # DeepSpeed's rule never halves the scale with hysteresis < 1: it would skip forever
+        raise ConfigError(f"fp16.hysteresis must be >= 1 (overflows tolerated before the scale halves), got "
+                          f"{hysteresis}")
+    power = _num(fp16["initial_scale_power"], "fp16.initial_scale_power", int)
     scaler = LossScaler(scale=static if static > 0 else 2.0 ** power, dynamic=static == 0,
-                        window=_num(fp16.get("loss_scale_window", 1000), "fp16.loss_scale_window", int),
-                        min_scale=_num(fp16.get("min_loss_scale", 1), "fp16.min_loss_scale"),
-                        hysteresis=_num(fp16.get("hysteresis", 2), "fp16.hysteresis", int),
-                        consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)))
-    return "fp16", scaler
+                        window=_num(fp16["loss_scale_window"], "fp16.loss_scale_window", int, minimum=1),
+                        min_scale=_num(fp16["min_loss_scale"], "fp16.min_loss_scale", minimum=0.0),
+                        hysteresis=hysteresis, consecutive_hysteresis=bool(fp16["consecutive_hysteresis"]))
+    return "fp16", scaler, bool(fp16["auto_cast"])
 
 
 # zero_optimization keys that mean something to a host-resident streaming engine; every other key DeepSpeed
 # accepts (bucket sizes, overlap_comm, prefetch/persistence thresholds, ...) tunes ZeRO's partitioning and
-# collectives, which do not exist here: accepted, with one warning naming them.
+# collectives, which do not exist here: accepted, named in the not-acted-on warning.
 ZERO_KEYS_USED = {"stage", "offload_param", "offload_optimizer", "stage3_gather_16bit_weights_on_model_save",
                   "gather_16bit_weights_on_model_save"}
 
 
-def _zero(cfg: dict) -> tuple[int, float]:
+def _zero(cfg: dict, notes: list[str]) -> tuple[int, float]:
     block = cfg.get("zero_optimization", {}) or {}
-    try:  # DeepSpeed's own config model: unknown keys and bad types are rejected as DeepSpeed rejects them
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    except ImportError:  # deepspeed is a dependency; without it only our own checks run
-        DeepSpeedZeroConfig = None
-    if DeepSpeedZeroConfig is not None:
-        try:
-            DeepSpeedZeroConfig(**block)
-        except Exception as exc:  # pydantic.ValidationError
-            key, why = validation_error_parts(exc)
-            raise ConfigError(f"zero_optimization.{key}: {why}") from None
-    stage = int(_num(block.get("stage", 0), "zero_optimization.stage", int))
+    # DeepSpeed's own config model: unknown keys and bad types are rejected as DeepSpeed rejects them
+    _ds_model("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig", block, "zero_optimization")
+    stage = _num(block.get("stage", 0), "zero_optimization.stage", int)
     ratio = _num((block.get("offload_optimizer") or {}).get("ratio", 1.0), "zero_optimization.offload_optimizer.ratio")
     if not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio}")
     for key in ("offload_param", "offload_optimizer"):
         device = (block.get(key) or {}).get("device", "none")
         if device == "nvme":
-            warnings.warn(f"zero_optimization.{key}.device=nvme: megatrain_ds keeps state in host memory "
-                          "(no NVMe tier yet)", stacklevel=3)
+            notes.append(f"zero_optimization.{key}.device=nvme: megatrain_ds keeps state in host memory "
+                         "(no NVMe tier yet)")
     unused = sorted(set(block) - ZERO_KEYS_USED)
     if unused:
-        warnings.warn("zero_optimization keys with no effect on megatrain_ds (it streams layers instead of "
-                      f"partitioning them): {', '.join(unused)}", stacklevel=3)
+        notes.append("zero_optimization keys with no effect on megatrain_ds (it streams layers instead of "
+                     f"partitioning them): {', '.join(unused)}")
     return stage, ratio
 
 
 # DeepSpeed features that act on a run but that megatrain_ds does not implement: accepted when enabled (they do
-# not change what is trained), with one warning naming each and what happens instead.
+# not change what is trained), named in the not-acted-on warning with what happens instead.
 FEATURES_NOT_IMPLEMENTED = {
     "flops_profiler": "no FLOPs profile is printed (wall_clock_breakdown gives the step breakdown; "
                       "benchmarks/ computes model TFLOPS)",
@@ -261,12 +401,33 @@ FEATURES_NOT_IMPLEMENTED = {
                                 "options (partitioning, CPU checkpointing, ...) do not apply",
     "torch_autocast": "mixed precision comes from the bf16 / fp16 blocks: compute stays fp32 unless one is "
                       "enabled",
+    "memory_breakdown": "no per-step memory report is printed",
+}
+
+# Keys with no effect in one process, in DeepSpeed too, so nothing is said about them: prescale_gradients
+# divides the gradients by the data-parallel world size before the all-reduce instead of after, and
+# gradient_predivide_factor f scales them by 1/f before and f/world after; with one process there is no
+# all-reduce and world = 1. checkpoint.tag_validation compares the tag across ranks: one rank always agrees.
+# communication_data_type, sparse_gradients and zero_allow_untested_optimizer likewise concern collectives /
+# ZeRO's optimizer wrapping only.
+
+# checkpoint block keys that would change how checkpoints are written or read, each with its DeepSpeed default
+# (a predicate) and what megatrain_ds does instead; checkpoint.py writes DeepSpeed's layout with torch.save.
+CHECKPOINT_NOT_ACTED_ON = {
+    "load_universal": (lambda v: v == ds_default("LOAD_UNIVERSAL_CHECKPOINT_DEFAULT"),
+                       "universal checkpoints are not loaded (DeepSpeed's layout only)"),
+    "use_node_local_storage": (lambda v: v == ds_default("USE_NODE_LOCAL_STORAGE_CHECKPOINT_DEFAULT"),
+                               "one process: every file is written from it"),
+    "parallel_write": (lambda v: not (v or {}).get("pipeline_stage", False),
+                       "no pipeline stages: files are written by the one process"),
+    "writer": (lambda v: v is None, "files are written with torch.save (no fast / decoupled writer)"),
+    "checkpoint_serialization": (lambda v: v is True, "torch.save's default (zipfile) serialization is used"),
 }
 
 
-def _features(cfg: dict) -> None:
+def _features(cfg: dict, notes: list[str]) -> None:
     """Keys DeepSpeed itself rejects (removed features) are errors with DeepSpeed's message; enabled features
-    megatrain_ds does not implement are a warning naming them."""
+    megatrain_ds does not implement, and model/pipeline parallelism asked for, are named."""
     try:
         from deepspeed.runtime.config import _reject_removed_config_keys
     except ImportError:  # deepspeed is a dependency; an older one without the check: ours only
@@ -276,34 +437,86 @@ def _features(cfg: dict) -> None:
             _reject_removed_config_keys(cfg)
         except Exception as exc:  # DeepSpeedConfigError
             raise ConfigError(str(exc)) from None
+
     def enabled(key: str) -> bool:  # activation_checkpointing has no "enabled" flag: present means used
         block = cfg[key]
+        if isinstance(block, bool):
+            return block
         return not isinstance(block, dict) or bool(block.get("enabled", key == "activation_checkpointing"))
 
     ignored = [k for k in FEATURES_NOT_IMPLEMENTED if k in cfg and enabled(k)]
-    if ignored:
-        warnings.warn("DeepSpeed features megatrain_ds does not implement, ignored: "
-                      + "; ".join(f"{k}: {FEATURES_NOT_IMPLEMENTED[k]}" for k in ignored), stacklevel=3)
+    notes.extend(f"{k}: {FEATURES_NOT_IMPLEMENTED[k]}" for k in ignored)
+    _parallelism(cfg, notes)
+    compile_block = cfg.get("compile") or {}
+    model = _ds_model("deepspeed.compile.config", "CompileConfig", compile_block, "compile")
+    if model is not None:
+        changed = [k for k in compile_block if getattr(model, k) != type(model).model_fields[k].default]
+        if changed:
+            notes.append(f"compile ({', '.join(changed)}): no DeepCompile passes are run; the model runs eagerly")
+    checkpoint = cfg.get("checkpoint") or {}
+    notes.extend(f"checkpoint.{k}: {CHECKPOINT_NOT_ACTED_ON[k][1]}" for k, v in checkpoint.items()
+                 if k in CHECKPOINT_NOT_ACTED_ON and not CHECKPOINT_NOT_ACTED_ON[k][0](v))
 
 
-def parse_config(config, world_size: int = 1) -> TrainConfig:
-    """Parse a DeepSpeed config (dict/path/base64) into ``TrainConfig``."""
+def _parallelism(cfg: dict, notes: list[str]) -> None:
+    """Model / sequence / pipeline parallelism: one process trains the whole model, so sizes > 1 are errors."""
+    for key in ("sequence_parallel_size", "data_parallel_size"):
+        if key in cfg and _num(cfg[key], key, int) > 1:
+            raise ConfigError(f"'{key}': {cfg[key]} needs several processes; megatrain_ds trains in one process "
+                              "(data/sequence parallelism is not implemented): remove the key")
+    autotp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if autotp and _num(autotp, "tensor_parallel.autotp_size", int) > 1:
+        raise ConfigError(f"tensor_parallel.autotp_size={autotp}: tensor parallelism is not implemented; "
+                          "megatrain_ds trains the whole model in one process (remove the block)")
+    pipeline = cfg.get("pipeline") or {}
+    default = {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
+               "pipe_partitioned": True, "grad_partitioned": True}  # DeepSpeed's get_pipeline_config
+    changed = [k for k, v in pipeline.items() if default.get(k, object()) != v]
+    if changed:
+        notes.append(f"pipeline ({', '.join(changed)}): no pipeline parallelism; the model is trained whole "
+                     "(DeepSpeed reads this block only for a PipelineModule)")
+
+
+def warn_not_acted_on(notes: list[str], stacklevel: int = 3) -> None:
+    """ONE warning naming every accepted setting megatrain_ds does not act on (the header is stable: tests and
+    users grep for it)."""
+    if notes:
+        warnings.warn("DeepSpeed settings megatrain_ds does not implement or act on (accepted, ignored): "
+                      + "; ".join(notes), stacklevel=stacklevel)
+
+
+def _steps_per_print(cfg: dict) -> float:
+    spp = cfg.get("steps_per_print", ds_default("STEPS_PER_PRINT_DEFAULT"))
+    if spp is None or spp in ("inf", math.inf):  # DeepSpeed: None = no progress lines (its 0.19 default)
+        return math.inf
+    return _num(spp, "steps_per_print", int, minimum=1)
+
+
+def parse_config(config, world_size: int = 1, *, warn: bool = True) -> TrainConfig:
+    """Parse a DeepSpeed config (dict/path/base64) into ``TrainConfig``. ``warn``: warn about the settings not
+    acted on now (``initialize`` passes False and warns once, with its own arguments' notes added)."""
     cfg = load_config_source(config)
-    _features(cfg)
+    notes: list[str] = []
+    _features(cfg, notes)
     tb, mb, ga = _batch(cfg, world_size)
     sched = cfg.get("scheduler")
     if sched is not None:
         _check_keys(sched, {"type", "params"}, "scheduler")
     mt = dict(cfg.get("megatrain", {}) or {})
     _check_keys(mt, set(MegatrainSettings.__dataclass_fields__), "megatrain")
-    clip = _num(cfg.get("gradient_clipping", 0.0), "gradient_clipping")
-    zero_stage, ratio = _zero(cfg)
-    dtype, scaler = _precision(cfg)
-    spp = cfg.get("steps_per_print", 10)
-    return TrainConfig(
-        train_batch_size=tb, micro_batch_size=mb, gradient_accumulation_steps=ga,
-        optimizer=_optimizer(cfg), scheduler=sched, compute_dtype=dtype, loss_scaler=scaler, gradient_clipping=clip,
-        steps_per_print=float("inf") if spp in (None, "inf", float("inf")) else _num(spp, "steps_per_print"),
-        wall_clock_breakdown=bool(cfg.get("wall_clock_breakdown", False)), zero_stage=zero_stage,
-        offload_optimizer_ratio=ratio,
-        megatrain=MegatrainSettings(**mt), monitor=monitor_config(cfg), raw=cfg)
+    clip = _num(cfg.get("gradient_clipping", ds_default("GRADIENT_CLIPPING_DEFAULT")), "gradient_clipping")
+    zero_stage, ratio = _zero(cfg, notes)
+    dtype, scaler, auto_cast = _precision(cfg, notes)
+    settings = TrainConfig(
+        train_batch_size=tb, micro_batch_size=mb, gradient_accumulation_steps=ga, optimizer=_optimizer(cfg, notes),
+        scheduler=sched, compute_dtype=dtype, loss_scaler=scaler, fp16_auto_cast=auto_cast,
+        gradient_clipping=clip, steps_per_print=_steps_per_print(cfg),
+        wall_clock_breakdown=_bool(cfg.get("wall_clock_breakdown", ds_default("WALL_CLOCK_BREAKDOWN_DEFAULT")),
+                                   "wall_clock_breakdown"),
+        dataloader_drop_last=_bool(cfg.get("dataloader_drop_last", ds_default("DATALOADER_DROP_LAST_DEFAULT")),
+                                   "dataloader_drop_last"),
+        zero_stage=zero_stage, offload_optimizer_ratio=ratio, megatrain=MegatrainSettings(**mt),
+        monitor=monitor_config(cfg), not_acted_on=notes, raw=cfg)
+    if warn:
+        warn_not_acted_on(notes)
+    return settings

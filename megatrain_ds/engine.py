@@ -24,10 +24,12 @@ from .executor import StreamedLayers
 from .device_state import DeviceOptimizerState
 from .host_state import HostLayerStore
 from .loss import linear_cross_entropy
-from .model_map import build_layout, find_block_list
+from .loss_scale import cast_inputs_half
+from .model_map import build_layout, find_block_list, shared_parameter_ids
 from .monitor import Monitor
 from .optimizer import HostAdamW, ResidentParams
 from .streams import make_streams
+from .surface import EngineSurface, adopt_zero3_model
 from .timing import StepTimer
 from .zero import ParamHome, mark_partitioned
 
@@ -62,18 +64,45 @@ def _param_groups(model: nn.Module, model_parameters, defaults: dict) -> list[di
     return groups
 
 
-def _fused_loss_head(model: nn.Module) -> nn.Linear | None:
-    """The LM head if ``model`` is a Hugging Face causal LM whose head is a plain linear layer."""
-    get_head = getattr(model, "get_output_embeddings", None)
+def _fused_loss_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(decoder, LM head) when ``model`` is a Hugging Face causal LM (possibly wrapped by PEFT) whose loss is
+    the decoder's hidden states through a plain linear head into cross-entropy; None otherwise (the model's own
+    forward then runs: heads that do more than a matmul, LoRA on the head)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    get_head = getattr(base, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    name = type(model).__name__
+    name = type(base).__name__
     if not isinstance(head, nn.Linear) or not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
         return None
-    config = getattr(model, "config", None)
+    decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    if not isinstance(decoder, nn.Module) or decoder is base:
+        return None
+    config = getattr(base, "config", None)
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, attr, None) not in (None, 1.0):
             return None  # head does more than a matmul: use the model's own forward
-    return head
+    return decoder, head
+
+
+class LogitsNotComputed:
+    """``.logits`` of a training forward with ``labels=``: the fused LM head + cross-entropy computed the loss
+    without ever forming the [tokens, vocab] logits. Any use says so (instead of a bare ``None`` error)."""
+
+    _WHY = ("megatrain_ds computed this loss with the fused LM head + cross-entropy, so the logits were never "
+            "formed; to get them, call the model without labels= and take the loss from the logits, or set "
+            "\"megatrain\": {\"fused_loss\": false} in the config")
+
+    def __getattr__(self, name):
+        raise AttributeError(f"{self._WHY} (asked for .logits.{name})")
+
+    def __getitem__(self, key):
+        raise TypeError(self._WHY)
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "LogitsNotComputed(fused loss: logits were never formed)"
 
 
 def _to_device(value, device):
@@ -86,7 +115,7 @@ def _to_device(value, device):
     return value
 
 
-class MegaTrainEngine(nn.Module):
+class MegaTrainEngine(EngineSurface, nn.Module):
     """Trains ``model`` with every persistent tensor in host memory and the GPU as a streaming engine."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, model_parameters=None,
@@ -113,9 +142,11 @@ class MegaTrainEngine(nn.Module):
         groups = _param_groups(model, model_parameters, defaults) if settings else []
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
 
+        adopt_zero3_model(model)  # built under real DeepSpeed's zero.Init (HfDeepSpeedConfig): made whole
         # 1. Split: streamed layers (host flat buffers) vs resident params (device copies).
         self.block_name, layers = find_block_list(model)
-        layouts = [build_layout(i, layer, group_of) for i, layer in enumerate(layers)]
+        shared_ids = shared_parameter_ids(model, layers)  # used by two layers (or a layer and the rest): resident
+        layouts = [build_layout(i, layer, group_of, shared_ids) for i, layer in enumerate(layers)]
         ga = config.gradient_accumulation_steps
         self.streams = make_streams(device)
         pin = device.type == "cuda"
@@ -139,7 +170,7 @@ class MegaTrainEngine(nn.Module):
             n_device = round((1.0 - config.offload_optimizer_ratio) * len(layers))
         if n_device > 0:
             self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n_device, len(layers)), device)
-        layer_ids = {id(p) for layer in layers for p in layer.parameters()}
+        layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin,
                                        state_on_device=n_device > 0)
@@ -156,7 +187,7 @@ class MegaTrainEngine(nn.Module):
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(device)
         self.module = model
-        self._head = _fused_loss_head(model)
+        self._fused = _fused_loss_parts(model)
         self._mark_params(layers)
         if self._auto_device_state and device.type == "cuda":
             torch.cuda.empty_cache()  # the model's GPU copy, if it was built there, is gone: so is its peak
@@ -175,7 +206,7 @@ class MegaTrainEngine(nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
-        self.skipped_steps = 0  # fp16 steps skipped on overflow
+        self.skipped_steps = 0  # steps skipped on non-finite gradients (every precision; fp16 overflow)
         self._boundary_override: bool | None = None
         self._last_norm = None
         # DeepSpeed's monitors (tensorboard / wandb / csv_monitor / comet blocks), when one is enabled
@@ -184,24 +215,42 @@ class MegaTrainEngine(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
+        if self.config_settings.fp16_auto_cast:  # DeepSpeed's fp16.auto_cast: floating positional inputs to half
+            args = cast_inputs_half(args)
         args, kwargs = _to_device(args, self.device), _to_device(kwargs, self.device)
         self.timer.begin_forward()
-        if self._head is not None and torch.is_grad_enabled() and kwargs.get("labels") is not None:
+        self.tput_timer.start()  # DeepSpeed's throughput timer, as its forward starts it (surface.py)
+        if self._fused is not None and torch.is_grad_enabled() and self._fused_loss_applies(kwargs):
             return self._forward_fused_loss(args, kwargs)
         return self.module(*args, **kwargs)
 
+    def _fused_loss_applies(self, kwargs) -> bool:
+        """The fused head + cross-entropy computes exactly the model's loss: plain causal-LM labels, nothing the
+        model adds to it (MoE router aux loss: the model's own forward runs, logits and all) and no logits the
+        caller asked to keep."""
+        if kwargs.get("labels") is None or not self.config_settings.megatrain.fused_loss:
+            return False
+        config = getattr(self._fused[0], "config", None)
+        if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
+            return False
+        return kwargs.get("logits_to_keep", 0) == 0 and kwargs.get("return_dict") is not False
+
     def _forward_fused_loss(self, args, kwargs):
         from transformers.modeling_outputs import CausalLMOutputWithPast
+        decoder, head = self._fused
         labels = kwargs.pop("labels")
         num_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)
         kwargs["use_cache"] = False
-        out = self.module.base_model(*args, **kwargs)
+        out = decoder(*args, **kwargs)
         hidden = out[0]  # (B, S, h)
         mt = self.config_settings.megatrain
         with self.timer.span("compute", self.streams.compute()):
-            loss = linear_cross_entropy(hidden, self._head.weight, self._head.bias, labels, num_items,
+            loss = linear_cross_entropy(hidden, head.weight, head.bias, labels, num_items,
                                         chunk_rows=mt.loss_chunk_rows, use_liger=mt.use_liger)
-        return CausalLMOutputWithPast(loss=loss, logits=None)
+        return CausalLMOutputWithPast(loss=loss, logits=LogitsNotComputed(),
+                                      hidden_states=getattr(out, "hidden_states", None),
+                                      attentions=getattr(out, "attentions", None))
 
     # ------------------------------------------------------------------ backward
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -221,7 +270,11 @@ class MegaTrainEngine(nn.Module):
             loss = loss / ga
         if self.config_settings.loss_scaler is not None:  # fp16: the optimizer divides it back out
             loss = loss * self.config_settings.loss_scaler.scale
-        loss.backward(retain_graph=retain_graph)
+        try:
+            loss.backward(retain_graph=retain_graph)
+        except BaseException:
+            self._discard_gradients()
+            raise
         self.resident.evacuate(self.worker, final)
         self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
         return loss
@@ -230,18 +283,26 @@ class MegaTrainEngine(nn.Module):
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: queue clip + AdamW (host) and advance counters and scheduler."""
         if self.is_gradient_accumulation_boundary():
+            skipped = False
             if self.optimizer is not None:
                 self._last_norm = self.optimizer.step()
+                # Wait for the norm task (it waits for the last gradient landings: a CPU-GPU sync), in every
+                # precision: a step with non-finite gradients is skipped, as DeepSpeed skips it, and that decides
+                # the counters and the lr scheduler below. It costs no overlap: the next forward waits for the
+                # resident update, which waits for this norm, anyway; only the script's own work between step()
+                # and the next forward (fetching a batch) no longer runs beside the last landings.
+                self._last_norm.result()
+                if self.optimizer.step_error is not None:  # fp16: overflow at the minimum loss scale
+                    raise self.optimizer.step_error
+                skipped = self.optimizer.last_step_skipped
+                if skipped:  # masters, moments and Adam's step count are untouched (optimizer._norm_task)
+                    self.skipped_steps += 1
+                    print(f"[megatrain_ds] {self.optimizer.skip_message}", flush=True)
             else:
                 self.executor.reset_window()
             self.global_steps += 1
             previous_samples = self.global_samples
             self.global_samples += self.config_settings.train_batch_size
-            skipped = False
-            if self.optimizer is not None and self.config_settings.loss_scaler is not None:
-                self._last_norm.result()  # fp16: waits for the overflow check (a CPU-GPU sync per step)
-                skipped = self.optimizer.last_step_skipped
-                self.skipped_steps += int(skipped)
             if self.lr_scheduler is not None and not skipped:  # DeepSpeed does not advance it on overflow
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.timer.end_step()
@@ -256,6 +317,7 @@ class MegaTrainEngine(nn.Module):
                       f"mom={self.get_mom()}", flush=True)
                 if self.config_settings.wall_clock_breakdown:
                     print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)
+        self._end_step_surface(self.is_gradient_accumulation_boundary())  # tput_timer.stop, was_step_applied
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
 
     def _auto_budget_bytes(self) -> int | None:
@@ -336,10 +398,25 @@ class MegaTrainEngine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last step (DeepSpeed's engine.zero_grad)."""
+        for p in self.resident.params:  # a failed backward may have left autograd's partial sums here
+            p.grad = None
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         else:
             self.executor.reset_window()
+
+    def _discard_gradients(self) -> None:
+        """A backward raised: whatever part of it ran must not reach a step. Waits for the landings it queued,
+        then drops the accumulation window (earlier micro-batches of the window included: their sums share the
+        buffers) and the resident parameters' partial ``.grad``; saved activations of the failed graph go too."""
+        for fut in self.executor.sq_norm:
+            if fut is not None:
+                fut.exception()  # waits; an error of the landing itself is not this error
+        self.zero_grad()
+        if self.executor.activations is not None:
+            self.executor.activations.clear()
+        warnings.warn("engine.backward() raised: the gradients accumulated since the last step were discarded "
+                      "(the step that follows applies only later backwards)", stacklevel=3)
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
@@ -388,7 +465,7 @@ class MegaTrainEngine(nn.Module):
                                load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False) -> bool:
-        return save_16bit_model(self, save_dir, save_filename)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's flag (``zero_optimization.stage3_gather_16bit_weights_on_model_save``): accelerate's
@@ -399,32 +476,35 @@ class MegaTrainEngine(nn.Module):
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:
         """What accelerate's ``get_state_dict`` calls under ZeRO-3: the full model in the compute dtype."""
-        return consolidated_state_dict(self)
+        return consolidated_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_master_state_dict(self, state: dict, strict: bool = True) -> None:
         """Write fp32 weights keyed like ``master_state_dict()`` into the host masters (and every copy
-        derived from them: wire copy, GPU-held masters, resident device copies, slots)."""
+        derived from them: wire copy, GPU-held masters, resident device copies, slots). Everything is checked
+        (names when ``strict``, shapes always) before the first write: a mismatch leaves the engine as it was."""
         self.synchronize()
-        store, expected = self.store, set()
-        for i, layout in enumerate(store.layouts):
-            for slot in layout.slots:
-                key = f"{self.block_name}.{i}.{slot.name}"
-                expected.add(key)
-                if key in state:
-                    store.param_master(i, slot.name).copy_(state[key].reshape(slot.shape))
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        for k, p in enumerate(self.resident.params):
-            key = names[id(p)]
-            expected.add(key)
+        store, names = self.store, {id(p): n for n, p in self.module.named_parameters()}
+        layer_keys = {f"{self.block_name}.{i}.{slot.name}": (i, slot)
+                      for i, layout in enumerate(store.layouts) for slot in layout.slots}
+        resident_keys = {names[id(p)]: k for k, p in enumerate(self.resident.params)}
+        shapes = {key: tuple(slot.shape) for key, (_, slot) in layer_keys.items()}
+        shapes.update({key: tuple(self.resident.master[k].shape) for key, k in resident_keys.items()})
+        wrong = [f"{key}: {tuple(state[key].shape)} given, {shape} in the model" for key, shape in shapes.items()
+                 if key in state and tuple(state[key].shape) != shape]
+        missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+        if wrong or (strict and (missing or unexpected)):
+            raise RuntimeError(f"state does not match the model: wrong shapes {wrong[:5]}, missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]} (strict=False loads what matches; nothing was loaded)")
+        for key, (i, slot) in layer_keys.items():
             if key in state:
+                store.param_master(i, slot.name).copy_(state[key].reshape(slot.shape))
+        for key, k in resident_keys.items():
+            if key in state:
+                p = self.resident.params[k]
                 self.resident.master[k].copy_(state[key].reshape(self.resident.master[k].shape))
                 if self.resident.wire[k] is not None:
                     self.resident.wire[k].copy_(self.resident.master[k])
                 p.data.copy_(self.resident.master[k])
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
-                               f"{unexpected[:5]} (load_module_strict=False to load what matches)")
         if not store.wire_is_master:
             store.wire.copy_(store.master)
         ds = self.executor.device_state
@@ -476,9 +556,18 @@ class MegaTrainEngine(nn.Module):
         return self.timer.last
 
     def destroy(self) -> None:
+        """Stop the engine: its hooks and layer forwards leave the module (which may outlive it), the host
+        worker stops, pinned host memory is unregistered. The host buffers are freed once nothing views them:
+        the parameters' ``ds_tensor`` views keep them while the model is alive."""
         for handle in self._refresh_hooks:  # the module outlives the engine; its hooks must not
             handle.remove()
         self._refresh_hooks = []
+        for layer in self.executor.layers:  # the per-instance forward that routes into the executor
+            if getattr(layer.__dict__.get("forward"), "_megatrain_executor", False):
+                del layer.__dict__["forward"]
+        for p in self.module.parameters():  # GatheredParameters' way back to this engine
+            if getattr(p, "_megatrain_home", None) is not None and p._megatrain_home.engine is self:
+                del p._megatrain_home
         self.synchronize()
         self.worker.shutdown(wait=True)
         self.store.close()

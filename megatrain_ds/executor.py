@@ -14,6 +14,7 @@ See [Note: stream and event ordering] in streams.py for every record and wait be
 """
 from __future__ import annotations
 
+import inspect
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ class Slot:
     last_use: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: a call is a key of the saved-activation maps
 class LayerCall:
     """What a layer call needs to be replayed in backward (non-tensor payload of the Function)."""
 
@@ -47,7 +48,16 @@ class LayerCall:
     args: tuple
     kwargs: dict
     rng_state: tuple | None = None
-    extras: tuple = field(default_factory=tuple)  # non-primary outputs of the layer, if it returns a tuple
+    # The layer's other outputs, recorded by the forward so the backward's recompute can match them one to one:
+    # ``extras``: the non-primary items when the layer returns a tuple (tensors replaced by the Function's
+    # outputs, so they carry gradient); ``captured``: tensors that output-capturing hooks on the layer's
+    # submodules appended to Hugging Face's collector (router logits, attention weights), as (key, position).
+    extras: tuple = ()
+    extra_tensor_at: tuple = ()  # positions in ``extras`` that are Function outputs
+    captured: tuple = ()  # ((collector key, list position), ...) in output order
+    capture_keys: tuple = ()  # keys of the collector active in the forward (recreated for the recompute)
+    buffers: dict | None = None  # pre-forward copies of the buffers the layer mutates (replayed by recompute)
+    prev: "LayerCall | None" = None  # the previous layer's call of the same forward (its input loads next)
 
 
 class StreamedLayers:
@@ -75,8 +85,25 @@ class StreamedLayers:
             members = [i for i, g in enumerate(self.template_of) if g == t]
             for i, overlay in zip(members, per_layer_attributes(template, [self.layers[i] for i in members])):
                 self.overlays[i] = overlay
-        self.buffers = [{n: b.to(device) for n, b in layer.named_buffers()} for layer in layers]
+        # Each layer's buffers on the device, and the module holds the same tensors: what the layer updates in
+        # place (BatchNorm statistics) is what ``state_dict()`` and checkpoints see.
+        self.buffers = [_buffers_to_device(layer, device) for layer in layers]
+        # Names of the buffers a training forward of layer i mutates (None until its first training forward,
+        # which snapshots them all and compares): their pre-forward values are kept for the recompute, so the
+        # recompute sees what the forward saw and its own in-place updates are discarded (one update per
+        # forward, as without recompute). A buffer the first forward leaves unchanged is assumed constant.
+        self.mutated: list[set[str] | None] = [None] * len(layers)
+        # Hooks the model (Hugging Face's output capturing, the user) puts on a layer's submodules run on the
+        # template's submodules while that layer runs: pairs of (template submodule, layer submodule).
+        self.hook_pairs = [_submodule_pairs(self.templates[self.template_of[i]], layer)
+                           for i, layer in enumerate(layers)]
+        # Parameters a layer shares with another layer or with the rest of the model stay resident (one device
+        # copy, its gradient accumulated into ``param.grad``): name in layer -> the model's parameter.
+        self.shared = [{name: p for name, p in layer.named_parameters(remove_duplicate=False)
+                        if name in layout.shared} for layer, layout in zip(layers, layouts)]
         self.dropout = [has_active_dropout(layer) for layer in layers]
+        self.arg_names = [_positional_names(layer) for layer in layers]
+        self._last_call: LayerCall | None = None
         max_numel = max(l.numel for l in layouts)
         compute_dtype = compute_dtype or store.wire_dtype
         staged = compute_dtype != store.wire_dtype
@@ -154,15 +181,20 @@ class StreamedLayers:
     def _release(self, slot: Slot) -> None:
         slot.free = self.streams.record(self.streams.compute())
 
-    def _bind(self, i: int, slot: Slot, trainable_leaf: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Parameter views of layer i into ``slot`` (zero-copy), plus the layer's buffers."""
+    def _bind(self, i: int, slot: Slot, trainable_leaf: torch.Tensor | None, buffers: dict | None = None,
+              shared: dict | None = None) -> dict[str, torch.Tensor]:
+        """Parameter views of layer i into ``slot`` (zero-copy), the shared (resident) parameters, and the
+        layer's buffers (``buffers`` overrides some: the recompute's pre-forward copies)."""
         layout = self.layouts[i]
         buf = slot.buf
         train = trainable_leaf if trainable_leaf is not None else buf[:layout.n_train]
         frozen = buf[layout.n_train:layout.numel]
         params = {s.name: (train if s.trainable else frozen)[s.offset:s.offset + s.numel].view(s.shape)
                   for s in layout.slots}
+        params.update(shared if shared is not None else self.shared[i])
         params.update(self.buffers[i])
+        if buffers:
+            params.update(buffers)
         return params
 
     def _log(self, op: str, i: int, slot: Slot | None) -> None:
@@ -176,26 +208,44 @@ class StreamedLayers:
             template.train(self.layers[i].training)
         for module, name, value in self.overlays[i]:  # e.g. layer_idx, sliding_window of layer i
             setattr(module, name, value)
+        for mirror, original in self.hook_pairs[i]:  # layer i's submodule hooks, by reference (no copy)
+            for attr in _HOOK_DICTS:
+                mirror.__dict__[attr] = original.__dict__[attr]
         return template
 
-    def run_forward(self, call: LayerCall, hidden: torch.Tensor, save_rng: bool):
+    def run_forward(self, call: LayerCall, hidden: torch.Tensor, training: bool):
+        """Layer ``call.index`` on streamed weights, without a graph. ``training`` (a grad-enabled call, made
+        by the autograd Function): also record what the recompute must replay (RNG, buffers it mutates)."""
         i = call.index
         slot = self._acquire(i, step=+1)
         template = self._template(i)
-        if save_rng and self.dropout[i] and template.training:
+        if training and self.dropout[i] and template.training:
             call.rng_state = _get_rng_state(self.device)
+        if training and self.buffers[i] and self.mutated[i] != set():
+            names = self.mutated[i] if self.mutated[i] is not None else self.buffers[i].keys()
+            call.buffers = {n: self.buffers[i][n].clone() for n in names}
+            versions = {n: b._version for n, b in self.buffers[i].items()}
         with self.timer.span("compute", self.streams.compute()):
             out = functional_call(template, self._bind(i, slot, None), (hidden, *call.args), call.kwargs)
+        if training and self.buffers[i] and self.mutated[i] is None:  # learnt once per layer, from the values:
+            # kernels that update running statistics in place (batch_norm) do not bump the version counter
+            self.mutated[i] = {n for n, b in self.buffers[i].items()
+                               if b._version != versions[n] or not torch.equal(b, call.buffers[n])}
+            call.buffers = {n: t for n, t in call.buffers.items() if n in self.mutated[i]}
         self._release(slot)
         self._log("fwd", i, slot)
         return out
 
-    def run_backward(self, call: LayerCall, hidden: torch.Tensor, grad_out: torch.Tensor,
+    def run_backward(self, call: LayerCall, hidden: torch.Tensor, grad_outs: tuple,
                      need_input_grad: bool) -> torch.Tensor | None:
+        """Recompute layer ``call.index`` from its saved input with a local graph and take the gradient of its
+        outputs (``grad_outs``: one per Function output, None where the loss did not use it) with respect to
+        [the slot's trainable region, shared parameters, the input]. The trainable gradient leaves as one flat
+        D2H burst; shared parameters accumulate into ``param.grad``; the input gradient is returned."""
         i, layout = call.index, self.layouts[call.index]
         slot = self._acquire(i, step=-1)
-        if self.activations is not None:
-            self.activations.prefetch(i - 1)  # the next backward layer's input loads while i recomputes
+        if self.activations is not None and call.prev is not None:
+            self.activations.prefetch(call.prev)  # the next backward layer's input loads while i recomputes
         template = self._template(i)
         with torch.enable_grad(), self.timer.span("compute", self.streams.compute()):
             train_leaf = None
@@ -203,18 +253,35 @@ class StreamedLayers:
             if layout.n_train:
                 train_leaf = slot.buf[:layout.n_train].detach().requires_grad_(True)
                 wrt.append(train_leaf)
+            shared = {n: p.detach().requires_grad_(True) for n, p in self.shared[i].items() if p.requires_grad}
+            shared_leaves = list(dict.fromkeys(shared.values()))  # a tied name appears once
+            wrt += shared_leaves
             x = hidden.detach().requires_grad_(need_input_grad)
             if need_input_grad:
                 wrt.append(x)
-            with _replay_rng(call.rng_state, self.device):
-                out = functional_call(template, self._bind(i, slot, train_leaf), (x, *call.args), call.kwargs)
-            primary = out if isinstance(out, torch.Tensor) else out[0]
-            grads = torch.autograd.grad(primary, wrt, grad_out) if wrt else ()
+            bind = self._bind(i, slot, train_leaf, call.buffers, {**self.shared[i], **shared})
+            with _replay_rng(call.rng_state, self.device), _fresh_collector(call.capture_keys) as collector:
+                out = functional_call(template, bind, (x, *call.args), call.kwargs)
+            outputs = _function_outputs(call, out, collector, recompute=True)
+            pairs = [(o, g) for o, g in zip(outputs, grad_outs)
+                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
+                                        materialize_grads=True) if (wrt and pairs) else [None] * len(wrt)
         self._release(slot)
         self._log("bwd", i, slot)
+        grads = list(grads)
         if layout.n_train:
-            self._evacuate(i, grads[0])
-        return grads[-1] if need_input_grad else None
+            flat = grads.pop(0)
+            self._evacuate(i, flat if flat is not None else torch.zeros_like(train_leaf))
+        for leaf in shared_leaves:
+            g = grads.pop(0)
+            param = next(p for n, p in self.shared[i].items() if shared.get(n) is leaf)
+            if g is not None:
+                param.grad = g if param.grad is None else param.grad + g
+        if not need_input_grad:
+            return None
+        g = grads.pop(0)
+        return g if g is not None else torch.zeros_like(hidden)
 
     # --- gradient landing --------------------------------------------------------------------------
     def _evacuate(self, i: int, flat_grad: torch.Tensor) -> None:
@@ -224,11 +291,14 @@ class StreamedLayers:
         slab = None  # a landing slab of the ring (GA > 1), returned to the ring by the fold
         if self.device_state is not None and self.device_state.owns(i):
             return self._accumulate_on_device(i, flat_grad, first, final)
-        if store.grad_direct:
-            if not first:
-                raise RuntimeError(
-                    "a second backward() before step() with gradient_accumulation_steps=1: set "
-                    "gradient_accumulation_steps in the config so gradients are accumulated in fp32")
+        if store.grad_direct and not first:
+            # A second gradient for layer i before the step (two forwards into one loss, as a DPO step with
+            # separate chosen/rejected passes; or a second backward() with GA 1): it lands in a temporary
+            # pinned buffer and the worker adds it to the first, in the home's dtype, as autograd would.
+            dest = torch.empty(flat_grad.numel(), dtype=store.grad.dtype, pin_memory=self.device.type == "cuda")
+            if dest.dtype != flat_grad.dtype:
+                flat_grad = flat_grad.to(dest.dtype)
+        elif store.grad_direct:
             dest = store.grad_of(i)
             if final:  # GA 1: the gradient is final as it leaves the GPU, so its norm is taken there
                 torch.linalg.vector_norm(flat_grad, dtype=torch.float32, out=self.norm_dev[i])
@@ -241,7 +311,7 @@ class StreamedLayers:
         st.wait(st.d2h, grad_ready)
         with st.on(st.d2h), self.timer.span("d2h", st.d2h):
             dest.copy_(flat_grad, non_blocking=True)
-            if store.grad_direct and final:
+            if store.grad_direct and first and final:
                 self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
         st.hand_over(flat_grad, st.d2h)
         landed = st.record(st.d2h)
@@ -283,9 +353,12 @@ class StreamedLayers:
 
     def _fold(self, i: int, dest: torch.Tensor, first: bool, final: bool):
         store = self.store
-        if store.grad_direct:
+        if store.grad_direct and first:
             return float(self.norm_host[i]) ** 2 if final else None
         grad = store.grad_of(i)
+        if store.grad_direct:  # a second landing in the same window (see _evacuate): the norm of the sum
+            grad.add_(dest)
+            return float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2 if final else None
         if first:
             grad.copy_(dest)
         else:  # bf16 + fp32 in one add_ is 5x slower than a converting copy and an fp32 add on the CPU
@@ -300,47 +373,197 @@ class StreamedLayers:
 def _make_layer_forward(executor: StreamedLayers, index: int):
     def forward(hidden_states, *args, **kwargs):
         return _layer_forward(executor, index, hidden_states, args, kwargs)
+    forward._megatrain_executor = True  # engine.destroy() removes exactly these
     return forward
 
 
+# KV-cache arguments of Hugging Face decoder layers (current and older names)
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+# the forward-hook dictionaries of an nn.Module (mirrored from a layer's submodules onto the template's)
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+def _positional_names(layer: nn.Module) -> tuple[str, ...]:
+    """Names of the layer forward's positional parameters after the hidden states (GPT-2 passes its cache
+    positionally)."""
+    try:
+        params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _without_cache(i: int, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
+    """A grad-enabled layer call runs without the KV cache, as Hugging Face's own gradient checkpointing does:
+    the forward appends this step's keys/values to the cache, so the backward's recompute would append them a
+    second time and attend to both (a wrong gradient for every loss taken from the logits). An empty cache is
+    dropped (nothing in it changes the result); a cache that already holds tokens cannot be: an error."""
+    at = {name: j for j, name in enumerate(names[:len(args)]) if name in _CACHE_KWARGS or name == "use_cache"}
+    if all(kwargs.get(k) is None for k in _CACHE_KWARGS) and not kwargs.get("use_cache") and \
+            all(args[j] is None or args[j] is False for j in at.values()):
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for key in _CACHE_KWARGS:
+        cache = args[at[key]] if key in at else kwargs.get(key)
+        if cache is None:
+            continue
+        length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else None
+        if length != 0:
+            raise NotImplementedError(
+                f"layer {i} was called with grad enabled and a KV cache that already holds "
+                f"{'some' if length is None else length} tokens ({key}=): megatrain_ds recomputes each layer in "
+                "backward and cannot replay a cache the forward has changed. Train without a prefix cache "
+                "(use_cache=False, past_key_values=None), or run this forward under torch.no_grad()")
+        if key in at:
+            args[at[key]] = None
+        else:
+            kwargs[key] = None
+    if "use_cache" in at:
+        args[at["use_cache"]] = False
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return tuple(args), kwargs
+
+
 def _layer_forward(executor: StreamedLayers, i: int, hidden: torch.Tensor, args: tuple, kwargs: dict):
-    call = LayerCall(i, args, kwargs)
     if not torch.is_grad_enabled():
-        return executor.run_forward(call, hidden, save_rng=False)
+        return executor.run_forward(LayerCall(i, args, kwargs), hidden, training=False)
+    args, kwargs = _without_cache(i, args, kwargs, executor.arg_names[i])
     for value in (*args, *kwargs.values()):
         leaves = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
             raise NotImplementedError(
                 f"layer {i} was called with an extra tensor argument that requires grad; megatrain_ds "
                 "propagates gradients only through the hidden states of a streamed block")
-    out = _StreamedLayerFn.apply(executor._anchor, hidden, executor, call)
-    return out if not call.extras else (out, *call.extras)
+    call = LayerCall(i, args, kwargs)
+    last = executor._last_call
+    call.prev = last if last is not None and last.index == i - 1 else None
+    executor._last_call = call
+    outs = _StreamedLayerFn.apply(executor._anchor, hidden, executor, call)
+    n_extra = len(call.extra_tensor_at)
+    collector = _hf_collector()
+    for (key, pos, _), tensor in zip(call.captured, outs[1 + n_extra:]):
+        collector[key][pos] = tensor  # the collected value now carries the layer's gradient
+    if call.extras is None:  # the layer returned a tensor
+        return outs[0]
+    extras = list(call.extras)
+    for j, tensor in zip(call.extra_tensor_at, outs[1:1 + n_extra]):
+        extras[j] = tensor
+    return (outs[0], *extras)
 
 
 class _StreamedLayerFn(torch.autograd.Function):
-    """One streamed layer as one autograd node: saves its input, recomputes in backward."""
+    """One streamed layer as one autograd node: saves its input, recomputes in backward.
+
+    Outputs: the primary output (hidden states), then the layer's other floating-point tensor outputs, then
+    the tensors output-capturing hooks recorded inside the layer (see ``LayerCall``): every output a loss may
+    use carries its gradient. Outputs the loss did not use get ``None`` in backward (materialize off)."""
 
     @staticmethod
     def forward(ctx, anchor, hidden, executor, call):
-        out = executor.run_forward(call, hidden, save_rng=True)
-        if not isinstance(out, torch.Tensor):
-            call.extras = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out[1:])
-            out = out[0]
+        collector = _hf_collector()
+        sizes = {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else {}
+        out = executor.run_forward(call, hidden, training=True)
+        if collector:
+            call.capture_keys = tuple((k, isinstance(v, list), None if isinstance(v, list) else v)
+                                      for k, v in collector.items())
+            call.captured = tuple((k, pos, pos - n) for k, n in sizes.items() for pos in range(n, len(collector[k]))
+                                  if isinstance(collector[k][pos], torch.Tensor)
+                                  and collector[k][pos].is_floating_point())
+        if isinstance(out, torch.Tensor):
+            call.extras = None
+        elif isinstance(out, (tuple, list)):
+            call.extras = tuple(out[1:])
+            call.extra_tensor_at = tuple(j for j, t in enumerate(call.extras)
+                                         if isinstance(t, torch.Tensor) and t.is_floating_point())
+        else:
+            raise NotImplementedError(f"layer {call.index} returned {type(out).__name__}; megatrain_ds streams "
+                                      "layers that return a tensor or a tuple whose first item is the hidden states")
+        outputs = _function_outputs(call, out, collector)
         ctx.executor, ctx.call = executor, call
+        ctx.set_materialize_grads(False)
         if executor.activations is not None:  # the input goes to pinned host memory (activations.py)
-            executor.activations.save(call.index, hidden)
+            executor.activations.save(call, hidden)
         else:
             ctx.save_for_backward(hidden)
-        return out
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grad_outs):
         if ctx.executor.activations is not None:
-            hidden = ctx.executor.activations.load(ctx.call.index)
+            hidden = ctx.executor.activations.load(ctx.call)
         else:
             (hidden,) = ctx.saved_tensors
-        grad_in = ctx.executor.run_backward(ctx.call, hidden, grad_out, ctx.needs_input_grad[1])
+        grad_in = ctx.executor.run_backward(ctx.call, hidden, grad_outs, ctx.needs_input_grad[1])
         return None, grad_in, None, None
+
+
+def _function_outputs(call: LayerCall, out, collector, recompute: bool = False) -> list:
+    """[primary, the extras at ``call.extra_tensor_at``, the captured tensors] of one run of the layer. In the
+    recompute ``collector`` is a fresh one (``_fresh_collector``): captured items sit at their relative
+    positions."""
+    items = [out if call.extras is None else out[0]]
+    if call.extras is not None:
+        items += [out[1 + j] for j in call.extra_tensor_at]
+    for key, pos, rel in call.captured:
+        items.append(collector[key][rel if recompute else pos])
+    return items
+
+
+_collector_var = None  # transformers' active output collector (a ContextVar), once looked up
+
+
+def _hf_collector() -> dict | None:
+    """The dict Hugging Face's output-capturing hooks append to during this model forward (router logits,
+    attention weights, ...), or None (no capture requested, or a transformers without it)."""
+    global _collector_var
+    if _collector_var is None:
+        try:
+            from transformers.utils.output_capturing import _active_collector
+        except Exception:  # older/newer transformers: hooks still run (mirrored), values carry no gradient
+            _active_collector = False
+        _collector_var = _active_collector
+    return _collector_var.get() if _collector_var else None
+
+
+class _fresh_collector:
+    """Context manager for the recompute: an empty collector with the forward's keys, so the hooks record the
+    recomputed (graph-carrying) values where ``_function_outputs`` finds them and the user's lists stay as
+    the forward left them."""
+
+    def __init__(self, capture_keys: tuple) -> None:
+        self.capture_keys, self.token, self.collector = capture_keys, None, None
+
+    def __enter__(self):
+        if self.capture_keys and _collector_var:
+            self.collector = {k: ([] if is_list else v) for k, is_list, v in self.capture_keys}
+            self.token = _collector_var.set(self.collector)
+        return self.collector
+
+    def __exit__(self, *exc):
+        if self.token is not None:
+            _collector_var.reset(self.token)
+        return False
+
+
+def _buffers_to_device(layer: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Move ``layer``'s buffers to ``device`` inside the module itself; name -> tensor, as bound per call."""
+    out = {}
+    for path, module in layer.named_modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            module._buffers[name] = buf.to(device)
+            out[f"{path}.{name}" if path else name] = module._buffers[name]
+    return out
+
+
+def _submodule_pairs(template: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(template submodule, the layer's submodule of the same name), the roots excluded: the layer's own hooks
+    run in its ``__call__``, outside the streamed forward."""
+    originals = dict(layer.named_modules())
+    return [(sub, originals[name]) for name, sub in template.named_modules() if name and name in originals]
 
 
 def _get_rng_state(device: torch.device) -> tuple:

@@ -44,6 +44,9 @@ class LayerLayout:
     n_train: int  # elements in the trainable region
     n_frozen: int
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (group, start, end) in trainable
+    # names of parameters shared with another layer or the rest of the model (or tied inside this layer):
+    # resident, not in the flat buffer; bound by the executor from the model's own parameter
+    shared: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -81,14 +84,29 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best_name, best
 
 
-def build_layout(index: int, layer: nn.Module, group_of: dict[int, int]) -> LayerLayout:
-    """Lay out ``layer``'s parameters: trainable sorted by group, then frozen. Tied params are rejected."""
+def shared_parameter_ids(model: nn.Module, layers: nn.ModuleList) -> set[int]:
+    """ids of parameters that appear in more than one streamed layer, more than once inside one layer, or in a
+    layer and outside the layers: such a parameter cannot live in one layer's flat buffer (its gradient is the
+    sum over every use), so it is kept resident like the embeddings."""
+    uses: dict[int, int] = {}
+    for layer in layers:
+        for _, p in layer.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    in_layers = {id(m) for m in layers.modules()}
+    for module in model.modules():
+        if id(module) not in in_layers:
+            for p in module.parameters(recurse=False):
+                if id(p) in uses:
+                    uses[id(p)] += 1
+    return {k for k, n in uses.items() if n > 1}
+
+
+def build_layout(index: int, layer: nn.Module, group_of: dict[int, int], shared_ids: set[int] = frozenset()
+                 ) -> LayerLayout:
+    """Lay out ``layer``'s parameters: trainable sorted by group, then frozen; shared ones are left out."""
     named = list(layer.named_parameters(remove_duplicate=False))
-    if len({id(p) for _, p in named}) != len(named):
-        raise UnsupportedModelError(
-            f"layer {index} shares a parameter between two of its submodules; tied weights inside a "
-            "streamed block are not supported."
-        )
+    shared = tuple(n for n, p in named if id(p) in shared_ids)
+    named = [(n, p) for n, p in named if id(p) not in shared_ids]
     # trainable = handed to the optimizer (in a param group); anything else is streamed but never updated
     trainable = [(n, p) for n, p in named if id(p) in group_of]
     frozen = [(n, p) for n, p in named if id(p) not in group_of]
@@ -106,7 +124,7 @@ def build_layout(index: int, layer: nn.Module, group_of: dict[int, int]) -> Laye
     for name, p in frozen:
         slots.append(ParamSlot(name, tuple(p.shape), offset, p.numel(), False, -1))
         offset += p.numel()
-    return LayerLayout(index, slots, n_train, offset, segments)
+    return LayerLayout(index, slots, n_train, offset, segments, shared)
 
 
 def make_template(layer: nn.Module, device: torch.device) -> nn.Module:
@@ -117,6 +135,9 @@ def make_template(layer: nn.Module, device: torch.device) -> nn.Module:
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             for p in layer.parameters()}
     template = copy.deepcopy(layer, memo)
+    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+        getattr(template, attr).clear()  # the layer's own hooks run in its __call__, not a second time here
     if hasattr(template, "gradient_checkpointing"):
         template.gradient_checkpointing = False  # the executor already recomputes each layer
     return template
@@ -155,7 +176,7 @@ def per_layer_attributes(template: nn.Module, layers: list[nn.Module]) -> list[l
         return out
 
     per_layer = [scalars(layer) for layer in layers]
-    keys = set().union(*per_layer)
+    keys = {k for k in set().union(*per_layer) if k[1] not in ("gradient_checkpointing", "training")}
     varying = sorted(k for k in keys if len({repr(p.get(k)) for p in per_layer}) > 1)
     subs = dict(template.named_modules())
     return [[(subs[path], name, values.get((path, name))) for path, name in varying] for values in per_layer]

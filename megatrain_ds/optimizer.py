@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 
 
 class ResidentParams:
@@ -115,6 +116,10 @@ class ResidentParams:
             return
         self.update.result()
         st = self.streams
+        # The copies overwrite the parameters in place: wait for every kernel queued on compute so far (a
+        # backward may still read them when an eval forward runs between backward() and step()).
+        # See [Note: stream and event ordering]: ``params_read``.
+        st.wait(st.h2d, st.record(st.compute()))
         with st.on(st.h2d):
             for p, master, wire in zip(self.params, self.master, self.wire):
                 p.data.copy_(master if self.on_device else wire, non_blocking=True)
@@ -184,17 +189,18 @@ class HostAdamW(torch.optim.Optimizer):
         self.resident.sq_norm = [None] * len(self.resident.params)
 
     def enqueue_step(self, clip: float) -> Future:
-        """Queue norm + clipping + AdamW for every parameter; return the future of the pre-clip norm."""
-        self.step_count += 1
+        """Queue norm + clipping + AdamW for every parameter; return the future of the pre-clip norm (inf when
+        the step is skipped). Adam's step count is not known yet: the norm task advances it (and writes it into
+        ``hp``) only when the step is applied, so a skipped step leaves bias correction as it was (DeepSpeed's)."""
         hp = [dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
-                   eps=float(g["eps"]), weight_decay=float(g["weight_decay"]), step=self.step_count)
+                   eps=float(g["eps"]), weight_decay=float(g["weight_decay"]), step=None)
               for g in self.param_groups]
         self._clip = float(clip)
         ex, res = self.executor, self.resident
         layer_sq, layer_has = list(ex.sq_norm), list(ex.has_grad)
         res_sq, res_has = list(res.sq_norm), list(res.has_grad)
         scale = self.scaler.scale if self.scaler is not None else 1.0  # the scale the backward used
-        norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has, scale)
+        norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has, scale, hp)
         # FIFO order of the host worker: the device-state updates first (they only launch kernels), then the
         # resident parameters (the embedding is used first), then the host layers in forward order.
         on_device = [i for i in range(len(ex.layouts)) if ex.device_state is not None and ex.device_state.owns(i)]
@@ -215,7 +221,10 @@ class HostAdamW(torch.optim.Optimizer):
         self.last_norm = norm
         return norm
 
-    def _norm_task(self, layer_sq, res_sq, layer_has, res_has, scale):
+    def _norm_task(self, layer_sq, res_sq, layer_has, res_has, scale, hp):
+        """The global norm, and the decision every update task of this step reads (they run after it, FIFO on
+        the one host worker): skip the step when the norm is not finite -- in every precision, as DeepSpeed
+        (its bf16 optimizer, ZeRO, fp16 loss scaling) -- or apply it with this clip coefficient and Adam step."""
         total = 0.0
         for futures, has, grads in ((layer_sq, layer_has, None), (res_sq, res_has, self.resident.grad)):
             for k, fut in enumerate(futures):
@@ -228,14 +237,22 @@ class HostAdamW(torch.optim.Optimizer):
                 total += sq
         norm = math.sqrt(total) / scale  # of the unscaled gradients
         overflow = not math.isfinite(norm)
+        self.skip_message, self.step_error = (SKIP_MESSAGE if overflow else None), None
         if self.scaler is not None:
-            self.scaler.update(overflow)
-        self.last_step_skipped = self._skip = overflow and self.scaler is not None
+            try:
+                self.skip_message = self.scaler.update(overflow)
+            except LossScaleAtMinimumError as exc:  # raised to the script by engine.step(); the tasks skip
+                self.step_error = exc
+        self.last_step_skipped = self._skip = overflow
+        if not overflow:
+            self.step_count += 1
+        for group in hp:
+            group["step"] = self.step_count
         coef = 1.0
         if self._clip > 0 and not overflow:
             coef = min(1.0, self._clip / (norm + 1e-6))
         self._coef = coef / scale  # the updates multiply the landed gradients by this
-        return norm
+        return math.inf if overflow else norm  # DeepSpeed reports a skipped step's norm as inf
 
     def _layer_grad(self, i: int) -> torch.Tensor:
         """Layer i's accumulated gradient, wherever it lives (GPU-held optimizer state or host store)."""

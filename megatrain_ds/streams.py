@@ -17,6 +17,8 @@ exists; only the events below order the actors.
 | ``grad_ready``        | compute     | d2h (``wait_event``)               | the flat gradient is fully written        |
 | ``landed``            | d2h         | worker (``synchronize``)           | host grad / landing slab holds the bytes  |
 | ``resident_uploaded`` | h2d         | compute (``wait_event``)           | resident params hold the updated weights  |
+| ``params_read``       | compute     | h2d, before the resident upload    | no queued kernel still reads the resident |
+|                       |             | (``ResidentParams.upload``)        | params the upload overwrites in place     |
 
 Host-side ordering (not events, Python futures): the worker runs in FIFO order, so gradient landings of a
 backward precede the norm task of the following ``step()``, which precedes the per-layer optimizer tasks.

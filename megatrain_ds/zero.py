@@ -13,17 +13,42 @@ the model is never materialised on the GPU.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
+import warnings
 
 import torch
 
 _ids = itertools.count()
 
 
-class ZeroParamStatus(enum.Enum):
+class _OwnZeroParamStatus(enum.Enum):
+    """DeepSpeed's member names and values; used only where deepspeed itself cannot be imported."""
     AVAILABLE = 1  # param.data holds the full tensor
     NOT_AVAILABLE = 2  # param.data is empty; the weights are in the engine's host master
     INFLIGHT = 3  # kept for compatibility; megatrain_ds never leaves a parameter half-gathered
+
+
+@functools.cache
+def _status_enum() -> type[enum.Enum]:
+    """DeepSpeed's own ``ZeroParamStatus`` enum. Client code compares ``p.ds_status`` with the class it imports
+    from ``deepspeed.runtime.zero.partition_parameters`` -- a ``from deepspeed... import`` line reaches real
+    DeepSpeed even in a script that says ``import megatrain_ds as deepspeed`` -- and members of two different
+    enum classes never compare equal (DeepSpeed-Chat's and OpenRLHF's ``_z3_params_to_fetch`` would then gather
+    nothing). Resolved on first use, not at import: importing deepspeed costs a second or two, and under the
+    switch (compat/) importing deepspeed re-enters megatrain_ds."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    except ImportError:
+        return _OwnZeroParamStatus
+    return ZeroParamStatus
+
+
+def __getattr__(name: str):
+    """``megatrain_ds.zero.ZeroParamStatus`` is DeepSpeed's enum (see ``_status_enum``), looked up lazily."""
+    if name == "ZeroParamStatus":
+        return _status_enum()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ParamHome:
@@ -44,28 +69,97 @@ def mark_partitioned(param: torch.nn.Parameter, home: ParamHome, shape: tuple[in
     param.ds_shape = tuple(shape)
     param.ds_numel = int(torch.Size(shape).numel())
     param.ds_id = next(_ids)
-    param.ds_status = ZeroParamStatus.NOT_AVAILABLE if home.layer is not None else ZeroParamStatus.AVAILABLE
+    status = _status_enum()
+    param.ds_status = status.NOT_AVAILABLE if home.layer is not None else status.AVAILABLE
     param._megatrain_home = home
 
 
 class Init:
-    """``with deepspeed.zero.Init(): model = ...``: build on the CPU (never on the GPU)."""
+    """``with deepspeed.zero.Init(...): model = ...``: build on the CPU (never on the GPU), in DeepSpeed's dtype.
+
+    - ``dtype``: floating-point parameters (and tensors made without a dtype) are made in it, as DeepSpeed
+      casts every floating tensor made in the context; the engine's fp32 masters then start from these values,
+      as DeepSpeed's do.
+    - ``config_dict_or_path`` (or the deprecated ``config``) without ``dtype``: the config's precision, as
+      DeepSpeed: bf16 / fp16 when enabled, else fp32; its ``zero_optimization.offload_param.device`` is the
+      ``remote_device`` when none is given.
+    - neither: the model's own dtype. (DeepSpeed would pick fp16, or bf16 where its accelerator lacks fp16; the
+      masters made from an fp32 build are only more exact.)
+    - ``remote_device="nvme"``: a warning (parameters are built in host memory: no NVMe tier yet).
+    - one process only, and it leaves ``torch.distributed`` initialized (as DeepSpeed's ``Init``).
+    Other arguments (process groups, ``pin_memory``, ``mem_efficient_linear``) concern partitioning: none here.
+    """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
                  **kwargs) -> None:
-        self.enabled, self.dtype = enabled and module is None, dtype
+        self.enabled = enabled and module is None
+        if config is not None and config_dict_or_path is None:
+            config_dict_or_path = config
+        cfg = None
+        if config_dict_or_path is not None:
+            from .config import load_config_source
+
+            cfg = load_config_source(config_dict_or_path)
+        if dtype is None and cfg is not None:
+            dtype = _config_dtype(cfg)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"zero.Init(dtype={dtype!r}): a floating-point torch.dtype is needed")
+        if remote_device is None and cfg is not None:
+            remote_device = ((cfg.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
+        if remote_device == "nvme":
+            warnings.warn("zero.Init(remote_device='nvme'): megatrain_ds builds the parameters in host memory "
+                          "(no NVMe tier yet)", stacklevel=2)
+        self.dtype = dtype
         self._device_ctx = torch.device("cpu")
+        self._saved_dtype = None
 
     def __enter__(self):
         if self.enabled:
+            from .comm import ensure_deepspeed_comm, require_one_process
+
+            require_one_process()
+            ensure_deepspeed_comm()
             self._device_ctx.__enter__()
+            if self.dtype is not None:
+                # Floating tensors made without a dtype get this one; parameters get it even when the model's
+                # constructor sets its own default dtype (transformers does), as DeepSpeed's creation wrappers.
+                self._saved_dtype, self._saved_new = torch.get_default_dtype(), torch.nn.Parameter.__dict__["__new__"]
+                torch.set_default_dtype(self.dtype)
+                torch.nn.Parameter.__new__ = _parameter_new_in(self.dtype, torch.nn.Parameter.__new__)
         return self
 
     def __exit__(self, *exc):
         if self.enabled:
+            if self._saved_dtype is not None:
+                torch.set_default_dtype(self._saved_dtype)
+                torch.nn.Parameter.__new__ = self._saved_new
+                self._saved_dtype = None
             self._device_ctx.__exit__(*exc)
         return False
+
+
+def _parameter_new_in(dtype: torch.dtype, original_new):
+    def new(cls, data=None, requires_grad=True):
+        if data is not None and data.is_floating_point() and data.dtype != dtype:
+            data = data.to(dtype)
+        return original_new(cls, data, requires_grad)
+    return new
+
+
+def _config_dtype(cfg: dict) -> torch.dtype:
+    """DeepSpeed's ``Init._set_dtype`` from a config: bf16, else fp16, else fp32 (values as its models read them:
+    ``"true"`` is true)."""
+    from .config import ConfigError, _precision_blocks
+
+    # An "auto" not resolved yet (transformers builds the model before accelerate / the Trainer fill the rest):
+    # read as DeepSpeed's models read it, the default; initialize() still refuses a config that keeps it.
+    cfg = {k: ({kk: vv for kk, vv in v.items() if vv != "auto"} if k in ("fp16", "bf16", "bfloat16")
+               and isinstance(v, dict) else v) for k, v in cfg.items()}
+    fp16, bf16 = _precision_blocks(cfg)
+    if fp16["enabled"] and bf16["enabled"]:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one")
+    return torch.bfloat16 if bf16["enabled"] else torch.float16 if fp16["enabled"] else torch.float32
 
 
 class GatheredParameters:
@@ -82,7 +176,7 @@ class GatheredParameters:
         for p in self.params:
             self._saved.append((p, p.data, p.ds_status))
             p.data = p._megatrain_home.read()
-            p.ds_status = ZeroParamStatus.AVAILABLE
+            p.ds_status = _status_enum().AVAILABLE
         return self
 
     def __exit__(self, *exc):

@@ -4,13 +4,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import megatrain_ds
+from megatrain_ds.checkpoint import MODEL_FILE, OPTIM_FILE
 from tests.models import tiny_hf
 
 HERE = Path(__file__).resolve().parent
@@ -78,7 +80,8 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
 
 def test_nothing_to_load_and_module_only(tmp_path):
     engine = _engine()
-    assert engine.load_checkpoint(str(tmp_path)) == (None, None)
+    with pytest.warns(UserWarning, match="Unable to find latest file"):  # DeepSpeed's behaviour and message
+        assert engine.load_checkpoint(str(tmp_path)) == (None, None)
     _steps(engine, 0, 1)
     engine.save_checkpoint(str(tmp_path), tag="mine")
     other = _engine(seed=1)
@@ -86,42 +89,113 @@ def test_nothing_to_load_and_module_only(tmp_path):
     assert path.endswith("mine") and other.global_steps == 0
     a, b = engine.master_state_dict(), other.master_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert other.load_checkpoint(str(tmp_path), tag="missing") == (None, None)
+    with pytest.raises(FileNotFoundError, match="missing"):  # a resume must not silently start over
+        other.load_checkpoint(str(tmp_path), tag="missing")
     engine.destroy(), other.destroy()
 
 
-SAVER = """
-import sys, torch
+KILLED_SAVER = """
+import io, os, sys, time, torch
 sys.path.insert(0, {repo!r})
 import megatrain_ds
+from megatrain_ds import checkpoint
 from tests.models import tiny_hf
-cfg = {{"train_micro_batch_size_per_gpu": 1, "optimizer": {{"type": "AdamW"}}}}
-engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=24), config=cfg)
-engine.global_steps = 5
-for k in range(1000):
-    engine.save_checkpoint(sys.argv[1], tag="global_step{{}}".format(6 + k))
-    print("saved", 6 + k, flush=True)
+
+stage, save_dir, tag = sys.argv[1:4]
+
+
+def in_progress(what):
+    print("IN-PROGRESS", what, flush=True)  # the parent kills this process while it sleeps here
+    time.sleep(300)
+
+
+real_save, real_replace = checkpoint._save, os.replace
+stage_file = {{"model": checkpoint.MODEL_FILE, "optim": checkpoint.OPTIM_FILE}}.get(stage)
+
+
+def half_written_save(obj, path):
+    if os.path.basename(path) == stage_file:  # write half of the file's bytes, durably, then stop mid-file
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        with open(path, "wb") as f:
+            f.write(buf.getvalue()[:buf.tell() // 2])
+            f.flush()
+            os.fsync(f.fileno())
+        in_progress(path)
+    real_save(obj, path)
+
+
+def paused_replace(src, dst):
+    if stage == "latest" and os.path.basename(src).startswith(".latest.tmp-"):
+        in_progress(src)  # the new latest is written, not yet renamed over the old one
+    real_replace(src, dst)
+    if stage == "swap" and ".old-" in os.path.basename(dst):
+        in_progress(dst)  # the old folder of this tag is moved aside, the new one not yet renamed in
+
+
+checkpoint._save, os.replace = half_written_save, paused_replace
+engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", seed=1),
+                                     config={{"train_micro_batch_size_per_gpu": 1, "optimizer": {{"type": "AdamW"}}}})
+engine.save_checkpoint(save_dir, tag=tag)
+print("SAVED", flush=True)
 """
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.2, 0.6])
-def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, delay):
-    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=24),
-                                         config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})
-    engine.global_steps = 5
+@pytest.mark.parametrize("stage", ["model", "optim", "swap", "latest"])
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, stage):
+    """A save killed while it writes the model file, the optimizer file, between moving an old folder of the same
+    tag aside and renaming the new one in, or before renaming ``latest``: the previous checkpoint and ``latest``
+    survive and load bit for bit, and the next save cleans what the killed one left. The child signals (from a
+    hook inside the write) that the write is in progress; only then is it killed."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}}
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
+    engine.global_steps = 1
     engine.save_checkpoint(str(tmp_path))
-    script = tmp_path / "saver.py"
-    script.write_text(SAVER.format(repo=str(HERE.parent)))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    time.sleep(3.0 + delay)  # import + first saves, then kill at a varying point of a write
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    tag = (tmp_path / "latest").read_text()
-    assert tag.startswith("global_step")
-    path, _ = engine.load_checkpoint(str(tmp_path))  # whatever latest names is complete and loads
-    assert path == str(tmp_path / tag)
-    assert (tmp_path / "global_step5").is_dir()
+    want = {k: v.clone() for k, v in engine.master_state_dict().items()}
     engine.destroy()
+    script = tmp_path.parent / f"killed_saver_{stage}.py"
+    script.write_text(KILLED_SAVER.format(repo=str(HERE.parent)))
+    tag = "global_step1" if stage == "swap" else "global_step2"
+    proc = subprocess.Popen([sys.executable, str(script), stage, str(tmp_path), tag], stdout=subprocess.PIPE,
+                            text=True)
+    watchdog = threading.Timer(300, proc.kill)  # a child that never reaches the hook fails the test, not hangs it
+    watchdog.start()
+    try:
+        for line in proc.stdout:  # other lines: logs of the libraries the child imports
+            if line.startswith(("IN-PROGRESS", "SAVED")):
+                break
+        line = line.split()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        watchdog.cancel()
+    assert line[:1] == ["IN-PROGRESS"], f"the child finished or died before the hooked write: {line}"
+    assert proc.returncode == -signal.SIGKILL
+    pid, where = proc.pid, line[1]
+    if stage in ("model", "optim"):  # the kill landed mid-file: a partial file in the temporary folder
+        assert where == str(tmp_path / f".{tag}.tmp-{pid}" / {"model": MODEL_FILE, "optim": OPTIM_FILE}[stage])
+        assert 0 < os.path.getsize(where)
+        with pytest.raises(Exception):
+            torch.load(where, weights_only=False)
+    left = {"model": [f".{tag}.tmp-{pid}"], "optim": [f".{tag}.tmp-{pid}"],
+            "swap": [f".{tag}.old-{pid}", f".{tag}.tmp-{pid}"], "latest": [f".latest.tmp-{pid}"]}[stage]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == left
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert (tmp_path / "global_step2").is_dir() == (stage == "latest")  # complete, but latest never named it
+
+    other, *_ = megatrain_ds.initialize(model=tiny_hf("llama", seed=2), config=cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path, _ = other.load_checkpoint(str(tmp_path))  # swap: the moved-aside folder is put back first
+    assert path == str(tmp_path / "global_step1")
+    assert any("put back" in str(w.message) for w in caught) == (stage == "swap")
+    got = other.master_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert other.global_steps == 1
+    other.save_checkpoint(str(tmp_path), tag="global_step3")  # cleans what the killed save left
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+    other.destroy()
 
 
 @pytest.mark.parametrize("filename", ["model.safetensors", "pytorch_model.bin"])

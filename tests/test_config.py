@@ -86,7 +86,7 @@ def test_optimizer_block():
 def test_adam_l2_mode_matches_torch_adam():
     ref = tiny_hf("llama")
     model = __import__("copy").deepcopy(ref)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "optimizer": {"type": "Adam", "params": {
         "lr": 1e-3, "weight_decay": 0.1, "eps": 1e-6, "adam_w_mode": False}}}
     engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)

@@ -50,6 +50,7 @@ def test_overflow_skips_the_step_and_halves_the_scale():
     engine.backward(engine(input_ids=ids, labels=ids).loss)  # loss * 2^60 overflows fp16
     engine.step()
     assert engine.skipped_steps == 1 and engine.global_steps == 1
+    assert engine.optimizer.step_count == 0  # Adam's bias correction does not count a skipped step
     assert scaler.scale == 2.0 ** 59
     assert scheduler.last_batch_iteration == sched_iter  # not advanced on overflow, as DeepSpeed
     after = engine.master_state_dict()
