@@ -58,7 +58,7 @@ def _announce(engine) -> None:
     import deepspeed
     import megatrain_ds
 
-    print(f"[megatrain_ds] {ENV}=1: the engine is megatrain_ds {megatrain_ds.__version__} "
+    print(f"[megatrain_ds] {ENV}=1: the engine is megatrain_ds {megatrain_ds.MEGATRAIN_VERSION} "
           f"({type(engine).__name__}), in place of DeepSpeed {deepspeed.__version__}", file=sys.stderr, flush=True)
 
 

@@ -6,18 +6,35 @@
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import weakref
 
 import torch
 
-from . import checkpointing, comm, ops, runtime, zero
+from . import checkpointing, comm, ops, runtime, utils, zero
 from .surface import module_getattr as __getattr__  # other deepspeed.<name>: DeepSpeed's, or an error naming it
 from .comm import init_distributed
 from .config import ConfigError, OptimizerSettings, TrainConfig, parse_config, warn_not_acted_on
 from .engine import MegaTrainEngine
 from .model_map import UnsupportedModelError
 
-__version__ = "0.1.0"
+MEGATRAIN_VERSION = "0.1.0"  # megatrain_ds's own release (pyproject.toml's version; tests keep them equal)
+
+
+def _deepspeed_version() -> str:
+    """The installed DeepSpeed's version, from its metadata (importing deepspeed costs seconds)."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:  # a dependency, so a broken install: every version gate fails
+        return "0.0.0"
+
+
+# Scripts gate features on ``deepspeed.__version__`` (OpenRLHF, trl, LLaMA-Factory: ``>= 0.9``, ``>= 0.16.5``)
+# and, with ``import megatrain_ds as deepspeed``, read this one: it is the installed DeepSpeed's, so those gates
+# pass as they would for the DeepSpeed beside megatrain_ds (whose config schema, lr schedules and comm it uses).
+# megatrain_ds's own version is MEGATRAIN_VERSION.
+__version__ = _deepspeed_version()
 
 DeepSpeedEngine = MegaTrainEngine
 
@@ -68,6 +85,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = MegaTrainEngine(model, settings, model_parameters=model_parameters)
     if client_groups is not None:
         _share_param_groups(engine.optimizer, client_groups)
+        _report_steps_to(optimizer, engine.optimizer)
     scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) else lr_scheduler
     if scheduler is None:
         scheduler = _build_scheduler(settings.scheduler, engine.optimizer)
@@ -76,6 +94,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         dataloader = torch_dataloader(training_data, settings.micro_batch_size, collate_fn,
                                       drop_last=settings.dataloader_drop_last)
+    engine.training_dataloader = dataloader  # as DeepSpeed's engine keeps it
     return engine, engine.optimizer, dataloader, scheduler
 
 
@@ -154,6 +173,22 @@ def _share_param_groups(host_optimizer, client_groups: list[dict]) -> None:
         host_optimizer.param_groups[k] = group
 
 
+def _report_steps_to(client_optimizer, host_optimizer) -> None:
+    """A torch LR scheduler the script built on its own optimizer checks, at its first ``step()``, that this
+    optimizer has stepped (``optimizer._opt_called``, set by the wrapper torch's scheduler puts on
+    ``optimizer.step``), and otherwise warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`".
+    The engine steps the host optimizer instead: each of its steps marks the client's as stepped too (a weak
+    reference: the hook does not keep the client optimizer alive)."""
+    client = weakref.ref(client_optimizer)
+
+    def mark_stepped(_optimizer, _args, _kwargs) -> None:
+        target = client()
+        if target is not None:
+            target._opt_called = True
+
+    host_optimizer.register_step_post_hook(mark_stepped)
+
+
 def add_config_arguments(parser):
     """DeepSpeed's command-line flags: ``--deepspeed`` and ``--deepspeed_config PATH``."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
@@ -175,5 +210,5 @@ def torch_dataloader(data, batch_size: int, collate_fn=None, drop_last: bool = F
 
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "comm", "zero", "ops", "checkpointing",
-           "optimizer_from_client", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError", "UnsupportedModelError",
-           "TrainConfig", "parse_config", "__version__"]
+           "utils", "optimizer_from_client", "DeepSpeedEngine", "MegaTrainEngine", "ConfigError",
+           "UnsupportedModelError", "TrainConfig", "parse_config", "__version__", "MEGATRAIN_VERSION"]

@@ -50,7 +50,7 @@ BF16_OPTIM_FILE = "bf16_" + OPTIM_FILE  # DeepSpeed's name for it when bf16 is o
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
 _RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "lr_scheduler",
-             "loss_scaler", "ds_config", "ds_version", "hf_config", "buffer_names", "param_shapes",
+             "loss_scaler", "ds_config", "ds_version", "megatrain_version", "hf_config", "buffer_names", "param_shapes",
              "frozen_param_shapes", "frozen_param_fragments", "shared_params",
              "optimizer", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
              "sparse_tensor_module_names", "checkpoint_parallel_dimensions", "universal_checkpoint_info"}
@@ -222,7 +222,9 @@ def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
-    from . import __version__
+    # ds_version: the DeepSpeed whose file format this follows and whose zero_to_fp32 reads it (the installed one;
+    # megatrain_ds.__version__ is that); megatrain_version: who wrote it
+    from . import MEGATRAIN_VERSION, __version__
 
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
@@ -243,7 +245,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         "dp_world_size": 1, "mp_world_size": 1,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
-        "ds_config": engine.config, "ds_version": __version__,
+        "ds_config": engine.config, "ds_version": __version__, "megatrain_version": MEGATRAIN_VERSION,
         "hf_config": engine.module.config.to_dict() if hasattr(getattr(engine.module, "config", None), "to_dict")
         else None, **dict(client_state or {})}
     optim_states = {"optimizer_state_dict": {

@@ -5,6 +5,10 @@ One process is a world: ``init_distributed()`` (and ``initialize``) leave ``torc
 (``torch.distributed.get_rank()``). With no launcher that world is an in-memory store (no MASTER_ADDR, no port).
 Several processes (``WORLD_SIZE > 1``): ``init_distributed`` joins the launcher's group, but ``initialize``
 refuses (``require_one_process``): data parallelism is not implemented yet.
+
+The functions below answer without DeepSpeed (before any process group exists, too); every other name is
+DeepSpeed's own ``deepspeed.comm`` (module ``__getattr__``), so ``deepspeed.comm.X`` under the alias import is
+what it is under DeepSpeed.
 """
 from __future__ import annotations
 
@@ -94,7 +98,25 @@ def barrier(group=None) -> None:
 
 
 def all_reduce(tensor, op=None, group=None, async_op: bool = False):
-    """Sum (or ``op``) over the world; with one process the tensor already holds the result."""
+    """Sum (or ``op``: torch's ``ReduceOp`` or DeepSpeed's, as ``deepspeed.comm.ReduceOp`` gives it) over the
+    world; with one process the tensor already holds the result."""
     if not is_initialized():
         return None
+    if op is not None and not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        op = getattr(dist.ReduceOp, op.name)  # DeepSpeed's enum: torch's member of the same name
     return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def __getattr__(name: str):
+    """Every other ``deepspeed.comm`` name (``all_gather``, ``all_gather_into_tensor``, ``broadcast``, ``reduce``,
+    ``reduce_scatter``, ``ReduceOp``, ``get_global_rank``, ``new_group``, ``is_available``, ...) is DeepSpeed's own:
+    it runs over the world ``init_distributed()`` / ``initialize()`` made (a world of one in one process)."""
+    if name.startswith("__"):  # module protocol probes (inspect, pickle, pytest): not DeepSpeed's to answer
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import deepspeed.comm
+
+    try:
+        return getattr(deepspeed.comm, name)
+    except AttributeError:
+        raise AttributeError(f"deepspeed.comm.{name}: neither megatrain_ds.comm nor DeepSpeed's deepspeed.comm "
+                             f"has {name!r}; torch.distributed may (the process group is initialized)") from None

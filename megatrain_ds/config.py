@@ -152,6 +152,9 @@ class MegatrainSettings:
     num_slots: int = 2  # device weight slots (2 = double buffering); more = deeper prefetch
     loss_chunk_rows: int = 0  # rows per LM-head chunk; 0 = about 256 MiB of fp32 logits per chunk
     use_liger: bool = True  # liger-kernel's fused linear cross-entropy on CUDA when installed
+    speculative_step: bool = True  # step each layer's AdamW as its gradient lands (clip coefficient 1), undo +
+    # redo when clipping fires or the step is skipped (speculation.py); false: the whole update after the norm
+    speculation_backoff: int = 8  # steps without speculation after a step that clipped, skipped or rolled back
     fused_loss: bool = True  # labels= on a causal LM: LM head + cross-entropy in chunks, no whole logits (the
     # output's .logits is None); false runs the model's own forward and returns its logits
     liger_kernels: bool = False  # CUDA: liger-kernel's fused RMSNorm, SwiGLU MLP and RoPE in the decoder layers
@@ -172,6 +175,10 @@ class MegatrainSettings:
     def __post_init__(self) -> None:
         if self.num_slots < 2:
             raise ConfigError(f"megatrain.num_slots must be >= 2 for double buffering, got {self.num_slots}")
+        if not isinstance(self.speculation_backoff, int) or isinstance(self.speculation_backoff, bool) or \
+                self.speculation_backoff < 0:
+            raise ConfigError(f"megatrain.speculation_backoff must be a step count >= 0, got "
+                              f"{self.speculation_backoff!r}")
         n = self.gpu_optimizer_layers
         if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= -1)):
             raise ConfigError(f"megatrain.gpu_optimizer_layers must be a layer count >= 0, -1 (from "

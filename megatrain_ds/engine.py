@@ -28,6 +28,7 @@ from .loss_scale import cast_inputs_half
 from .model_map import build_layout, find_block_list, shared_parameter_ids
 from .monitor import Monitor
 from .optimizer import HostAdamW, ResidentParams
+from .speculation import SpeculationPolicy
 from .streams import make_streams
 from .surface import EngineSurface, adopt_zero3_model
 from .timing import StepTimer
@@ -199,9 +200,14 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
             self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
                                 config.loss_scaler)
+            self.optimizer.policy = SpeculationPolicy(mt.speculative_step, mt.speculation_backoff)
         self.lr_scheduler = None
         # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
         self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
+        if self.optimizer is not None:
+            policy = self.optimizer.policy
+            self.timer.counters = lambda: {"speculated_steps": policy.speculated,
+                                           "rolled_back_steps": policy.rolled_back}
         self.executor.timer = self.timer
         self.micro_steps = 0
         self.global_steps = 0
@@ -214,6 +220,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        self._settle_speculation()  # a forward between backward() and step() sees the pre-step weights
         self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
         if self.config_settings.fp16_auto_cast:  # DeepSpeed's fp16.auto_cast: floating positional inputs to half
             args = cast_inputs_half(args)
@@ -270,11 +277,25 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             loss = loss / ga
         if self.config_settings.loss_scaler is not None:  # fp16: the optimizer divides it back out
             loss = loss * self.config_settings.loss_scaler.scale
+        stale = [p for p in self.resident.params if p.grad is not None]
+        if stale:  # evacuate() leaves every .grad None: these came from a backward outside the engine
+            for p in stale:
+                p.grad = None
+            warnings.warn(f"{len(stale)} parameter(s) held a .grad from a backward outside engine.backward(); it "
+                          "was dropped", stacklevel=2)
+        if final and self.optimizer is not None:  # layers step as their gradients land (speculation.py), when
+            # each layer's backward loads it exactly once: one forward per layer into this loss, no retained graph
+            once = not retain_graph and all(n == 1 for n in self.executor.forward_calls)
+            self.optimizer.begin_speculation(allowed=once)
+        self.executor.in_engine_backward = True
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException:
             self._discard_gradients()
             raise
+        finally:
+            self.executor.in_engine_backward = False
+            self.executor.forward_calls = [0] * len(self.executor.forward_calls)
         self.resident.evacuate(self.worker, final)
         self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
         return loss
@@ -398,6 +419,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last step (DeepSpeed's engine.zero_grad)."""
+        self._settle_speculation()
         for p in self.resident.params:  # a failed backward may have left autograd's partial sums here
             p.grad = None
         if self.optimizer is not None:
@@ -425,8 +447,15 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         """Each group's Adam betas, as DeepSpeed's ``get_mom``."""
         return [g["betas"] for g in self.optimizer.param_groups] if self.optimizer else []
 
+    def _settle_speculation(self) -> None:
+        """Between backward() and step(), anything that reads or changes the weights first rolls back the
+        layers stepped speculatively (step() then runs the plain update)."""
+        if self.optimizer is not None and self.optimizer.spec is not None:
+            self.optimizer.abandon_speculation()
+
     def synchronize(self) -> None:
         """Wait for every queued host task (landings, optimizer) and device work."""
+        self._settle_speculation()
         for i, fut in enumerate(self.executor.wire_ready):
             if fut is not None:
                 fut.result()
@@ -543,11 +572,13 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.resident.params[k].ds_tensor.copy_(self.resident.master[k])
             return
         i, store = home.layer, self.store
+        ds = self.executor.device_state
+        if ds is not None and ds.owns(i):  # the host copy of a GPU-held layer is stale: refresh it before the
+            store.master_of(i).copy_(ds.master_of(i))  # whole layer is copied back (the other weights must stay)
         master = store.param_master(i, home.name)
         master.copy_(value.reshape(master.shape))
         if not store.wire_is_master:
             store.wire_of(i).copy_(store.master_of(i))
-        ds = self.executor.device_state
         if ds is not None and ds.owns(i):
             ds.master_of(i).copy_(store.master_of(i))
         self.executor.version[i] += 1  # slots holding the old weights are stale

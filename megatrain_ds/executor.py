@@ -104,6 +104,9 @@ class StreamedLayers:
         self.dropout = [has_active_dropout(layer) for layer in layers]
         self.arg_names = [_positional_names(layer) for layer in layers]
         self._last_call: LayerCall | None = None
+        self.in_engine_backward = False  # set by engine.backward(): other backwards are refused (see below)
+        self.forward_calls = [0] * len(layouts)  # grad-enabled forwards of each layer since the last backward
+        self.on_final_landing = None  # worker thread, around a layer's final landing: (layer, sq-norm, before_fold)
         max_numel = max(l.numel for l in layouts)
         compute_dtype = compute_dtype or store.wire_dtype
         staged = compute_dtype != store.wire_dtype
@@ -345,10 +348,14 @@ class StreamedLayers:
     def _land(self, i: int, landed, dest: torch.Tensor, slab, first: bool, final: bool):
         """Worker thread: wait for the D2H, fold the bytes into the layer's gradient, return its sq-norm."""
         landed.synchronize()
+        if final and self.on_final_landing is not None:  # a second gradient for a layer stepped speculatively:
+            self.on_final_landing(i, None, before_fold=True)  # undone while its gradient is the one it used
         with self.timer.host_span("landing_s"):
             sq = self._fold(i, dest, first, final)
         if slab is not None:
             self.store.ring.put(slab)  # only now may a later D2H overwrite it
+        if final and self.on_final_landing is not None:  # speculative optimizer step (speculation.py)
+            self.on_final_landing(i, sq)
         return sq
 
     def _fold(self, i: int, dest: torch.Tensor, first: bool, final: bool):
@@ -437,6 +444,7 @@ def _layer_forward(executor: StreamedLayers, i: int, hidden: torch.Tensor, args:
                 f"layer {i} was called with an extra tensor argument that requires grad; megatrain_ds "
                 "propagates gradients only through the hidden states of a streamed block")
     call = LayerCall(i, args, kwargs)
+    executor.forward_calls[i] += 1  # since the last backward: speculation needs exactly one (speculation.py)
     last = executor._last_call
     call.prev = last if last is not None and last.index == i - 1 else None
     executor._last_call = call
@@ -491,6 +499,12 @@ class _StreamedLayerFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
+        if not ctx.executor.in_engine_backward:
+            raise RuntimeError(
+                "a backward through the streamed layers outside engine.backward(loss) (loss.backward() or "
+                "torch.autograd.grad): megatrain_ds lands each layer's gradient in host memory and needs the "
+                "engine to scale it and close the accumulation window. Call engine.backward(loss) (accelerate: "
+                "accelerator.backward(loss)); the gradients of this backward were not kept")
         if ctx.executor.activations is not None:
             hidden = ctx.executor.activations.load(ctx.call)
         else:

@@ -61,5 +61,8 @@ class Monitor:
                 if breakdown.get(f"{name}_s") is not None:
                     events.append((f"Train/Samples/elapsed_time_ms_{name}", 1e3 * breakdown[f"{name}_s"],
                                    previous_samples))
+            for name in ("speculated_steps", "rolled_back_steps"):  # cumulative counts (speculation.py)
+                if breakdown.get(name) is not None:
+                    events.append((f"Train/Samples/{name}", breakdown[name], previous_samples))
         if events:
             self.master.write_events(events)

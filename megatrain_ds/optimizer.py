@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
+from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
 
 
 class ResidentParams:
@@ -138,12 +139,111 @@ class HostAdamW(torch.optim.Optimizer):
         self.step_count = 0
         self.skipped_steps = 0
 
+    # --- DeepSpeed's optimizer attributes (accelerate's DeepSpeedOptimizerWrapper.step_was_skipped reads
+    # ``overflow``, only when it exists; DeepSpeed-Chat and BingBertSquad read ``cur_scale``)
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step was skipped on non-finite gradients (every precision; fp16 overflow). Set by the
+        norm task: current once ``engine.step()`` has returned (it waits for that task)."""
+        return getattr(self, "last_step_skipped", False)
+
+    @property
+    def cur_scale(self) -> float:
+        """The fp16 loss scale the next backward multiplies the loss by; 1.0 without fp16."""
+        scaler = getattr(self, "scaler", None)
+        return float(scaler.scale) if scaler is not None else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's ZeRO optimizers' other name for ``cur_scale``."""
+        return self.cur_scale
+
     def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor, clip: float,
              scaler=None) -> None:
         self.executor, self.resident, self.worker, self.clip = executor, resident, worker, float(clip)
         self.scaler = scaler  # fp16 LossScaler: grads arrive multiplied by its scale
         self.last_step_skipped = False
         self._tmp = torch.empty(executor.store.max_train, dtype=torch.float32)
+        self.policy = SpeculationPolicy(enabled=False, backoff=0)  # the engine configures it (speculation.py)
+        self.spec: Speculation | None = None  # the open boundary's speculative updates
+        executor.on_final_landing = self._speculate
+
+    # --- speculative stepping (see speculation.py) -------------------------------------------------------
+    def _hyperparameters(self, step) -> list[dict]:
+        return [dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
+                     eps=float(g["eps"]), weight_decay=float(g["weight_decay"]), step=step)
+                for g in self.param_groups]
+
+    def begin_speculation(self, allowed: bool = True) -> None:
+        """Main thread, before the backward that closes an accumulation window: open a speculation when the
+        policy allows (the previous step's norm task has run: engine.step() waited for it). ``allowed``: the
+        engine's check that no layer is loaded again after its gradient lands (one forward per layer)."""
+        self.spec = None
+        if allowed and self.policy.allows():
+            scale = self.scaler.scale if self.scaler is not None else 1.0
+            self.spec = Speculation(hp=self._hyperparameters(self.step_count + 1), coef=1.0 / scale)
+
+    def _speculate(self, i: int, sq, before_fold: bool = False) -> None:
+        """Worker thread, right after layer i's final gradient landed: step it now with coefficient 1.
+        ``before_fold``: called before a landing is folded in; a layer already stepped gets a second gradient
+        (two forwards into one loss): undo it now, while its gradient is still the one the step used; it is
+        updated with the sum after the norm."""
+        spec, ex = self.spec, self.executor
+        if spec is None:
+            return
+        if before_fold:
+            if i in spec.landed:
+                spec.stale.add(i)
+                if i in spec.done:
+                    self._undo_layer(i, spec)
+                    spec.done.remove(i)
+            return
+        if spec.stopped or i in spec.stale or (ex.device_state is not None and ex.device_state.owns(i)):
+            return
+        spec.landed.add(i)
+        if sq is None or not math.isfinite(sq):
+            spec.stopped = True  # the step will be skipped (or this layer's norm is unknown): stop here
+            return
+        with ex.timer.host_span("speculative_s"):
+            self._update_layer(i, spec.hp, spec.coef)
+        spec.done.append(i)
+
+    def abandon_speculation(self) -> None:
+        """Main thread: the speculated updates must not be seen (a forward, zero_grad, a read of the masters
+        between backward() and step()): wait for the landings, roll every speculated layer back."""
+        spec, self.spec = self.spec, None
+        if spec is None:
+            return
+        self.worker.submit(lambda: [self._undo_layer(i, spec) for i in spec.done]).result()
+        for i in spec.done:
+            self.executor.version[i] += 1  # a slot loaded meanwhile would hold the rolled-forward weights
+        if spec.done:
+            self.policy.rolled_back += 1
+
+    def _undo_layer(self, i: int, spec: Speculation) -> None:
+        ex, store = self.executor, self.executor.store
+        if ex.wire_read[i] is not None:
+            ex.wire_read[i].synchronize()
+        layout = store.layouts[i]
+        master, grad = store.master_of(i), store.grad_of(i)
+        m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)
+        if grad.dtype != torch.float32:
+            grad = self._tmp[:layout.n_train].copy_(grad)
+        with ex.timer.host_span("rollback_s"):
+            for group, a, b in layout.segments:
+                adamw_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef, self.adam_w_mode)
+            if not store.wire_is_master:
+                store.wire_of(i)[:layout.n_train].copy_(master[:layout.n_train])
+
+    def _settle(self, i: int, hp, spec: Speculation):
+        """Layer i was stepped speculatively: keep it (the norm task committed), or undo it and step it
+        again with the true coefficient (or leave it rolled back, when the step is skipped)."""
+        if spec.commit:
+            return
+        self._undo_layer(i, spec)
+        if not self._skip:
+            with self.executor.timer.host_span("optimizer_s"):
+                self._update_layer(i, hp)
 
     def step(self, closure=None) -> Future:
         """Queue clip + update of every parameter (the engine calls this at accumulation boundaries; going
@@ -192,15 +292,16 @@ class HostAdamW(torch.optim.Optimizer):
         """Queue norm + clipping + AdamW for every parameter; return the future of the pre-clip norm (inf when
         the step is skipped). Adam's step count is not known yet: the norm task advances it (and writes it into
         ``hp``) only when the step is applied, so a skipped step leaves bias correction as it was (DeepSpeed's)."""
-        hp = [dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
-                   eps=float(g["eps"]), weight_decay=float(g["weight_decay"]), step=None)
-              for g in self.param_groups]
+        hp = self._hyperparameters(step=None)
+        # This boundary's speculation stays open while landings are still queued on the worker (they keep
+        # speculating); the norm task, which runs after all of them (FIFO), closes it.
+        spec = self.spec
         self._clip = float(clip)
         ex, res = self.executor, self.resident
         layer_sq, layer_has = list(ex.sq_norm), list(ex.has_grad)
         res_sq, res_has = list(res.sq_norm), list(res.has_grad)
         scale = self.scaler.scale if self.scaler is not None else 1.0  # the scale the backward used
-        norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has, scale, hp)
+        norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has, scale, hp, spec)
         # FIFO order of the host worker: the device-state updates first (they only launch kernels), then the
         # resident parameters (the embedding is used first), then the host layers in forward order.
         on_device = [i for i in range(len(ex.layouts)) if ex.device_state is not None and ex.device_state.owns(i)]
@@ -214,14 +315,14 @@ class HostAdamW(torch.optim.Optimizer):
         for i in host:
             if layer_has[i]:
                 ex.version[i] += 1
-                ex.wire_ready[i] = self.worker.submit(self._layer_task, i, hp, norm)
+                ex.wire_ready[i] = self.worker.submit(self._layer_task, i, hp, norm, spec)
         ex.reset_window()
         res.has_grad = [False] * len(res.params)
         res.sq_norm = [None] * len(res.params)
         self.last_norm = norm
         return norm
 
-    def _norm_task(self, layer_sq, res_sq, layer_has, res_has, scale, hp):
+    def _norm_task(self, layer_sq, res_sq, layer_has, res_has, scale, hp, spec=None):
         """The global norm, and the decision every update task of this step reads (they run after it, FIFO on
         the one host worker): skip the step when the norm is not finite -- in every precision, as DeepSpeed
         (its bf16 optimizer, ZeRO, fp16 loss scaling) -- or apply it with this clip coefficient and Adam step."""
@@ -252,6 +353,15 @@ class HostAdamW(torch.optim.Optimizer):
         if self._clip > 0 and not overflow:
             coef = min(1.0, self._clip / (norm + 1e-6))
         self._coef = coef / scale  # the updates multiply the landed gradients by this
+        if spec is not None:  # every landing (and so every speculative update) ran before this task
+            if self.spec is spec:
+                self.spec = None
+            spec.commit = not overflow and self._coef == spec.coef and same_hyperparameters(hp, spec.hp)
+            if spec.done:
+                self.policy.speculated += 1
+                self.policy.rolled_back += int(not spec.commit)
+        self.policy.record(clipped_or_skipped=overflow or coef < 1.0,
+                           rolled_back=spec is not None and bool(spec.done) and not spec.commit)
         return math.inf if overflow else norm  # DeepSpeed reports a skipped step's norm as inf
 
     def _layer_grad(self, i: int) -> torch.Tensor:
@@ -308,15 +418,18 @@ class HostAdamW(torch.optim.Optimizer):
             for group, a, b in ex.store.layouts[i].segments:
                 self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], self._coef)
 
-    def _layer_task(self, i: int, hp, norm_future):
+    def _layer_task(self, i: int, hp, norm_future, spec: Speculation | None = None):
         norm_future.result()
+        if spec is not None and i in spec.done:  # final: the norm task ran after every landing
+            return self._settle(i, hp, spec)
         if self._skip:
             return
         with self.executor.timer.host_span("optimizer_s"):
             self._update_layer(i, hp)
 
-    def _update_layer(self, i: int, hp):
-        ex, store, coef = self.executor, self.executor.store, self._coef
+    def _update_layer(self, i: int, hp, coef: float | None = None):
+        ex, store = self.executor, self.executor.store
+        coef = self._coef if coef is None else coef
         if ex.wire_read[i] is not None:
             ex.wire_read[i].synchronize()  # the last H2D reading wire i has finished
         layout = store.layouts[i]

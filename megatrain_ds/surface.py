@@ -3,9 +3,10 @@
 docs/deepspeed_surface.md is the survey behind this file: which scripts call what, and which test shows it.
 
 - ``EngineSurface``: engine attributes and methods (``tput_timer``, ``global_rank``, ``was_step_applied()``,
-  ``steps_per_print()``, ``_consolidated_16bit_state_dict()``, ``offload_states()``, ...). ``MegaTrainEngine``
+  ``steps_per_print()``, ``_consolidated_16bit_state_dict()``, ``offload_states()``, one parameter's full fp32
+  state for ``deepspeed.utils.safe_get_full_*``, ...). ``MegaTrainEngine``
   inherits it; the core engine file keeps only what the streaming engine itself needs.
-- ``module_getattr``: names looked up on the module itself (``deepspeed.get_accelerator()``, ``deepspeed.utils``,
+- ``module_getattr``: names looked up on the module itself (``deepspeed.get_accelerator()``,
   ``deepspeed.init_inference``, ...) when a script says ``import megatrain_ds as deepspeed``. Pure helpers are
   DeepSpeed's own; what megatrain_ds cannot run raises AttributeError naming it and saying what to do.
 - ``adopt_zero3_model``: a model that real DeepSpeed's ``zero.Init`` already partitioned is made whole again
@@ -25,7 +26,7 @@ class EngineSurface:
     data-parallel rank 0 of 1, model-parallel rank 0 of 1.
     """
 
-    # DeepSpeed's engine sets this to the loader it built from ``initialize(training_data=...)``.
+    # The loader ``initialize(training_data=...)`` built (initialize sets it, as DeepSpeed's engine keeps it).
     training_dataloader = None
 
     # ------------------------------------------------------------------ throughput (DeepSpeed-Chat)
@@ -136,6 +137,91 @@ class EngineSurface:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    # ------------------------------------------------------------------ one parameter's full state
+    # deepspeed.utils.safe_get/set_full_fp32_param, safe_get_full_grad, safe_get/set_full_optimizer_state
+    # (megatrain_ds/utils.py; DeepSpeed's own functions reach these through param._z3_optimizer, zero.py).
+    # Values come back as copies on the engine's device, as DeepSpeed returns them.
+    _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+    def _home_of(self, param):
+        home = getattr(param, "_megatrain_home", None)
+        if home is None or home.engine is not self:
+            raise ValueError(f"this parameter (shape {tuple(getattr(param, 'ds_shape', param.shape))}) is not "
+                             "trained by this megatrain_ds engine (not a parameter of engine.module)")
+        return home
+
+    def _slot_of(self, home):
+        """The layout slot of a streamed layer's parameter: where it sits in the layer's flat buffers."""
+        return next(slot for slot in self.store.layouts[home.layer].slots if slot.name == home.name)
+
+    def full_fp32_param(self, param) -> torch.Tensor:
+        """``param``'s fp32 master weights. Waits for the queued updates (a CPU-GPU sync)."""
+        return self._read_master(self._home_of(param)).to(self.device)
+
+    def set_full_fp32_param(self, param, value: torch.Tensor) -> None:
+        """Write ``param``'s fp32 master and every copy made from it (wire copy, device copy, layer slots)."""
+        self._write_master(self._home_of(param), value.detach())
+
+    def _moment(self, param, key: str) -> torch.Tensor | None:
+        """The live Adam moment ``key`` of ``param`` (a view shaped like it: host buffers, or the GPU-held ones of
+        ``gpu_optimizer_layers``); None for a parameter the optimizer does not train."""
+        if key not in self._MOMENTS:
+            raise KeyError(f"optimizer state {key!r}: megatrain_ds's AdamW keeps 'exp_avg' and 'exp_avg_sq'")
+        home = self._home_of(param)
+        self.synchronize()  # queued updates write the moments (and a speculative update is rolled back)
+        if self.optimizer is None:
+            return None
+        if home.layer is None:
+            return getattr(self.resident, key)[home.resident_index]
+        slot = self._slot_of(home)
+        if not slot.trainable:
+            return None
+        i, device_state = home.layer, self.executor.device_state
+        if device_state is not None and device_state.owns(i):
+            flat = device_state.moments_of(i)[self._MOMENTS.index(key)]
+        else:
+            flat = self.store.train_slice(getattr(self.store, key), i)
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def full_optimizer_state(self, param, key: str) -> torch.Tensor | None:
+        """Adam's ``exp_avg`` / ``exp_avg_sq`` of ``param`` (None when it is frozen or there is no optimizer)."""
+        moment = self._moment(param, key)
+        return None if moment is None else moment.detach().to(self.device, torch.float32, copy=True)
+
+    def set_full_optimizer_state(self, param, value: torch.Tensor, key: str) -> None:
+        moment = self._moment(param, key)
+        if moment is None:
+            raise ValueError(f"set_full_optimizer_state({key!r}): this parameter has no optimizer state (frozen, "
+                             "or the engine has no optimizer)")
+        moment.copy_(value.detach().reshape(moment.shape))
+
+    def full_grad(self, param) -> torch.Tensor | None:
+        """``param``'s gradient accumulated since the last step, in fp32, as the optimizer will see it before
+        clipping: summed over the micro-batches of the window (each loss divided by the accumulation steps, as
+        DeepSpeed does), the fp16 loss scale divided out. None before the first backward of a window (after
+        ``step()`` too) and for a parameter the optimizer does not train. DeepSpeed's contract: call it between
+        ``backward()`` and ``step()``."""
+        home = self._home_of(param)
+        if home.layer is None:
+            k, resident = home.resident_index, self.resident
+            if resident.grad[k] is None or not resident.has_grad[k]:
+                return None
+            landing, grad = resident.sq_norm[k], resident.grad[k]
+        else:
+            i, executor, slot = home.layer, self.executor, self._slot_of(home)
+            if not slot.trainable or not executor.has_grad[i]:
+                return None
+            landing, device_state = executor.sq_norm[i], executor.device_state
+            flat = device_state.grad_of(i) if device_state is not None and device_state.owns(i) else \
+                self.store.grad_of(i)
+            grad = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if landing is not None:
+            landing.result()  # the host worker has folded the last landing into the buffer (waits for its D2H)
+        # GPU-held gradients are accumulated on the compute stream, the current one: this copy is ordered after
+        out = grad.to(self.device, torch.float32, copy=True)
+        scaler = self.config_settings.loss_scaler
+        return out.div_(scaler.scale) if scaler is not None else out
+
     # ------------------------------------------------------------------ what megatrain_ds does not do
     def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled=False) -> None:
         raise NotImplementedError(
@@ -171,7 +257,6 @@ def _real(module_name: str):
 _FORWARDED = {
     "accelerator": lambda: _real("deepspeed.accelerator"),
     "get_accelerator": lambda: _real("deepspeed.accelerator").get_accelerator,
-    "utils": lambda: _real("deepspeed.utils"),  # logger, RepeatingLoader, set_z3_leaf_modules, log_dist
     "checkpoint": lambda: _real("deepspeed.checkpoint"),  # checkpoint.utils.clone_tensors_for_torch_save
 }
 

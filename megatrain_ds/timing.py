@@ -24,7 +24,10 @@ class StepTimer:
         self.streams, self.enabled = streams, enabled
         self.cuda = streams.kind == "cuda"
         self.spans: dict[str, list] = {"h2d": [], "d2h": [], "compute": []}
-        self.host = {"optimizer_s": 0.0, "landing_s": 0.0, "wait_for_optimizer_s": 0.0}
+        # host spans: optimizer updates after the norm, speculative updates during the backward, rollbacks
+        self.host = {"optimizer_s": 0.0, "landing_s": 0.0, "wait_for_optimizer_s": 0.0, "speculative_s": 0.0,
+                     "rollback_s": 0.0}
+        self.counters = dict  # the engine installs a callable returning cumulative counts (speculated steps)
         self._lock = threading.Lock()
         self._step_start = None
         self._window_open = False
@@ -91,7 +94,8 @@ class StepTimer:
         self.last = {"step_s": wall, "h2d_s": h2d, "compute_s": compute, "d2h_s": d2h,
                      "cpu_optimizer_s": host["optimizer_s"], "cpu_grad_landing_s": host["landing_s"],
                      "wait_for_optimizer_s": host["wait_for_optimizer_s"],
-                     "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None}
+                     "cpu_speculative_optimizer_s": host["speculative_s"], "cpu_rollback_s": host["rollback_s"],
+                     "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None, **self.counters()}
         for spans in self.spans.values():
             spans.clear()
 
@@ -102,4 +106,7 @@ class StepTimer:
         idle = "n/a" if b.get("gpu_idle_s") is None else f"{b['gpu_idle_s']*1e3:.0f}"
         return (f"step {b['step_s']*1e3:.0f} ms | compute {b['compute_s']*1e3:.0f} | "
                 f"H2D {b['h2d_s']*1e3:.0f} | D2H {b['d2h_s']*1e3:.0f} | CPU optim {b['cpu_optimizer_s']*1e3:.0f} "
-                f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms")
+                f"(+{b.get('cpu_speculative_optimizer_s', 0)*1e3:.0f} during backward) "
+                f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms"
+                + (f" | speculated {b['speculated_steps']} rolled back {b['rolled_back_steps']}"
+                   if "speculated_steps" in b else ""))

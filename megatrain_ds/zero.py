@@ -6,6 +6,8 @@ host master. ``GatheredParameters`` materialises them into ``param.data`` (fp32,
 or modifying; with a ``modifier_rank`` the values are written back on exit (master, wire copy, any
 GPU-held master) and the slots holding the old values are invalidated. Resident parameters (embeddings,
 norms, head) are gathered the same way from their fp32 masters.
+Every such parameter also carries ``_z3_optimizer`` (``ZeroOptimizerView``), so that DeepSpeed's own
+``deepspeed.utils.safe_get_full_fp32_param`` and its siblings read and write the engine's state for it.
 
 ``Init`` builds the model on the CPU: the engine moves the layers into host buffers at ``initialize``, so
 the model is never materialised on the GPU.
@@ -65,6 +67,51 @@ class ParamHome:
         self.engine._write_master(self, value)
 
 
+def _engine_of(param):
+    home = getattr(param, "_megatrain_home", None)
+    if home is None:
+        raise ValueError("this parameter is no longer trained by a megatrain_ds engine (engine.destroy() was "
+                         "called): its fp32 master, gradient and optimizer state are gone")
+    return home.engine
+
+
+class ZeroOptimizerView:
+    """``param._z3_optimizer`` of every parameter an engine holds. Real DeepSpeed's ``deepspeed.utils``
+    functions (``safe_get_full_fp32_param``, ``safe_set_full_fp32_param``, ``safe_get_full_grad``,
+    ``safe_get/set_full_optimizer_state``) see ``ds_id`` on a parameter and call these methods of its "ZeRO-3
+    optimizer"; here the engine holding the parameter answers (surface.py, ``EngineSurface.full_fp32_param``...).
+    A script's ``from deepspeed.utils import safe_get_full_fp32_param`` (real DeepSpeed even with the alias import)
+    and the switch (compat/) then get the right values, not an AttributeError. The rest of a ZeRO-3 optimizer
+    (local partitions, writing gradients) raises AttributeError naming the method."""
+
+    def get_full_hp_param(self, param, optim_state_key=None):
+        engine = _engine_of(param)
+        if optim_state_key is None:
+            return engine.full_fp32_param(param)
+        return engine.full_optimizer_state(param, optim_state_key)
+
+    def set_full_hp_param(self, value, param, optim_state_key=None) -> None:
+        engine = _engine_of(param)
+        if optim_state_key is None:
+            engine.set_full_fp32_param(param, value)
+        else:
+            engine.set_full_optimizer_state(param, value, optim_state_key)
+
+    def get_fp32_grad_for_param(self, param):
+        return _engine_of(param).full_grad(param)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"param._z3_optimizer.{name}: megatrain_ds answers deepspeed.utils' safe_get_full_fp32_param, "
+            "safe_set_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state and "
+            "safe_set_full_optimizer_state; the local-partition and gradient-writing functions are not provided")
+
+
+_Z3_VIEW = ZeroOptimizerView()
+
+
 def mark_partitioned(param: torch.nn.Parameter, home: ParamHome, shape: tuple[int, ...]) -> None:
     param.ds_shape = tuple(shape)
     param.ds_numel = int(torch.Size(shape).numel())
@@ -72,6 +119,7 @@ def mark_partitioned(param: torch.nn.Parameter, home: ParamHome, shape: tuple[in
     status = _status_enum()
     param.ds_status = status.NOT_AVAILABLE if home.layer is not None else status.AVAILABLE
     param._megatrain_home = home
+    param._z3_optimizer = _Z3_VIEW  # see ZeroOptimizerView: DeepSpeed's safe_get_full_* reach the engine
 
 
 class Init:

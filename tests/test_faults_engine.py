@@ -135,3 +135,22 @@ def test_eval_forward_between_backward_and_step_cuda():
                     engine.train()
     a, b = plain.master_state_dict(), probed.master_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loss_backward_outside_the_engine_is_refused():
+    """loss.backward() (instead of engine.backward(loss)) would land layer gradients without the engine's
+    scaling or its resident gradients: a clear error, and the next engine.backward() trains as if it never
+    happened."""
+    clean = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())[0]
+    engine = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())[0]
+    with pytest.raises(RuntimeError, match=r"engine\.backward\(loss\)"):
+        _lm_loss(engine, _ids(3)).backward()
+    for e in (clean, engine):  # no zero_grad(): the head's partial .grad from the refused backward is dropped
+        loss = _lm_loss(e, _ids(0))
+        if e is engine:
+            with pytest.warns(UserWarning, match="outside engine.backward"):
+                e.backward(loss)
+        else:
+            e.backward(loss)
+        e.step()
+    assert engine.get_global_grad_norm() == pytest.approx(clean.get_global_grad_norm(), rel=1e-6)

@@ -1,0 +1,128 @@
+"""Speculative optimizer stepping (megatrain_ds/speculation.py) against plain PyTorch, fp32 on CPU.
+
+Each layer is stepped as its gradient lands, as if clipping did not fire; the norm then commits the updates
+(bit-identical to the plain path) or rolls them back and redoes them with the true coefficient. Checked:
+20 steps with clipping firing on some steps and not on others and one non-finite step, against torch AdamW +
+clip_grad_norm_; the counts of speculated and rolled-back steps; bit-equality with speculation off when
+clipping never fires; a forward between backward() and step() seeing the pre-step weights.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megatrain_ds
+from tests.models import tiny_hf
+
+STEPS, LR, EPS = 20, 1e-3, 1e-6
+NAN_STEP = 7
+
+
+def _config(clip: float, ga: int = 1, **megatrain) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "gradient_clipping": clip,
+            "wall_clock_breakdown": True, "megatrain": megatrain,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "eps": EPS}}}
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (2, 10), generator=g) for _ in range(n)]
+
+
+def _reference(model, batches, ga: int, clip: float, nan_step: int | None):
+    """torch AdamW + clip_grad_norm_; the non-finite step is skipped (DeepSpeed's rule). Returns losses,
+    pre-clip norms and the trained parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, eps=EPS)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for micro in range(ga):
+            ids = batches[step * ga + micro]
+            loss = model(input_ids=ids, labels=ids).loss
+            losses.append(loss.item())
+            (loss * (float("nan") if step == nan_step else 1.0) / ga).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        norms.append(norm)
+        if norm == norm:  # finite: step
+            opt.step()
+        opt.zero_grad()
+    return losses, norms, dict(model.named_parameters())
+
+
+def _train(engine, batches, ga: int, nan_step: int | None):
+    losses = []
+    for step in range(STEPS):
+        for micro in range(ga):
+            ids = batches[step * ga + micro]
+            loss = engine(input_ids=ids, labels=ids).loss
+            losses.append(loss.item())
+            engine.backward(loss * (float("nan") if step == nan_step else 1.0))
+            engine.step()
+    return losses
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_speculation_with_clipping_on_some_steps_and_a_skipped_step(ga):
+    model = tiny_hf("llama")
+    batches = _batches(STEPS * ga)
+    _, free_norms, _ = _reference(copy.deepcopy(model), batches, ga, float("inf"), None)
+    clip = sorted(free_norms)[STEPS // 2]  # about half the steps clip
+    want_losses, norms, want = _reference(copy.deepcopy(model), batches, ga, clip, NAN_STEP)
+    fired = [n != n or n + 1e-6 > clip for n in norms]  # clipped or skipped
+    assert 3 <= sum(fired[1:]) <= STEPS - 4, "the data must clip on some steps and not on others"
+
+    engine, *_ = megatrain_ds.initialize(model=model, config=_config(clip, ga, speculation_backoff=0))
+    got_losses = _train(engine, batches, ga, NAN_STEP)
+    for k, (a, b) in enumerate(zip(got_losses, want_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"loss {k}: {a} vs {b}"
+    masters = engine.master_state_dict()
+    for name, p in want.items():
+        err = (masters[name] - p.detach()).norm() / p.detach().norm()
+        assert err <= 1e-5, f"{name}: {err:.2e}"
+    # backoff 0: every step after the first speculates; the non-finite step stops at its first landing, so it
+    # steps no layer; every speculated step whose clipping fired is rolled back and redone
+    policy = engine.optimizer.policy
+    speculated = [s for s in range(1, STEPS) if s != NAN_STEP]
+    assert policy.speculated == len(speculated)
+    assert policy.rolled_back == sum(fired[s] for s in speculated)
+    assert engine.skipped_steps == 1
+    breakdown = engine.last_step_breakdown()
+    assert breakdown["speculated_steps"] <= policy.speculated and "cpu_speculative_optimizer_s" in breakdown
+
+
+def test_committed_speculation_is_bit_identical_to_the_plain_step():
+    """Clipping never fires: every speculated update is kept, and the weights and moments are bit-equal to a
+    run without speculation (the same fused kernel on the same inputs, only earlier)."""
+    batches = _batches(10)
+    runs = []
+    for speculate in (True, False):
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"),
+                                             config=_config(1e9, speculative_step=speculate))
+        for ids in batches:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        runs.append((engine.master_state_dict(), engine.store.exp_avg.clone(), engine.optimizer.policy.speculated))
+    (a, ma, n_spec), (b, mb, n_plain) = runs
+    assert n_spec == 9 and n_plain == 0  # every step after the first
+    assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(ma, mb)
+
+
+def test_forward_between_backward_and_step_sees_the_pre_step_weights():
+    """An eval forward after a speculating backward rolls the layers back first: its output equals the output
+    of a run without speculation at that point, and training then goes on to the same weights."""
+    batches = _batches(4)
+    outs, finals = [], []
+    for speculate in (True, False):
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"),
+                                             config=_config(1e9, speculative_step=speculate))
+        for k, ids in enumerate(batches):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            if k == 2:
+                with torch.no_grad():
+                    outs.append(engine(input_ids=batches[0]).logits)
+            engine.step()
+        finals.append(engine.master_state_dict())
+    assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    for k in finals[0]:
+        assert (finals[0][k] - finals[1][k]).norm() <= 1e-5 * finals[1][k].norm(), k
