@@ -198,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--megatrain-options", default=None, metavar="JSON",
                    help='extra keys for megatrain_ds\'s "megatrain" config block, e.g. \'{"gpu_optimizer_layers": "auto"}\'')
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="gradient_clipping for every system (ANCHORS: 1.0); a large value never clips")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    os.environ["H2H_CLIP"] = repr(args.clip)  # read by benchmarks.systems / megatrain_system in each child
     if args.megatrain_options is not None:
         try:
             options = json.loads(args.megatrain_options)

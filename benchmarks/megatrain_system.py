@@ -20,7 +20,7 @@ from benchmarks.common import (cleanup, count_params, is_oom, make_batches, meas
                                reset_memory_stats, result_dict)
 
 LR = 1e-5
-CLIP = 1.0
+CLIP = float(os.environ.get("H2H_CLIP", "1.0"))  # h2h --clip; ANCHORS: 1.0
 
 
 def megatrain_ds_config(micro_batch: int, device: str, num_slots: int = 2) -> dict:

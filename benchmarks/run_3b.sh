@@ -7,7 +7,7 @@
 #             PYTEST_ARGS="-m gpu tests" runs only those
 #   best1/2   the harness's own best-batch search for all three systems (doubling; results.json grows per run)
 #   knobs     megatrain at 16K with gpu_optimizer_layers "auto", and at 128K with liger_kernels, vs defaults
-#   spec      megatrain at 16K with speculative_step on (default) and off, ZeRO-3 at 16K (issue 13)
+#   spec      megatrain at 16K with speculative_step on (default) and off (issue 13); specz3: ZeRO-3 at 16K
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
 phase=${1:?phase}; out=${2:?outdir}; model=qwen2.5-3b
@@ -27,7 +27,12 @@ case $phase in
              --tokens-per-step 131072 --warmup 1 --steps 3 ;;
   spec) h2h_call 150 specon --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 6
         h2h_call 150 specoff --systems megatrain --megatrain-options '{"speculative_step": false}' \
+            --tokens-per-step 16384 --warmup 2 --steps 6 ;;
+  specz3) h2h_call 400 zero3 --systems zero3 --tokens-per-step 16384 --warmup 2 --steps 6 ;;
+  specnoclip)  # the harness's random-init data clips every step at 1.0: the same runs where clipping never fires
+        h2h_call 150 specon --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 6
+        h2h_call 150 specoff --systems megatrain --clip 1e9 --megatrain-options '{"speculative_step": false}' \
             --tokens-per-step 16384 --warmup 2 --steps 6
-        h2h_call 240 zero3 --systems zero3 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+        h2h_call 240 zero3 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

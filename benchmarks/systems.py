@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+import os
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -21,7 +23,7 @@ from benchmarks.common import (cleanup, count_params, enable_hf_checkpointing, i
                                set_single_process_env)
 
 LR = 1e-5
-CLIP = 1.0
+CLIP = float(os.environ.get("H2H_CLIP", "1.0"))  # h2h --clip; ANCHORS: 1.0
 
 
 def _build_resident(config, device: str, seed: int):
