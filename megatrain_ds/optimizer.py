@@ -59,6 +59,7 @@ class ResidentParams:
         self.update: Future | None = None  # optimizer task that rewrote the wire copies
         self.uploaded = True
         self.wire_read = None  # last H2D event reading the wire copies (host state)
+        self.on_final_landing = None  # worker thread, after a final gradient landed: (index, sq-norm)
 
     def evacuate(self, worker: ThreadPoolExecutor, final: bool) -> None:
         """After autograd: fold each resident ``.grad`` into its fp32 gradient (D2H + host worker, or in
@@ -108,7 +109,10 @@ class ResidentParams:
             self.grad[k].copy_(self.landing[k])
         else:
             self.grad[k].add_(self.landing[k])
-        return float(torch.dot(self.grad[k].view(-1), self.grad[k].view(-1))) if final else None
+        sq = float(torch.dot(self.grad[k].view(-1), self.grad[k].view(-1))) if final else None
+        if final and self.on_final_landing is not None:  # speculative step of this parameter (speculation.py)
+            self.on_final_landing(k, sq)
+        return sq
 
     def upload(self) -> None:
         """Before a forward: wait for the optimizer, then refresh the device copies (H2D of the host wire
@@ -167,6 +171,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.policy = SpeculationPolicy(enabled=False, backoff=0)  # the engine configures it (speculation.py)
         self.spec: Speculation | None = None  # the open boundary's speculative updates
         executor.on_final_landing = self._speculate
+        resident.on_final_landing = self._speculate_resident
 
     # --- speculative stepping (see speculation.py) -------------------------------------------------------
     def _hyperparameters(self, step) -> list[dict]:
@@ -208,16 +213,48 @@ class HostAdamW(torch.optim.Optimizer):
             self._update_layer(i, spec.hp, spec.coef)
         spec.done.append(i)
 
+    def _speculate_resident(self, k: int, sq) -> None:
+        """Worker thread, after resident parameter k's gradient landed (after the backward): step it now, so
+        the update the next forward waits for first (the embedding's) is done by the time the norm is."""
+        spec, res = self.spec, self.resident
+        if spec is None or spec.stopped or res.on_device or k in spec.resident_landed:
+            return
+        spec.resident_landed.add(k)
+        if sq is None or not math.isfinite(sq):
+            spec.stopped = True
+            return
+        if res.wire_read is not None:
+            res.wire_read.synchronize()  # the last upload has read the wire copy
+        with self.executor.timer.host_span("speculative_s"):
+            self._update_resident_one(k, spec.hp, spec.coef)
+        spec.resident_done.append(k)
+
+    def _undo_resident(self, k: int, spec: Speculation) -> None:
+        res = self.resident
+        if res.wire_read is not None:
+            res.wire_read.synchronize()
+        with self.executor.timer.host_span("rollback_s"):
+            adamw_undo(res.master[k].view(-1), res.grad[k].view(-1), res.exp_avg[k].view(-1),
+                       res.exp_avg_sq[k].view(-1), spec.hp[res.group_of.get(id(res.params[k]), 0)], spec.coef,
+                       self.adam_w_mode)
+            if res.wire[k] is not None:
+                res.wire[k].copy_(res.master[k])
+
     def abandon_speculation(self) -> None:
         """Main thread: the speculated updates must not be seen (a forward, zero_grad, a read of the masters
         between backward() and step()): wait for the landings, roll every speculated layer back."""
         spec, self.spec = self.spec, None
         if spec is None:
             return
-        self.worker.submit(lambda: [self._undo_layer(i, spec) for i in spec.done]).result()
+        def undo_all():
+            for i in spec.done:
+                self._undo_layer(i, spec)
+            for k in spec.resident_done:
+                self._undo_resident(k, spec)
+        self.worker.submit(undo_all).result()
         for i in spec.done:
             self.executor.version[i] += 1  # a slot loaded meanwhile would hold the rolled-forward weights
-        if spec.done:
+        if spec.done or spec.resident_done:
             self.policy.rolled_back += 1
 
     def _undo_layer(self, i: int, spec: Speculation) -> None:
@@ -310,7 +347,7 @@ class HostAdamW(torch.optim.Optimizer):
             if layer_has[i]:
                 ex.version[i] += 1
                 ex.wire_ready[i] = self.worker.submit(self._device_task, i, hp, norm, ex.backward_done)
-        res.update = self.worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done)
+        res.update = self.worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done, spec)
         res.uploaded = False
         for i in host:
             if layer_has[i]:
@@ -357,11 +394,12 @@ class HostAdamW(torch.optim.Optimizer):
             if self.spec is spec:
                 self.spec = None
             spec.commit = not overflow and self._coef == spec.coef and same_hyperparameters(hp, spec.hp)
-            if spec.done:
+            if spec.done or spec.resident_done:
                 self.policy.speculated += 1
                 self.policy.rolled_back += int(not spec.commit)
         self.policy.record(clipped_or_skipped=overflow or coef < 1.0,
-                           rolled_back=spec is not None and bool(spec.done) and not spec.commit)
+                           rolled_back=spec is not None and bool(spec.done or spec.resident_done)
+                           and not spec.commit)
         return math.inf if overflow else norm  # DeepSpeed reports a skipped step's norm as inf
 
     def _layer_grad(self, i: int) -> torch.Tensor:
@@ -379,9 +417,15 @@ class HostAdamW(torch.optim.Optimizer):
            beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=False,
            grad_scale=scale, found_inf=None)
 
-    def _resident_task(self, hp, has, norm_future, backward_done):
+    def _resident_task(self, hp, has, norm_future, backward_done, spec: Speculation | None = None):
         norm_future.result()
-        if self._skip:  # fp16 overflow: this step is skipped
+        if spec is not None and spec.resident_done:  # stepped after the backward: keep them, or undo them
+            if spec.commit:  # (the plain update below then redoes them, unless the step is skipped)
+                has = [h and k not in spec.resident_done for k, h in enumerate(has)]
+            else:
+                for k in spec.resident_done:
+                    self._undo_resident(k, spec)
+        if self._skip:  # non-finite gradients: this step is skipped
             return
         res, st = self.resident, self.executor.streams
         if res.on_device:  # launch on the h2d stream; upload()'s casts follow on the same stream
@@ -395,14 +439,16 @@ class HostAdamW(torch.optim.Optimizer):
             self._update_resident(hp, has)
 
     def _update_resident(self, hp, has):
-        res, coef = self.resident, self._coef
-        for k, p in enumerate(res.params):
-            if not has[k]:
-                continue
-            self._adamw([res.master[k]], [res.grad[k]], [res.exp_avg[k]], [res.exp_avg_sq[k]],
-                        hp[res.group_of.get(id(p), 0)], coef)
-            if res.wire[k] is not None:
-                res.wire[k].copy_(res.master[k])
+        for k in range(len(self.resident.params)):
+            if has[k]:
+                self._update_resident_one(k, hp, self._coef)
+
+    def _update_resident_one(self, k: int, hp, coef: float) -> None:
+        res = self.resident
+        self._adamw([res.master[k]], [res.grad[k]], [res.exp_avg[k]], [res.exp_avg_sq[k]],
+                    hp[res.group_of.get(id(res.params[k]), 0)], coef)
+        if res.wire[k] is not None:
+            res.wire[k].copy_(res.master[k])
 
     def _device_task(self, i: int, hp, norm_future, backward_done):
         """Launch layer i's update on the GPU, on the h2d stream: the casts that read the device master for

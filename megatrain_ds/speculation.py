@@ -42,6 +42,8 @@ class Speculation:
     done: list[int] = field(default_factory=list)  # layers stepped, in landing order
     landed: set[int] = field(default_factory=set)  # layers whose final gradient has landed
     stale: set[int] = field(default_factory=set)  # stepped, then another gradient landed for them
+    resident_done: list[int] = field(default_factory=list)  # resident parameters stepped (embeddings, head)
+    resident_landed: set[int] = field(default_factory=set)
     stopped: bool = False  # a non-finite gradient landed: nothing more is speculated
     commit: bool | None = None  # decided by the norm task: keep the speculated updates as they are
 
