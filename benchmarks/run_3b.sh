@@ -28,6 +28,7 @@ case $phase in
   spec) h2h_call 150 specon --systems megatrain --tokens-per-step 16384 --warmup 2 --steps 6
         h2h_call 150 specoff --systems megatrain --megatrain-options '{"speculative_step": false}' \
             --tokens-per-step 16384 --warmup 2 --steps 6 ;;
+  specres) h2h_call 150 specon --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 6 ;;
   specz3) h2h_call 400 zero3 --systems zero3 --tokens-per-step 16384 --warmup 2 --steps 6 ;;
   specnoclip)  # the harness's random-init data clips every step at 1.0: the same runs where clipping never fires
         h2h_call 150 specon --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 6
