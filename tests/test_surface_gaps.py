@@ -260,6 +260,7 @@ def test_writing_one_weight_of_a_gpu_held_layer_keeps_the_others():
     engine, *_ = _pair(state="device_state")
     _step(engine, 0)
     _step(engine, 1)  # the host copy of layer 0 now lags the device master
+    engine.synchronize()  # step() returns before the queued update of layer 0 has run
     device_master = engine.executor.device_state.master_of(0)
     before = device_master.clone()
     q_proj = engine.module.model.layers[0].self_attn.q_proj.weight
