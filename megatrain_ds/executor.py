@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn

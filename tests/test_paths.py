@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import megatrain_ds
-from tests.models import tiny_hf
+from tests.models import PlainLM, tiny_hf
 
 STEPS, LR, CLIP, TOL = 3, 1e-3, 1.0, 1e-5
 # The engine picks CUDA when present; the plain copy runs on the same device (fp32 matmuls, no TF32), so on the
@@ -230,22 +230,13 @@ class _SharedBlock(nn.Module):
         return x + self.norm(y.transpose(1, 2)).transpose(1, 2)
 
 
-class _SharedLM(nn.Module):
-    """Blocks that share one Linear (ALBERT-style) and hold BatchNorm statistics."""
+class _SharedLM(PlainLM):
+    """PlainLM whose blocks share one Linear (ALBERT-style) and hold BatchNorm statistics."""
 
     def __init__(self, vocab=32, width=32, depth=3):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(vocab, width)
+        super().__init__(vocab, width, depth)
         shared = nn.Linear(width, width)
         self.blocks = nn.ModuleList(_SharedBlock(width, shared) for _ in range(depth))
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 def test_parameter_shared_across_layers_and_batchnorm_statistics():
