@@ -157,8 +157,12 @@ class MegatrainSettings:
     speculation_backoff: int = 8  # steps without speculation after a step that clipped, skipped or rolled back
     fused_loss: bool = True  # labels= on a causal LM: LM head + cross-entropy in chunks, no whole logits (the
     # output's .logits is None); false runs the model's own forward and returns its logits
-    liger_kernels: bool = False  # CUDA: liger-kernel's fused RMSNorm, SwiGLU MLP and RoPE in the decoder layers
-    # (liger's own instance patching, as the HF Trainer's use_liger_kernel; RoPE is patched module-wide)
+    liger_kernels: bool | str = "auto"  # liger-kernel's fused RMSNorm, SwiGLU MLP and RoPE in the decoder layers
+    # (liger's own instance patching, as the HF Trainer's use_liger_kernel; RoPE is patched module-wide).
+    # "auto": on CUDA when liger-kernel is installed and supports the model type; true: required; false: off
+    keep_activations: int | str = "auto"  # trailing layers whose forward keeps its graph (no recompute in their
+    # backward; executor.py's [Note: kept layers]); "auto": after the first step, as many as the GPU memory that
+    # step left free holds (CUDA; 0 on CPU); 0: recompute every layer
     trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
     fp32_grad_landing: bool = False  # GA 1, bf16: land gradients in fp32 (GPU converts; +2 host bytes/param,
     # 2x D2H bytes) so the host optimizer skips its bf16->fp32 pass
@@ -168,8 +172,12 @@ class MegatrainSettings:
     # bf16 landing) and 1.88 (bf16 wire, fp32 landing). False suits H2D-bound runs (small batches).
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory, not on the GPU
     gpu_optimizer_layers: int | str = -1  # leading layers whose optimizer state lives on the GPU; -1 = from
-    # zero_optimization.offload_optimizer.ratio (fraction of optimizer state on the CPU; default 1.0 = none);
-    # "auto" = after the first step, as many leading layers as fit in the GPU memory that step left free
+    # zero_optimization.offload_optimizer.ratio when the config sets it (fraction of optimizer state on the CPU),
+    # else "auto"; "auto" = after the first step, the resident parameters' state (embeddings, head) and then as
+    # many leading layers as fit in the GPU memory that step left free, after the kept layers (CUDA; 0 on CPU)
+    host_threads: int | str = "auto"  # CUDA: the host optimizer's threads (placement.py, docs/placement.md):
+    # "auto" = every core of the GPU's NUMA node but one, kept for the main thread (measured: 16 threads beside a
+    # busy main thread ran 5-8% slower than 15); an int = that many; "off" = leave torch's threads as they are
     gpu_memory_reserve: float = 0.1  # "auto": fraction of the GPU's memory kept free above the first step's peak
 
     def __post_init__(self) -> None:
@@ -183,6 +191,18 @@ class MegatrainSettings:
         if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= -1)):
             raise ConfigError(f"megatrain.gpu_optimizer_layers must be a layer count >= 0, -1 (from "
                               f"offload_optimizer.ratio) or \"auto\", got {n!r}")
+        k = self.keep_activations
+        if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
+            raise ConfigError(f"megatrain.keep_activations must be a layer count >= 0 or \"auto\", got {k!r}")
+        from .placement import resolve as _resolve_threads
+        try:
+            _resolve_threads(self.host_threads, topology={"cpus": [0], "nodes": {0: [0]}, "siblings": {},
+                                                          "smt": False})  # the value's check only
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.liger_kernels not in (True, False, "auto"):
+            raise ConfigError(f"megatrain.liger_kernels must be true, false or \"auto\", got "
+                              f"{self.liger_kernels!r}")
         if not 0.0 <= float(self.gpu_memory_reserve) < 1.0:
             raise ConfigError(f"megatrain.gpu_memory_reserve must be a fraction in [0, 1), got "
                               f"{self.gpu_memory_reserve!r}")
@@ -207,7 +227,7 @@ class TrainConfig:
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False  # initialize(training_data=...): drop the last partial batch
     zero_stage: int = 0
-    offload_optimizer_ratio: float = 1.0  # zero_optimization.offload_optimizer.ratio
+    offload_optimizer_ratio: float | None = None  # zero_optimization.offload_optimizer.ratio; None: not set
     megatrain: MegatrainSettings = field(default_factory=MegatrainSettings)
     monitor: Any = None  # DeepSpeed's monitor config when a tensorboard/wandb/csv_monitor/comet block is enabled
     not_acted_on: list[str] = field(default_factory=list)  # accepted settings megatrain_ds ignores, each
@@ -381,8 +401,9 @@ def _zero(cfg: dict, notes: list[str]) -> tuple[int, float]:
     # DeepSpeed's own config model: unknown keys and bad types are rejected as DeepSpeed rejects them
     _ds_model("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig", block, "zero_optimization")
     stage = _num(block.get("stage", 0), "zero_optimization.stage", int)
-    ratio = _num((block.get("offload_optimizer") or {}).get("ratio", 1.0), "zero_optimization.offload_optimizer.ratio")
-    if not 0.0 <= ratio <= 1.0:
+    ratio = (block.get("offload_optimizer") or {}).get("ratio")  # None: not set (gpu_optimizer_layers decides)
+    ratio = None if ratio is None else _num(ratio, "zero_optimization.offload_optimizer.ratio")
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio}")
     for key in ("offload_param", "offload_optimizer"):
         device = (block.get(key) or {}).get("device", "none")

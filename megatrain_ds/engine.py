@@ -28,6 +28,8 @@ from .loss_scale import cast_inputs_half
 from .model_map import build_layout, find_block_list, shared_parameter_ids
 from .monitor import Monitor
 from .optimizer import HostAdamW, ResidentParams
+from .placement import apply_placement
+from .placement import resolve as resolve_placement
 from .speculation import SpeculationPolicy
 from .streams import make_streams
 from .surface import EngineSurface, adopt_zero3_model
@@ -35,20 +37,36 @@ from .timing import StepTimer
 from .zero import ParamHome, mark_partitioned
 
 
-def _apply_liger_kernels(model: nn.Module, device: torch.device) -> None:
+def _apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str | None:
     """``megatrain.liger_kernels``: liger-kernel's RMSNorm, SwiGLU MLP and RoPE in place of the model's (CUDA
-    only; the loss is megatrain_ds's own chunked / fused linear cross-entropy either way)."""
+    only; the loss is megatrain_ds's own chunked / fused linear cross-entropy either way). ``setting`` "auto"
+    applies them when liger-kernel is installed and knows the model type, silently otherwise; True requires
+    them. Returns the model type patched, or None."""
+    if setting is False:
+        return None
     if device.type != "cuda":
-        warnings.warn("megatrain.liger_kernels: liger-kernel runs on CUDA only; the model's own kernels are used",
-                      stacklevel=3)
-        return
+        if setting is True:
+            warnings.warn("megatrain.liger_kernels: liger-kernel runs on CUDA only; the model's own kernels are "
+                          "used", stacklevel=3)
+        return None
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as exc:
+        if setting == "auto":
+            return None
         raise ConfigError("megatrain.liger_kernels needs liger-kernel (pip install 'megatrain-ds[gpu]'): "
                           f"{exc}") from exc
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: as HF Trainer does
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        if setting is True:
+            warnings.warn(f"megatrain.liger_kernels: liger-kernel has no kernels for model type {model_type!r}; "
+                          "the model's own kernels are used", stacklevel=3)
+        return None
+    _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
+    return model_type
 
 
 def _param_groups(model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
@@ -135,8 +153,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         wire_dtype = torch.float32 if mt.stream_fp32_master else compute_dtype
         self.compute_dtype, self.wire_dtype = compute_dtype, wire_dtype
         model.train()
-        if mt.liger_kernels:
-            _apply_liger_kernels(model, device)  # before the layer templates are made from the layers
+        # before the layer templates are made from the layers
+        self.liger_model_type = _apply_liger_kernels(model, device, mt.liger_kernels)
         settings = config.optimizer
         defaults = settings and dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
                                      weight_decay=settings.weight_decay)
@@ -154,7 +172,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         grad_dtype = torch.float32 if (mt.fp32_grad_landing or mt.stream_fp32_master) else None
         self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype)
         # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
+        # Its threads are placed (placement.py) on CUDA only: on the CPU the main thread computes the model itself
+        self.placement = resolve_placement(mt.host_threads, device.index) if device.type == "cuda" else None
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host",
+                                         initializer=apply_placement, initargs=(self.placement,))
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
                                        num_slots=mt.num_slots, compute_dtype=compute_dtype)
         if mt.trace:
@@ -164,13 +185,19 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         n_device = mt.gpu_optimizer_layers
-        self._auto_device_state = n_device == "auto"  # decided after the first step (see _place_state_auto)
+        if n_device == -1:  # from DeepSpeed's offload_optimizer.ratio (the fraction of optimizer state on the
+            ratio = config.offload_optimizer_ratio  # CPU) when the config sets it, else from measured memory
+            n_device = "auto" if ratio is None else round((1.0 - ratio) * len(layers))
+        # "auto" placements are decided after the first step, from its measured peak (see _place_auto)
+        # (off CUDA nothing is measured, so nothing is placed: _auto_budget_bytes is None)
+        self._auto_device_state = n_device == "auto" and settings is not None
+        self._auto_keep = mt.keep_activations == "auto"
         if n_device == "auto":
             n_device = 0
-        elif n_device < 0:  # from DeepSpeed's offload_optimizer.ratio: the fraction of optimizer state on the CPU
-            n_device = round((1.0 - config.offload_optimizer_ratio) * len(layers))
         if n_device > 0:
             self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n_device, len(layers)), device)
+        if mt.keep_activations != "auto":
+            self.executor.set_keep(mt.keep_activations)
         layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin,
@@ -190,7 +217,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.module = model
         self._fused = _fused_loss_parts(model)
         self._mark_params(layers)
-        if self._auto_device_state and device.type == "cuda":
+        if (self._auto_device_state or self._auto_keep) and device.type == "cuda":
             torch.cuda.empty_cache()  # the model's GPU copy, if it was built there, is gone: so is its peak
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -312,7 +339,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 # the counters and the lr scheduler below. It costs no overlap: the next forward waits for the
                 # resident update, which waits for this norm, anyway; only the script's own work between step()
                 # and the next forward (fetching a batch) no longer runs beside the last landings.
-                self._last_norm.result()
+                with torch.profiler.record_function("megatrain.wait_norm"):
+                    self._last_norm.result()
                 if self.optimizer.step_error is not None:  # fp16: overflow at the minimum loss scale
                     raise self.optimizer.step_error
                 skipped = self.optimizer.last_step_skipped
@@ -327,9 +355,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             if self.lr_scheduler is not None and not skipped:  # DeepSpeed does not advance it on overflow
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.timer.end_step()
-            if self._auto_device_state:
-                self._auto_device_state = False
-                self._place_state_auto()
+            if self._auto_device_state or self._auto_keep:
+                self._place_auto()
             if self.monitor is not None:
                 self.monitor.write_step(self, previous_samples)
             spp = self.config_settings.steps_per_print
@@ -351,22 +378,46 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         transient = torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device)
         return int(free - max(transient, 0) - total * self.config_settings.megatrain.gpu_memory_reserve)
 
-    def _place_state_auto(self) -> None:
-        """``gpu_optimizer_layers: "auto"``: once the first step has shown the working set, move the optimizer
-        state of as many leading layers as fit onto the GPU (their updates then run there, beside the CPU's).
-        Later batches are assumed to be no larger than the first (a longer one may then run out of memory)."""
+    def _place_auto(self) -> None:
+        """The "auto" placements, once the first step has shown the working set (its measured peak): GPU memory
+        the step left free goes, in this order, to (1) the resident parameters' optimizer state (embeddings,
+        head: their update otherwise sits between the backward and the next forward), (2) kept layers (no
+        recompute: a quarter of the FLOPs of each), (3) the optimizer state of leading layers. Later batches
+        are assumed no larger than the first (a longer one may run out of memory: the error then names the
+        keys). The reserve (``gpu_memory_reserve``) stays free."""
+        auto_state, auto_keep = self._auto_device_state, self._auto_keep
+        self._auto_device_state = self._auto_keep = False
         budget = self._auto_budget_bytes()
-        if budget is None or self.optimizer is None:
+        if budget is None:
             return
-        n_layers = len(self.store.layouts)
-        n = 0
-        while n < n_layers and DeviceOptimizerState.nbytes(self.store, n + 1) <= budget:
-            n += 1
-        if n > 0:
-            self.move_layer_state_to_device(n)
-        print(f"[megatrain_ds] gpu_optimizer_layers auto: {n} of {n_layers} layers' optimizer state on the GPU "
-              f"({DeviceOptimizerState.nbytes(self.store, n) / 2**30:.1f} GiB of {max(budget, 0) / 2**30:.1f} GiB "
-              "left free by the first step)", flush=True)
+        start, placed = budget, []
+        if auto_state and self.optimizer is not None and not self.resident.on_device:
+            need = self.resident.device_bytes()
+            if 0 < need <= budget:
+                self.synchronize()
+                self.resident.move_state_to_device()
+                budget -= need
+                placed.append(f"resident optimizer state {need / 2**30:.1f} GiB")
+        if auto_keep:
+            ex = self.executor
+            weights = max(l.numel for l in self.store.layouts) * ex.slots[0].buf.element_size()
+            per_layer = int(ex.graph_bytes * 1.1) + weights  # 10% above the largest graph a recompute built
+            n = min(len(self.store.layouts), max(0, budget) // per_layer) if ex.graph_bytes else 0
+            ex.set_keep(n)
+            budget -= n * per_layer
+            placed.append(f"{n} of {len(self.store.layouts)} layers kept without recompute "
+                          f"({n * per_layer / 2**30:.1f} GiB)")
+        if auto_state and self.optimizer is not None and self.executor.device_state is None:
+            n_layers = len(self.store.layouts)
+            n = 0
+            while n < n_layers and DeviceOptimizerState.nbytes(self.store, n + 1) <= budget:
+                n += 1
+            if n > 0:
+                self.move_layer_state_to_device(n)
+            placed.append(f"{n} of {n_layers} layers' optimizer state on the GPU "
+                          f"({DeviceOptimizerState.nbytes(self.store, n) / 2**30:.1f} GiB)")
+        print(f"[megatrain_ds] placed from the first step's peak ({max(start, 0) / 2**30:.1f} GiB free above it "
+              f"and the reserve): {'; '.join(placed) or 'nothing'}", flush=True)
 
     def move_layer_state_to_device(self, n: int) -> None:
         """Keep the fp32 master, Adam moments and gradient of the leading ``n`` layers on the device from now on

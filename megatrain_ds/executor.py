@@ -11,6 +11,15 @@ Slots are flat device buffers sized for the largest layer. While layer i compute
 layer of the current direction (i+1 in forward, i-1 in backward) loads into another. The last layers of a
 forward are still in their slots when backward starts and are reused, not reloaded.
 See [Note: stream and event ordering] in streams.py for every record and wait below.
+
+[Note: kept layers] Recompute costs a quarter of a step's FLOPs. When GPU memory allows (``set_keep``, sized by
+the engine from the first step's measured peak and the largest layer graph a recompute built), the last
+``n`` layers skip it: their training forward runs with grad on, into a weight buffer of their own, and the
+Function keeps that graph (``LayerCall.graph``) for its backward, which takes ``autograd.grad`` through it.
+The last layers because their backward comes first: a graph is held for the shortest time and no weights
+are reloaded (their buffers still hold them). A kept buffer is rewritten only when the layer's version
+changes, i.e. after the backward that consumed its graph (``slot.free`` orders the H2D after that backward's
+kernels). Results equal the recompute's: the same kernels on the same inputs, RNG consumed once.
 """
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ class LayerCall:
     capture_keys: tuple = ()  # keys of the collector active in the forward (recreated for the recompute)
     buffers: dict | None = None  # pre-forward copies of the buffers the layer mutates (replayed by recompute)
     prev: "LayerCall | None" = None  # the previous layer's call of the same forward (its input loads next)
+    graph: tuple | None = None  # kept layer (``StreamedLayers.keep``): the forward's own graph, used by backward
 
 
 class StreamedLayers:
@@ -113,6 +123,11 @@ class StreamedLayers:
         self.slots = [Slot(torch.empty(max_numel, dtype=compute_dtype, device=device),
                            torch.empty(max_numel, dtype=store.wire_dtype, device=device) if staged else None)
                       for _ in range(min(num_slots, len(layouts)))]
+        # Kept layers (``set_keep``): the trailing layers whose forward builds its graph and keeps it until the
+        # backward, in a weight buffer of their own (no recompute, no reload): [Note: kept layers] below.
+        self.keep: frozenset[int] = frozenset()
+        self.keep_slots: dict[int, Slot] = {}
+        self.graph_bytes = 0  # the largest layer graph a recompute built (CUDA): what keeping one layer costs
         self.version = [0] * len(layouts)  # bumped when the optimizer rewrites a layer's wire copy
         self.wire_ready: list[Future | None] = [None] * len(layouts)  # optimizer task of the layer
         self.wire_read: list[object] = [None] * len(layouts)  # last H2D event reading the wire copy
@@ -136,17 +151,40 @@ class StreamedLayers:
 
     # --- slots -------------------------------------------------------------------------------------
     def _find(self, i: int) -> Slot | None:
+        if i in self.keep:
+            slot = self.keep_slots[i]
+            return slot if slot.layer == i and slot.version == self.version[i] else None
         for slot in self.slots:
             if slot.layer == i and slot.version == self.version[i]:
                 return slot
         return None
 
+    def set_keep(self, n: int) -> None:
+        """Keep the graphs of the last ``n`` layers (between steps: no graph may be pending). Each gets a weight
+        buffer of its own; see [Note: kept layers]."""
+        n = max(0, min(int(n), len(self.layouts)))
+        keep = frozenset(range(len(self.layouts) - n, len(self.layouts)))
+        for i in list(self.keep_slots):
+            if i not in keep:
+                del self.keep_slots[i]
+        stage = self.slots[0].stage  # the staging buffer is only used on the h2d stream, in order: shareable
+        for i in keep:
+            if i not in self.keep_slots:
+                numel = self.layouts[i].numel
+                self.keep_slots[i] = Slot(torch.empty(numel, dtype=self.slots[0].buf.dtype, device=self.device),
+                                          stage)
+        self.keep = keep
+
     def _load(self, i: int, busy: Slot | None) -> Slot:
-        """Issue the H2D copy of layer i into the least recently used slot other than ``busy``."""
-        slot = min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
+        """Issue the H2D copy of layer i into its own buffer (a kept layer) or the least recently used slot
+        other than ``busy``."""
+        if i in self.keep:
+            slot = self.keep_slots[i]
+        else:
+            slot = min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
         pending = self.wire_ready[i]
         if pending is not None and not pending.done():
-            with self.timer.host_span("wait_for_optimizer_s"):
+            with self.timer.host_span("wait_for_optimizer_s"), _range("wait_optimizer", i):
                 pending.result()  # CPU-side wait for the optimizer's update of layer i (see the Note)
         elif pending is not None:
             pending.result()  # re-raises an optimizer error, if any
@@ -154,7 +192,7 @@ class StreamedLayers:
         st = self.streams
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
         n = wire.numel()
-        with st.on(st.h2d), self.timer.span("h2d", st.h2d):
+        with st.on(st.h2d), self.timer.span("h2d", st.h2d), _range("h2d", i):
             if self.device_state is not None and self.device_state.owns(i):  # device master: a cast, no PCIe
                 slot.buf[:n].copy_(self.device_state.master_of(i))
             elif slot.stage is None:
@@ -222,13 +260,15 @@ class StreamedLayers:
         i = call.index
         slot = self._acquire(i, step=+1)
         template = self._template(i)
+        if training and i in self.keep:
+            return self._run_forward_kept(call, hidden, slot, template)
         if training and self.dropout[i] and template.training:
             call.rng_state = _get_rng_state(self.device)
         if training and self.buffers[i] and self.mutated[i] != set():
             names = self.mutated[i] if self.mutated[i] is not None else self.buffers[i].keys()
             call.buffers = {n: self.buffers[i][n].clone() for n in names}
             versions = {n: b._version for n, b in self.buffers[i].items()}
-        with self.timer.span("compute", self.streams.compute()):
+        with self.timer.span("compute", self.streams.compute()), _range("fwd", i):
             out = functional_call(template, self._bind(i, slot, None), (hidden, *call.args), call.kwargs)
         if training and self.buffers[i] and self.mutated[i] is None:  # learnt once per layer, from the values:
             # kernels that update running statistics in place (batch_norm) do not bump the version counter
@@ -247,25 +287,19 @@ class StreamedLayers:
         D2H burst; shared parameters accumulate into ``param.grad``; the input gradient is returned."""
         i, layout = call.index, self.layouts[call.index]
         slot = self._acquire(i, step=-1)
-        if self.activations is not None and call.prev is not None:
+        if self.activations is not None and call.prev is not None and call.prev.graph is None:
             self.activations.prefetch(call.prev)  # the next backward layer's input loads while i recomputes
-        template = self._template(i)
-        with torch.enable_grad(), self.timer.span("compute", self.streams.compute()):
-            train_leaf = None
-            wrt = []
-            if layout.n_train:
-                train_leaf = slot.buf[:layout.n_train].detach().requires_grad_(True)
-                wrt.append(train_leaf)
-            shared = {n: p.detach().requires_grad_(True) for n, p in self.shared[i].items() if p.requires_grad}
+        with torch.enable_grad(), self.timer.span("compute", self.streams.compute()), _range("bwd", i):
+            if call.graph is not None:  # a kept layer: the forward's graph, no recompute
+                outputs, train_leaf, shared, x = call.graph
+                call.graph = None
+            else:
+                outputs, train_leaf, shared, x = self._recompute(call, hidden, slot)
+            wrt = ([train_leaf] if train_leaf is not None else [])
             shared_leaves = list(dict.fromkeys(shared.values()))  # a tied name appears once
             wrt += shared_leaves
-            x = hidden.detach().requires_grad_(need_input_grad)
             if need_input_grad:
                 wrt.append(x)
-            bind = self._bind(i, slot, train_leaf, call.buffers, {**self.shared[i], **shared})
-            with _replay_rng(call.rng_state, self.device), _fresh_collector(call.capture_keys) as collector:
-                out = functional_call(template, bind, (x, *call.args), call.kwargs)
-            outputs = _function_outputs(call, out, collector, recompute=True)
             pairs = [(o, g) for o, g in zip(outputs, grad_outs)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
@@ -284,7 +318,44 @@ class StreamedLayers:
         if not need_input_grad:
             return None
         g = grads.pop(0)
-        return g if g is not None else torch.zeros_like(hidden)
+        return g if g is not None else torch.zeros_like(x)
+
+    def _leaves(self, i: int, slot: Slot, hidden: torch.Tensor):
+        """The recorded inputs of layer i's local graph: the slot's trainable region, the shared parameters
+        that require grad, the input."""
+        n_train = self.layouts[i].n_train
+        train_leaf = slot.buf[:n_train].detach().requires_grad_(True) if n_train else None
+        shared = {n: p.detach().requires_grad_(True) for n, p in self.shared[i].items() if p.requires_grad}
+        x = hidden.detach().requires_grad_(hidden.is_floating_point())
+        return train_leaf, shared, x
+
+    def _recompute(self, call: LayerCall, hidden: torch.Tensor, slot: Slot):
+        """Re-run layer ``call.index`` from its saved input, building its local graph (grad mode on)."""
+        i = call.index
+        template = self._template(i)
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        train_leaf, shared, x = self._leaves(i, slot, hidden)
+        bind = self._bind(i, slot, train_leaf, call.buffers, {**self.shared[i], **shared})
+        with _replay_rng(call.rng_state, self.device), _fresh_collector(call.capture_keys) as collector:
+            out = functional_call(template, bind, (x, *call.args), call.kwargs)
+        outputs = _function_outputs(call, out, collector, recompute=True)
+        if self.device.type == "cuda":  # what keeping this layer's graph would cost (sizes "auto")
+            self.graph_bytes = max(self.graph_bytes, torch.cuda.memory_allocated(self.device) - before)
+        return outputs, train_leaf, shared, x
+
+    def _run_forward_kept(self, call: LayerCall, hidden: torch.Tensor, slot: Slot, template: nn.Module):
+        """A kept layer's training forward: build the graph now and hold it (with the weights in the layer's own
+        buffer) until the backward. Returns the layer's graph-carrying output: the autograd Function keeps those
+        (and the captured ones) in ``call.graph`` and returns detached aliases as its own outputs."""
+        i = call.index
+        with torch.enable_grad(), self.timer.span("compute", self.streams.compute()), _range("fwd", i):
+            train_leaf, shared, x = self._leaves(i, slot, hidden)
+            out = functional_call(template, self._bind(i, slot, train_leaf, None, {**self.shared[i], **shared}),
+                                  (x, *call.args), call.kwargs)
+        call.graph = (None, train_leaf, shared, x)  # the outputs: set by the Function (they include captured ones)
+        self._release(slot)
+        self._log("fwd", i, slot)
+        return out
 
     # --- gradient landing --------------------------------------------------------------------------
     def _evacuate(self, i: int, flat_grad: torch.Tensor) -> None:
@@ -312,7 +383,7 @@ class StreamedLayers:
             dest = slab[:flat_grad.numel()]
         grad_ready = st.record(st.compute())
         st.wait(st.d2h, grad_ready)
-        with st.on(st.d2h), self.timer.span("d2h", st.d2h):
+        with st.on(st.d2h), self.timer.span("d2h", st.d2h), _range("d2h", i):
             dest.copy_(flat_grad, non_blocking=True)
             if store.grad_direct and first and final:
                 self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
@@ -350,7 +421,7 @@ class StreamedLayers:
         landed.synchronize()
         if final and self.on_final_landing is not None:  # a second gradient for a layer stepped speculatively:
             self.on_final_landing(i, None, before_fold=True)  # undone while its gradient is the one it used
-        with self.timer.host_span("landing_s"):
+        with self.timer.host_span("landing_s"), _range("land", i):
             sq = self._fold(i, dest, first, final)
         if slab is not None:
             self.store.ring.put(slab)  # only now may a later D2H overwrite it
@@ -375,6 +446,12 @@ class StreamedLayers:
     def reset_window(self) -> None:
         self.has_grad = [False] * len(self.layouts)
         self.sq_norm = [None] * len(self.layouts)
+
+
+def _range(op: str, i: int):
+    """A profiler range naming the phase and layer (``torch.profiler`` traces show the overlap; near-free when
+    no profiler is recording)."""
+    return torch.profiler.record_function(f"megatrain.{op}.L{i}")
 
 
 def _make_layer_forward(executor: StreamedLayers, index: int):
@@ -491,6 +568,9 @@ class _StreamedLayerFn(torch.autograd.Function):
         outputs = _function_outputs(call, out, collector)
         ctx.executor, ctx.call = executor, call
         ctx.set_materialize_grads(False)
+        if call.graph is not None:  # a kept layer: the graph stays with the call; the Function's outputs are
+            call.graph = (outputs, *call.graph[1:])  # aliases without it (their grad_fn becomes this node)
+            return tuple(o.detach() for o in outputs)
         if executor.activations is not None:  # the input goes to pinned host memory (activations.py)
             executor.activations.save(call, hidden)
         else:
@@ -505,7 +585,9 @@ class _StreamedLayerFn(torch.autograd.Function):
                 "torch.autograd.grad): megatrain_ds lands each layer's gradient in host memory and needs the "
                 "engine to scale it and close the accumulation window. Call engine.backward(loss) (accelerate: "
                 "accelerator.backward(loss)); the gradients of this backward were not kept")
-        if ctx.executor.activations is not None:
+        if ctx.call.graph is not None:
+            hidden = None  # a kept layer: its graph holds what it needs
+        elif ctx.executor.activations is not None:
             hidden = ctx.executor.activations.load(ctx.call)
         else:
             (hidden,) = ctx.saved_tensors

@@ -22,6 +22,11 @@ from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
 
 
+def _range(name: str):
+    """A profiler range on the host worker (see executor._range)."""
+    return torch.profiler.record_function(f"megatrain.{name}")
+
+
 class ResidentParams:
     """Parameters outside the streamed layers (embeddings, final norm, LM head). Tied parameters appear once.
 
@@ -60,6 +65,27 @@ class ResidentParams:
         self.uploaded = True
         self.wire_read = None  # last H2D event reading the wire copies (host state)
         self.on_final_landing = None  # worker thread, after a final gradient landed: (index, sq-norm)
+
+    def device_bytes(self) -> int:
+        """GPU bytes ``move_state_to_device`` takes: fp32 master (every parameter) + moments and gradient
+        (trained ones)."""
+        return sum(4 * m.numel() + (12 * m.numel() if g is not None else 0) for m, g in zip(self.master, self.grad))
+
+    def move_state_to_device(self) -> None:
+        """From now on keep the fp32 master, moments and gradient on the device (between steps, nothing queued:
+        the state so far comes along; the host wire and landing buffers are dropped)."""
+        if self.on_device:
+            return
+        dev = self.device
+        move = lambda t: None if t is None else t.to(dev, copy=True)  # noqa: E731
+        self.master = [move(t) for t in self.master]
+        self.exp_avg = [move(t) for t in self.exp_avg]
+        self.exp_avg_sq = [move(t) for t in self.exp_avg_sq]
+        self.grad = [move(t) for t in self.grad]
+        self.wire = [None] * len(self.params)
+        self.landing = [None] * len(self.params)
+        self.wire_read = None
+        self.on_device = True
 
     def evacuate(self, worker: ThreadPoolExecutor, final: bool) -> None:
         """After autograd: fold each resident ``.grad`` into its fp32 gradient (D2H + host worker, or in
@@ -119,7 +145,8 @@ class ResidentParams:
         copies, or a cast of the device masters), ordered before the forward's first kernel."""
         if self.uploaded:
             return
-        self.update.result()
+        with _range("wait_resident_update"):
+            self.update.result()
         st = self.streams
         # The copies overwrite the parameters in place: wait for every kernel queued on compute so far (a
         # backward may still read them when an eval forward runs between backward() and step()).
@@ -209,7 +236,7 @@ class HostAdamW(torch.optim.Optimizer):
         if sq is None or not math.isfinite(sq):
             spec.stopped = True  # the step will be skipped (or this layer's norm is unknown): stop here
             return
-        with ex.timer.host_span("speculative_s"):
+        with ex.timer.host_span("speculative_s"), _range(f"speculate.L{i}"):
             self._update_layer(i, spec.hp, spec.coef)
         spec.done.append(i)
 
@@ -225,7 +252,7 @@ class HostAdamW(torch.optim.Optimizer):
             return
         if res.wire_read is not None:
             res.wire_read.synchronize()  # the last upload has read the wire copy
-        with self.executor.timer.host_span("speculative_s"):
+        with self.executor.timer.host_span("speculative_s"), _range(f"speculate.resident{k}"):
             self._update_resident_one(k, spec.hp, spec.coef)
         spec.resident_done.append(k)
 
@@ -266,7 +293,7 @@ class HostAdamW(torch.optim.Optimizer):
         m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)
         if grad.dtype != torch.float32:
             grad = self._tmp[:layout.n_train].copy_(grad)
-        with ex.timer.host_span("rollback_s"):
+        with ex.timer.host_span("rollback_s"), _range(f"rollback.L{i}"):
             for group, a, b in layout.segments:
                 adamw_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef, self.adam_w_mode)
             if not store.wire_is_master:
@@ -363,6 +390,10 @@ class HostAdamW(torch.optim.Optimizer):
         """The global norm, and the decision every update task of this step reads (they run after it, FIFO on
         the one host worker): skip the step when the norm is not finite -- in every precision, as DeepSpeed
         (its bf16 optimizer, ZeRO, fp16 loss scaling) -- or apply it with this clip coefficient and Adam step."""
+        with _range("norm"):
+            return self._norm(layer_sq, res_sq, layer_has, res_has, scale, hp, spec)
+
+    def _norm(self, layer_sq, res_sq, layer_has, res_has, scale, hp, spec):
         total = 0.0
         for futures, has, grads in ((layer_sq, layer_has, None), (res_sq, res_has, self.resident.grad)):
             for k, fut in enumerate(futures):
@@ -409,9 +440,11 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, hp, coef):
         device = params[0].device  # CPU (host layers) or the GPU (device-state layers): the same fused kernel API
-        step = torch.tensor(float(hp["step"]), dtype=torch.float32, device=device)
+        # torch.full, not torch.tensor: on the GPU a fill kernel, where a tensor from a Python value is a blocking
+        # pageable copy that waits for the whole stream (the queued layer prefetches)
+        step = torch.full((), float(hp["step"]), dtype=torch.float32, device=device)
         # coef = clip coefficient / loss scale; the fused kernel divides the gradients by grad_scale
-        scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32, device=device)
+        scale = None if coef == 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=device)
         fn = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
         fn(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=hp["lr"], beta1=hp["beta1"],
            beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=False,
@@ -435,7 +468,7 @@ class HostAdamW(torch.optim.Optimizer):
             return
         if res.wire_read is not None:
             res.wire_read.synchronize()  # the last upload has read the wire copies
-        with self.executor.timer.host_span("optimizer_s"):
+        with self.executor.timer.host_span("optimizer_s"), _range("adamw.resident"):
             self._update_resident(hp, has)
 
     def _update_resident(self, hp, has):
@@ -470,7 +503,7 @@ class HostAdamW(torch.optim.Optimizer):
             return self._settle(i, hp, spec)
         if self._skip:
             return
-        with self.executor.timer.host_span("optimizer_s"):
+        with self.executor.timer.host_span("optimizer_s"), _range(f"adamw.L{i}"):
             self._update_layer(i, hp)
 
     def _update_layer(self, i: int, hp, coef: float | None = None):

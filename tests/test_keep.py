@@ -1,0 +1,154 @@
+"""Kept layers (``megatrain.keep_activations``, executor.py's [Note: kept layers]): the trailing layers keep
+their forward's graph instead of recomputing it. Every path of test_paths, rerun with some layers kept, must give
+the same per-parameter gradients (1e-5 relative), losses and weights as plain PyTorch; dropout masks are drawn
+once; the kept weights are not reloaded for the backward, and recompute runs only for the other layers.
+"""
+import copy
+
+import pytest
+import torch
+
+import megatrain_ds
+from tests import test_paths
+from tests.models import tiny_hf
+
+
+@pytest.fixture
+def keep_two(monkeypatch):
+    """test_paths' engine config with the last 2 layers kept (of 2-4 in its models)."""
+    plain = test_paths._config
+
+    def config(optimizer: bool = True) -> dict:
+        return {**plain(optimizer), "megatrain": {"keep_activations": 2}}
+    monkeypatch.setattr(test_paths, "_config", config)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_loss_from_logits(keep_two, arch):
+    test_paths.test_loss_from_logits(arch)
+
+
+def test_attention_weights_and_hidden_states(keep_two):
+    test_paths.test_loss_from_attention_weights()
+    test_paths.test_loss_from_hidden_states()
+
+
+def test_dpo_two_forwards_into_one_loss(keep_two):
+    test_paths.test_dpo_policy_and_frozen_reference_in_one_process()
+
+
+def test_peft_lora(keep_two):
+    test_paths.test_peft_lora_qkvo()
+
+
+def test_moe_router_aux_loss(keep_two):
+    test_paths.test_moe_router_aux_loss("mixtral")
+
+
+def test_shared_parameter_and_batchnorm(keep_two):
+    test_paths.test_parameter_shared_across_layers_and_batchnorm_statistics()
+
+
+def test_generate_then_train(keep_two):
+    test_paths.test_generate_before_training()
+
+
+def _counting(engine):
+    """Count the executor's recomputes and H2D loads per layer."""
+    ex = engine.executor
+    counts = {"recompute": [], "load": []}
+    recompute, load = ex._recompute, ex._load
+
+    def _recompute(call, hidden, slot):
+        counts["recompute"].append(call.index)
+        return recompute(call, hidden, slot)
+
+    def _load(i, busy):
+        counts["load"].append(i)
+        return load(i, busy)
+    ex._recompute, ex._load = _recompute, _load
+    return counts
+
+
+def test_kept_layers_skip_recompute_and_reload():
+    """4 layers, 2 slots, last 3 kept: one forward + backward recomputes only layer 0 and loads each layer once;
+    without keeping, every layer recomputes and layers 0-1 load twice."""
+    cfg = {**test_paths._config(), "megatrain": {"keep_activations": 3}}
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for keep in (0, 3):
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4),
+                                             config={**cfg, "megatrain": {"keep_activations": keep}})
+        assert engine.executor.keep == frozenset(range(4 - keep, 4))
+        counts = _counting(engine)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        runs[keep] = (counts, loss.item())
+        engine.destroy()
+    assert runs[3][0]["recompute"] == [0]
+    assert sorted(runs[3][0]["load"]) == [0, 1, 2, 3]
+    assert runs[0][0]["recompute"] == [3, 2, 1, 0]
+    assert sorted(runs[0][0]["load"]) == [0, 0, 1, 1, 2, 3]
+    assert runs[0][1] == runs[3][1]
+
+
+def test_dropout_masks_drawn_once():
+    """GPT-2 with dropout, 2 of 3 layers kept: the same masks as plain PyTorch (one draw per forward), so the
+    losses and weights of 4 steps match."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=256, resid_pdrop=0.2,
+                        embd_pdrop=0.0, attn_pdrop=0.2)
+    ref = tf.GPT2LMHeadModel(cfg).to(test_paths.DEVICE)
+    ours = copy.deepcopy(ref).cpu()
+    batches = test_paths._batches(n=4)
+    config = {**test_paths._config(), "megatrain": {"keep_activations": 2}}
+    opt = torch.optim.AdamW(ref.parameters(), lr=test_paths.LR, weight_decay=0.01, eps=1e-6)
+    engine, *_ = megatrain_ds.initialize(model=ours, config=config)
+    for seed, ids in enumerate(batches):
+        torch.manual_seed(seed)
+        want = ref(input_ids=ids.to(test_paths.DEVICE), labels=ids.to(test_paths.DEVICE)).loss
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), test_paths.CLIP)
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(seed)
+        got = engine(input_ids=ids, labels=ids).loss
+        engine.backward(got)
+        engine.step()
+        assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item()), f"loss at step {seed}"
+    masters = engine.master_state_dict()
+    for name, p in ref.named_parameters():
+        test_paths._close(masters[name], p.detach(), f"{name} after 4 steps")
+    engine.destroy()
+
+
+def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
+    """"auto": after the first step, as many trailing layers as the memory left free holds at (largest layer
+    graph + 10%, + the layer's weights) each; the run after the change stays exact (test_paths' comparison)."""
+    from megatrain_ds.engine import MegaTrainEngine
+
+    graph = 1000  # bytes per layer graph, as a recompute on CUDA would have measured it
+
+    def budget(engine):
+        engine.executor.graph_bytes = graph
+        per_layer = int(graph * 1.1) + max(l.numel for l in engine.store.layouts) * 4
+        return 2 * per_layer + per_layer // 2  # room for 2 layers, not 3
+
+    monkeypatch.setattr(MegaTrainEngine, "_auto_budget_bytes", budget)
+    plain = test_paths._config
+    monkeypatch.setattr(test_paths, "_config", lambda optimizer=True: {
+        **plain(optimizer), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": 0}})
+    engine = test_paths._compare(tiny_hf("llama"), lambda m, ids: m(input_ids=ids, labels=ids).loss,
+                                 test_paths._batches())
+    n = len(engine.store.layouts)
+    assert engine.executor.keep == frozenset({n - 2, n - 1})
+
+
+@pytest.mark.parametrize("bad", [-1, "all", True, 1.5])
+def test_keep_activations_rejects_bad_values(bad):
+    with pytest.raises(megatrain_ds.ConfigError, match="megatrain.keep_activations"):
+        megatrain_ds.initialize(model=tiny_hf("llama"), config={**test_paths._config(),
+                                                                "megatrain": {"keep_activations": bad}})
