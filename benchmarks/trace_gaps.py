@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megatrain-options", default="{}")
     p.add_argument("--min-gap-ms", type=float, default=1.0)
     p.add_argument("--out", required=True)
+    p.add_argument("--trace", default=None, help="where the Chrome trace goes (default OUT/trace.json; large)")
     args = p.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             step(ids)
         torch.cuda.synchronize()
     step(batches[-1])  # closes the breakdown of the last profiled step
-    path = os.path.join(args.out, "trace.json")
+    path = args.trace or os.path.join(args.out, "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
