@@ -312,7 +312,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                           "was dropped", stacklevel=2)
         if final and self.optimizer is not None:  # layers step as their gradients land (speculation.py), when
             # each layer's backward loads it exactly once: one forward per layer into this loss, no retained graph
-            once = not retain_graph and all(n == 1 for n in self.executor.forward_calls)
+            once = not retain_graph and self.executor.schedule.one_forward_each()
             self.optimizer.begin_speculation(allowed=once)
         self.executor.in_engine_backward = True
         try:
@@ -322,7 +322,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             raise
         finally:
             self.executor.in_engine_backward = False
-            self.executor.forward_calls = [0] * len(self.executor.forward_calls)
+            self.executor.schedule.backward_finished()
         self.resident.evacuate(self.worker, final)
         self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
         return loss
@@ -590,7 +590,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         ds = self.executor.device_state
         if ds is not None:
             ds.master.copy_(store.master[ds.full0:ds.full1])
-        self.executor.version = [v + 1 for v in self.executor.version]  # every slot is stale
+        self.executor.schedule.invalidate()  # every slot is stale
 
     # ------------------------------------------------------------------ zero.GatheredParameters
     def _mark_params(self, layers) -> None:
@@ -632,7 +632,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             store.wire_of(i).copy_(store.master_of(i))
         if ds is not None and ds.owns(i):
             ds.master_of(i).copy_(store.master_of(i))
-        self.executor.version[i] += 1  # slots holding the old weights are stale
+        self.executor.schedule.invalidate(i)  # slots holding the old weights are stale
 
     def last_step_breakdown(self) -> dict:
         return self.timer.last

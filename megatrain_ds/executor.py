@@ -24,7 +24,7 @@ kernels). Results equal the recompute's: the same kernels on the same inputs, RN
 from __future__ import annotations
 
 import inspect
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .host_state import HostLayerStore
+from .schedule import LayerSchedule
 from .model_map import LayerLayout, has_active_dropout, make_template, per_layer_attributes
 from .timing import StepTimer
 
@@ -115,7 +116,6 @@ class StreamedLayers:
         self.arg_names = [_positional_names(layer) for layer in layers]
         self._last_call: LayerCall | None = None
         self.in_engine_backward = False  # set by engine.backward(): other backwards are refused (see below)
-        self.forward_calls = [0] * len(layouts)  # grad-enabled forwards of each layer since the last backward
         self.on_final_landing = None  # worker thread, around a layer's final landing: (layer, sq-norm, before_fold)
         max_numel = max(l.numel for l in layouts)
         compute_dtype = compute_dtype or store.wire_dtype
@@ -128,11 +128,8 @@ class StreamedLayers:
         self.keep: frozenset[int] = frozenset()
         self.keep_slots: dict[int, Slot] = {}
         self.graph_bytes = 0  # the largest layer graph a recompute built (CUDA): what keeping one layer costs
-        self.version = [0] * len(layouts)  # bumped when the optimizer rewrites a layer's wire copy
-        self.wire_ready: list[Future | None] = [None] * len(layouts)  # optimizer task of the layer
-        self.wire_read: list[object] = [None] * len(layouts)  # last H2D event reading the wire copy
-        self.has_grad = [False] * len(layouts)
-        self.sq_norm: list[Future | None] = [None] * len(layouts)
+        # versions, optimizer tasks, H2D reads, landings, forward counts: one owner (schedule.py)
+        self.schedule = LayerSchedule(len(layouts))
         self.device_state = None  # DeviceOptimizerState: leading layers whose optimizer state lives on the GPU
         self.backward_done = None  # event on compute after the last backward (device-state updates wait on it)
         self.activations = None  # HostActivations when layer inputs are kept in host memory
@@ -182,12 +179,7 @@ class StreamedLayers:
             slot = self.keep_slots[i]
         else:
             slot = min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
-        pending = self.wire_ready[i]
-        if pending is not None and not pending.done():
-            with self.timer.host_span("wait_for_optimizer_s"), _range("wait_optimizer", i):
-                pending.result()  # CPU-side wait for the optimizer's update of layer i (see the Note)
-        elif pending is not None:
-            pending.result()  # re-raises an optimizer error, if any
+        self.schedule.wait_rewritten(i, self.timer)  # CPU-side wait for the optimizer's update of layer i
         wire = self.store.wire_of(i)
         st = self.streams
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
@@ -201,7 +193,7 @@ class StreamedLayers:
                 slot.stage[:n].copy_(wire, non_blocking=True)
                 slot.buf[:n].copy_(slot.stage[:n])
         slot.ready = st.record(st.h2d)
-        self.wire_read[i] = slot.ready
+        self.schedule.loaded(i, slot.ready)
         slot.layer, slot.version, slot.free = i, self.version[i], None
         self._tick += 1
         slot.last_use = self._tick
@@ -361,7 +353,7 @@ class StreamedLayers:
     def _evacuate(self, i: int, flat_grad: torch.Tensor) -> None:
         """D2H layer i's flat gradient; the host worker accumulates it and (if final) takes its norm."""
         st, store = self.streams, self.store
-        first, final = not self.has_grad[i], self.final_micro
+        first, final = self.schedule.first_landing(i), self.final_micro
         slab = None  # a landing slab of the ring (GA > 1), returned to the ring by the fold
         if self.device_state is not None and self.device_state.owns(i):
             return self._accumulate_on_device(i, flat_grad, first, final)
@@ -389,9 +381,8 @@ class StreamedLayers:
                 self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
         st.hand_over(flat_grad, st.d2h)
         landed = st.record(st.d2h)
-        self.has_grad[i] = True
         self._log("d2h", i, None)
-        self.sq_norm[i] = self.worker.submit(self._land, i, landed, dest, slab, first, final)
+        self.schedule.landing(i, self.worker.submit(self._land, i, landed, dest, slab, first, final))
 
     def _accumulate_on_device(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool) -> None:
         """Tail layer: the gradient stays on the GPU (fp32 accumulator); only its norm goes to the host."""
@@ -400,17 +391,16 @@ class StreamedLayers:
             grad.copy_(flat_grad)
         else:
             grad.add_(flat_grad)
-        self.has_grad[i] = True
         self._log("acc", i, None)
         if not final:
-            self.sq_norm[i] = self.worker.submit(lambda: None)
+            self.schedule.landing(i, self.worker.submit(lambda: None))
             return
         torch.linalg.vector_norm(grad, out=self.norm_dev[i])
         st.wait(st.d2h, st.record(st.compute()))
         with st.on(st.d2h):
             self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
         landed = st.record(st.d2h)
-        self.sq_norm[i] = self.worker.submit(self._land_norm, i, landed)
+        self.schedule.landing(i, self.worker.submit(self._land_norm, i, landed))
 
     def _land_norm(self, i: int, landed) -> float:
         landed.synchronize()
@@ -444,8 +434,15 @@ class StreamedLayers:
         return float(torch.dot(grad, grad)) if final else None
 
     def reset_window(self) -> None:
-        self.has_grad = [False] * len(self.layouts)
-        self.sq_norm = [None] * len(self.layouts)
+        self.schedule.reset_window()
+
+    # read-only views of the schedule's fields (tests, surface.py); changes go through ``self.schedule``
+    version = property(lambda self: self.schedule.version)
+    wire_ready = property(lambda self: self.schedule.wire_ready)
+    wire_read = property(lambda self: self.schedule.wire_read)
+    has_grad = property(lambda self: self.schedule.has_grad)
+    sq_norm = property(lambda self: self.schedule.sq_norm)
+    forward_calls = property(lambda self: self.schedule.forward_calls)
 
 
 def _range(op: str, i: int):
@@ -521,7 +518,7 @@ def _layer_forward(executor: StreamedLayers, i: int, hidden: torch.Tensor, args:
                 f"layer {i} was called with an extra tensor argument that requires grad; megatrain_ds "
                 "propagates gradients only through the hidden states of a streamed block")
     call = LayerCall(i, args, kwargs)
-    executor.forward_calls[i] += 1  # since the last backward: speculation needs exactly one (speculation.py)
+    executor.schedule.forward(i)  # since the last backward: speculation needs exactly one (speculation.py)
     last = executor._last_call
     call.prev = last if last is not None and last.index == i - 1 else None
     executor._last_call = call

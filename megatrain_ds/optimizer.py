@@ -280,14 +280,13 @@ class HostAdamW(torch.optim.Optimizer):
                 self._undo_resident(k, spec)
         self.worker.submit(undo_all).result()
         for i in spec.done:
-            self.executor.version[i] += 1  # a slot loaded meanwhile would hold the rolled-forward weights
+            self.executor.schedule.invalidate(i)  # a slot loaded meanwhile would hold the rolled-forward weights
         if spec.done or spec.resident_done:
             self.policy.rolled_back += 1
 
     def _undo_layer(self, i: int, spec: Speculation) -> None:
         ex, store = self.executor, self.executor.store
-        if ex.wire_read[i] is not None:
-            ex.wire_read[i].synchronize()
+        ex.schedule.wait_read(i)
         layout = store.layouts[i]
         master, grad = store.master_of(i), store.grad_of(i)
         m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)
@@ -362,7 +361,7 @@ class HostAdamW(torch.optim.Optimizer):
         spec = self.spec
         self._clip = float(clip)
         ex, res = self.executor, self.resident
-        layer_sq, layer_has = list(ex.sq_norm), list(ex.has_grad)
+        layer_sq, layer_has = ex.schedule.close_window()
         res_sq, res_has = list(res.sq_norm), list(res.has_grad)
         scale = self.scaler.scale if self.scaler is not None else 1.0  # the scale the backward used
         norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has, scale, hp, spec)
@@ -372,15 +371,12 @@ class HostAdamW(torch.optim.Optimizer):
         host = [i for i in range(len(ex.layouts)) if i not in set(on_device)]
         for i in on_device:
             if layer_has[i]:
-                ex.version[i] += 1
-                ex.wire_ready[i] = self.worker.submit(self._device_task, i, hp, norm, ex.backward_done)
+                ex.schedule.rewrite(i, self.worker.submit(self._device_task, i, hp, norm, ex.backward_done))
         res.update = self.worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done, spec)
         res.uploaded = False
         for i in host:
             if layer_has[i]:
-                ex.version[i] += 1
-                ex.wire_ready[i] = self.worker.submit(self._layer_task, i, hp, norm, spec)
-        ex.reset_window()
+                ex.schedule.rewrite(i, self.worker.submit(self._layer_task, i, hp, norm, spec))
         res.has_grad = [False] * len(res.params)
         res.sq_norm = [None] * len(res.params)
         self.last_norm = norm
@@ -509,8 +505,7 @@ class HostAdamW(torch.optim.Optimizer):
     def _update_layer(self, i: int, hp, coef: float | None = None):
         ex, store = self.executor, self.executor.store
         coef = self._coef if coef is None else coef
-        if ex.wire_read[i] is not None:
-            ex.wire_read[i].synchronize()  # the last H2D reading wire i has finished
+        ex.schedule.wait_read(i)  # the last H2D reading wire i has finished
         layout = store.layouts[i]
         master, grad = store.master_of(i), store.grad_of(i)
         m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)

@@ -20,6 +20,9 @@ exists; only the events below order the actors.
 | ``params_read``       | compute     | h2d, before the resident upload    | no queued kernel still reads the resident |
 |                       |             | (``ResidentParams.upload``)        | params the upload overwrites in place     |
 
+The per-layer fields these events and futures live in (versions, ``wire_ready``, ``wire_read``, landings) have
+one owner, ``LayerSchedule`` (schedule.py), with the cycle and its invariants.
+
 Host-side ordering (not events, Python futures): the worker runs in FIFO order, so gradient landings of a
 backward precede the norm task of the following ``step()``, which precedes the per-layer optimizer tasks.
 Before ``h2d`` reads wire i, the main thread waits (CPU-side) for the optimizer future of layer i: this is

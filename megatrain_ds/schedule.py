@@ -1,0 +1,108 @@
+"""One owner of the per-layer schedule state: what the executor, the host optimizer and the engine agree on.
+
+Each streamed layer i moves through one cycle per optimizer step:
+
+    rewritten(v) --load--> on the device (slot.version == v) --forward/backward--> landed (gradient in host
+    memory, squared norm known) --close_window--> rewritten(v+1) by the optimizer task ...
+
+``LayerSchedule`` holds every field of that cycle and is the only place they change:
+
+| field            | written by (method)                    | read by                                        |
+|------------------|----------------------------------------|------------------------------------------------|
+| ``version[i]``   | ``rewrite`` (optimizer enqueues i's     | executor: a slot holding an older version is   |
+|                  | update), ``invalidate`` (weights written| stale and is reloaded                          |
+|                  | outside it: rollback, load, set_*)      |                                                |
+| ``wire_ready[i]``| ``rewrite``                             | ``wait_rewritten`` before the H2D of wire i    |
+| ``wire_read[i]`` | ``loaded`` (the H2D event)              | ``wait_read`` before the optimizer rewrites i  |
+| ``has_grad[i]``, | ``landing`` (a gradient of i went to    | ``close_window`` (the optimizer's norm and     |
+| ``sq_norm[i]``   | the host worker)                        | update tasks), engine/surface reads            |
+| ``forward_calls``| ``forward`` / ``backward_finished``     | the engine's speculation check (one forward)   |
+
+Invariants (asserted where cheap): a version only grows; wire i is rewritten only by the task in
+``wire_ready[i]``, which waits ``wire_read[i]`` first (the last H2D of the old bytes has finished); the H2D of wire
+i starts only after ``wire_ready[i]`` has run; ``has_grad[i]`` iff a landing of i was queued in the open window.
+The device side of the same cycle (events between streams) is [Note: stream and event ordering] in streams.py.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+
+class LayerSchedule:
+    def __init__(self, n_layers: int) -> None:
+        self.n = n_layers
+        self.version = [0] * n_layers
+        self.wire_ready: list[Future | None] = [None] * n_layers
+        self.wire_read: list[object] = [None] * n_layers
+        self.has_grad = [False] * n_layers
+        self.sq_norm: list[Future | None] = [None] * n_layers
+        self.forward_calls = [0] * n_layers  # grad-enabled forwards of each layer since the last backward
+
+    # --- weights ------------------------------------------------------------------------------------
+    def rewrite(self, i: int, task: Future) -> None:
+        """The optimizer queued ``task``, which rewrites layer i's weights: slots holding them go stale and the
+        next H2D of wire i waits for it."""
+        self.version[i] += 1
+        self.wire_ready[i] = task
+
+    def invalidate(self, i: int | None = None) -> None:
+        """Layer i's weights (all layers': None) were written outside an optimizer task: stale slots reload."""
+        for j in range(self.n) if i is None else (i,):
+            self.version[j] += 1
+
+    def wait_rewritten(self, i: int, timer) -> None:
+        """Main thread, before the H2D of wire i: the optimizer's update of i has run (or re-raise its error)."""
+        pending = self.wire_ready[i]
+        if pending is None:
+            return
+        if not pending.done():
+            with timer.host_span("wait_for_optimizer_s"), \
+                    torch.profiler.record_function(f"megatrain.wait_optimizer.L{i}"):
+                pending.result()  # the only place the GPU can wait on the CPU (see streams.py's Note)
+        else:
+            pending.result()
+
+    def loaded(self, i: int, event) -> None:
+        """The H2D of wire i was issued; ``event`` completes when it has read the bytes."""
+        self.wire_read[i] = event
+
+    def wait_read(self, i: int) -> None:
+        """Host worker, before rewriting wire i: the last H2D reading it has finished."""
+        if self.wire_read[i] is not None:
+            self.wire_read[i].synchronize()
+
+    # --- gradients ----------------------------------------------------------------------------------
+    def first_landing(self, i: int) -> bool:
+        return not self.has_grad[i]
+
+    def landing(self, i: int, task: Future) -> None:
+        """A gradient of layer i was handed to the host worker; ``task`` returns its squared norm (final
+        landing of the window) or None."""
+        self.has_grad[i] = True
+        self.sq_norm[i] = task
+
+    def close_window(self) -> tuple[list, list[bool]]:
+        """The accumulation window ends (optimizer step): its landings, then a fresh window."""
+        out = list(self.sq_norm), list(self.has_grad)
+        self.reset_window()
+        return out
+
+    def reset_window(self) -> None:
+        self.has_grad = [False] * self.n
+        self.sq_norm = [None] * self.n
+
+    def pending_landings(self) -> list[Future]:
+        return [f for f in self.sq_norm if f is not None]
+
+    # --- forwards -----------------------------------------------------------------------------------
+    def forward(self, i: int) -> None:
+        self.forward_calls[i] += 1
+
+    def backward_finished(self) -> None:
+        self.forward_calls = [0] * self.n
+
+    def one_forward_each(self) -> bool:
+        """Every layer ran exactly one grad-enabled forward since the last backward (speculation needs it)."""
+        return all(n == 1 for n in self.forward_calls)
