@@ -18,6 +18,78 @@ import torch
 
 from benchmarks.shapes import model_flops_per_token
 
+# ANCHORS "Fair comparison rules": every system trains with these AdamW hyperparameters (weight decay included)
+OPTIMIZER = {"lr": 1e-5, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
+# liger-kernel's defaults for Qwen2 (``apply_liger_kernel_to_qwen2``), i.e. what HF Trainer's use_liger_kernel applies
+LIGER_KERNELS = ("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")
+HF_CHECKPOINTING = "HF per decoder layer (non-reentrant torch.utils.checkpoint)"
+
+
+def h2h_clip() -> float:
+    """gradient_clipping for every system: h2h's --clip, passed to each child as H2H_CLIP (ANCHORS: 1.0)."""
+    return float(os.environ.get("H2H_CLIP", "1.0"))
+
+
+def liger_importable() -> bool:
+    """True when liger-kernel (GPU only: it needs triton) imports here."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import problem means "not available"
+        return False
+    return True
+
+
+def resolve_liger(mode: str, device: str) -> bool:
+    """h2h --liger: "off" -> False; "on" -> True (CUDA and liger-kernel required); "auto" -> on CUDA with
+    liger-kernel importable."""
+    if mode == "off":
+        return False
+    cuda = device.startswith("cuda")
+    if mode == "on":
+        if not cuda:
+            raise ValueError("--liger on: liger-kernel runs on CUDA only")
+        if not liger_importable():
+            raise ValueError("--liger on: liger_kernel is not importable here")
+        return True
+    if mode != "auto":
+        raise ValueError(f"--liger must be auto, on or off, got {mode!r}")
+    return cuda and liger_importable()
+
+
+def apply_hf_liger(model: torch.nn.Module) -> None:
+    """liger-kernel exactly as HF Trainer's ``use_liger_kernel=True`` applies it (liger_kernel_config None):
+    ``_apply_liger_kernel_to_instance(model=model)`` with liger's defaults, i.e. RMSNorm, SwiGLU MLP and RoPE
+    patched in, and the causal-LM forward replaced by one using the fused linear cross-entropy (no logits)."""
+    try:
+        from transformers.integrations.liger import apply_liger_kernel
+    except ImportError:  # older transformers: Trainer calls liger directly
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        _apply_liger_kernel_to_instance(model=model)
+    else:
+        apply_liger_kernel(model, None)
+
+
+def settings_dict(*, precision: str, optimizer: str, opt_params: dict, clip: float, warmup: int, steps: int,
+                  seq: int, micro_batch: int, kernels: list[str], loss_kernel: str, gradient_checkpointing: str,
+                  offload_optimizer_ratio: float | None, **extra) -> dict:
+    """A run's settings as recorded under "settings": what the fairness rules ask to be equal, flat.
+
+    ``opt_params`` are the AdamW hyperparameters actually used (lr, weight_decay, betas, eps);
+    ``kernels`` the liger kernels applied ([] = the model's own); ``offload_optimizer_ratio`` the fraction of
+    optimizer state on the CPU (None: no offload, everything on the GPU).
+    """
+    out = {
+        "precision": precision, "optimizer": optimizer,
+        "lr": float(opt_params["lr"]), "weight_decay": float(opt_params["weight_decay"]),
+        "betas": [float(b) for b in opt_params["betas"]], "eps": float(opt_params["eps"]),
+        "clip": float(clip), "warmup": int(warmup), "steps": int(steps), "seq": int(seq),
+        "micro_batch": int(micro_batch), "tokens_per_step": int(seq) * int(micro_batch),
+        "liger": bool(kernels), "kernels": list(kernels), "loss_kernel": loss_kernel,
+        "gradient_checkpointing": gradient_checkpointing, "offload_optimizer_ratio": offload_optimizer_ratio,
+    }
+    out.update(extra)
+    return out
+
 
 def micro_batch_for(tokens_per_step: int, seq: int) -> int:
     """Sequences per micro-batch (count) for ``tokens_per_step`` tokens at ``seq`` tokens each (>= 1)."""

@@ -6,6 +6,13 @@
     python -m benchmarks.h2h --model tiny --device cpu --systems megatrain,resident --seq 64 \
         --tokens-per-step 256 --out runs/h2h-smoke    # CPU smoke test
 
+Fair peers (ANCHORS.md "Fair comparison rules"): every system trains with AdamW lr 1e-5, weight decay 0.01,
+betas (0.9, 0.999), eps 1e-8, the same --clip, warm-up and measured steps; ``--liger`` gives all of them (or none)
+liger-kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (ZeRO-3 and whole-on-GPU as HF Trainer's
+use_liger_kernel applies them); ``--gpu-optimizer-fraction F`` keeps the same share of optimizer state on the GPU
+for megatrain and ZeRO-3 (offload_optimizer.ratio = 1 - F). Each run records its settings under "settings", and
+results.md shows one settings line per run.
+
 Each system runs in its own process (``benchmarks.run_system``), one after another, on the same model shape and
 data. Before a run, host memory is checked against what the system needs (bytes/param below) and the run is
 skipped with the numbers when it does not fit; a device OOM is recorded as "oom", not a crash. Writes
@@ -74,7 +81,10 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str) -> di
                 "status": "skipped", "error": f"needs ~{need / 2**30:.0f} GiB host memory, {have / 2**30:.0f} GiB free"}
     cmd = [sys.executable, "-m", "benchmarks.run_system", "--system", system, "--model", args.model,
            "--tokens-per-step", str(tokens), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--device", args.device, "--json", path, "--progress"]
+           "--warmup", str(args.warmup), "--device", args.device, "--json", path, "--progress",
+           "--liger", args.liger, "--gpu-optimizer-fraction", repr(args.gpu_optimizer_fraction)]
+    if args.host_only:
+        cmd.append("--host-only")
     if layers:
         cmd += ["--layers", str(layers)]
     tail = _run_with_progress(cmd, f"{system} L={config.num_hidden_layers} T={tokens}")
@@ -200,8 +210,23 @@ def main(argv: list[str] | None = None) -> int:
                    help='extra keys for megatrain_ds\'s "megatrain" config block, e.g. \'{"gpu_optimizer_layers": "auto"}\'')
     p.add_argument("--clip", type=float, default=1.0,
                    help="gradient_clipping for every system (ANCHORS: 1.0); a large value never clips")
+    p.add_argument("--liger", default="auto", choices=["auto", "on", "off"],
+                   help="liger-kernel (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) for every system; auto: on "
+                        "when running on CUDA with liger_kernel importable")
+    p.add_argument("--gpu-optimizer-fraction", type=float, default=0.0, metavar="F",
+                   help="share of the optimizer state on the GPU for megatrain and ZeRO-3 alike "
+                        "(offload_optimizer.ratio = 1 - F); 0: all on the host, or megatrain's engine default")
+    p.add_argument("--host-only", action="store_true",
+                   help="megatrain: all optimizer state on the host (gpu_optimizer_layers 0), whatever the "
+                        "engine's default")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if not 0.0 <= args.gpu_optimizer_fraction <= 1.0:
+        p.error("--gpu-optimizer-fraction must be in [0, 1]")
+    if args.host_only and args.gpu_optimizer_fraction > 0:
+        p.error("--host-only and --gpu-optimizer-fraction > 0 contradict each other")
+    if args.liger == "on" and args.device != "cuda":
+        p.error("--liger on: liger-kernel runs on CUDA only")
     os.environ["H2H_CLIP"] = repr(args.clip)  # read by benchmarks.systems / megatrain_system in each child
     if args.megatrain_options is not None:
         try:
@@ -243,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(report.throughput_table(ok) + "\n\n" + report.breakdown_table(ok) + "\n")
         if args.best_batch:
             f.write("\n" + best_vs_best_table([r for r in ok if r.get("best_batch")]) + "\n")
+        f.write("\nSettings:\n\n" + report.settings_lines(results) + "\n")
         for r in results:
             if r.get("status") != "ok":
                 f.write(f"\n- {report_line(r)}")

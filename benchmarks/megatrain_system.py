@@ -1,13 +1,19 @@
 """The megatrain system for the benchmark harness: megatrain_ds driven exactly like a DeepSpeed script.
 
-Same model, data, optimizer hyperparameters and clipping as ``resident`` (AdamW lr 1e-5, weight decay 0.01
-like torch's default, clip 1.0, bf16 compute), one micro-batch per step. With ``init_device="cuda"`` the
-random init is drawn on the GPU with the same seed as ``resident`` so the two runs start from identical
-weights (then the engine moves everything to host memory and frees the GPU copy); peak GPU memory is
-measured from after ``initialize``.
+Same model, data, optimizer hyperparameters and clipping as ``resident`` and ``zero3`` (AdamW lr 1e-5, weight
+decay 0.01, betas (0.9, 0.999), eps 1e-8: benchmarks.common.OPTIMIZER; clip H2H_CLIP; bf16 compute), one
+micro-batch per step. With ``init_device="cuda"`` the random init is drawn on the GPU with the same seed as
+``resident`` so the two runs start from identical weights (then the engine moves everything to host memory and
+frees the GPU copy); peak GPU memory is measured from after ``initialize``.
+
+The engine's own defaults decide every knob the harness is not asked about (speculation, slots, where the
+optimizer state lives, ...): the "megatrain" block carries only the liger switches (the same kernels and loss
+as the peers get), ``gpu_optimizer_layers`` when asked (``--host-only``: 0; ``--gpu-optimizer-fraction``: from
+``offload_optimizer.ratio``), and MEGATRAIN_OPTIONS (h2h --megatrain-options) merged on top.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -16,26 +22,77 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import megatrain_ds
-from benchmarks.common import (cleanup, count_params, is_oom, make_batches, measure, micro_batch_for,
-                               reset_memory_stats, result_dict)
+from benchmarks.common import (LIGER_KERNELS, OPTIMIZER, cleanup, count_params, h2h_clip, is_oom, liger_importable,
+                               make_batches, measure, micro_batch_for, reset_memory_stats, result_dict,
+                               settings_dict)
 
-LR = 1e-5
-CLIP = float(os.environ.get("H2H_CLIP", "1.0"))  # h2h --clip; ANCHORS: 1.0
+ENGINE_RECOMPUTE = "megatrain_ds recompute of every streamed layer in its backward"
 
 
-def megatrain_ds_config(micro_batch: int, device: str, num_slots: int = 2) -> dict:
+def megatrain_options() -> dict:
+    """Extra engine knobs from MEGATRAIN_OPTIONS (h2h --megatrain-options), e.g. '{"fp32_grad_landing": true}'."""
+    return json.loads(os.environ.get("MEGATRAIN_OPTIONS", "{}"))
+
+
+def megatrain_ds_config(micro_batch: int, device: str, liger: bool = False, gpu_optimizer_fraction: float = 0.0,
+                        host_only: bool = False) -> dict:
+    """megatrain_ds's DeepSpeed config: the peers' optimizer hyperparameters, clip and precision.
+
+    ``liger``: liger-kernel's RMSNorm, SwiGLU and RoPE (``liger_kernels``) and its fused linear cross-entropy
+    (``use_liger``), the kernels and loss HF Trainer's use_liger_kernel gives the peers; off: neither.
+    ``gpu_optimizer_fraction`` F > 0: ``offload_optimizer.ratio = 1 - F`` (the leading layers' optimizer state on
+    the GPU, as ZeRO-3's run with the same F) and ``gpu_optimizer_layers: -1`` (read the ratio) unless
+    MEGATRAIN_OPTIONS names a count. ``host_only``: ``gpu_optimizer_layers: 0``. Neither: the engine decides.
+    """
+    if not 0.0 <= gpu_optimizer_fraction <= 1.0:
+        raise ValueError(f"gpu_optimizer_fraction must be in [0, 1], got {gpu_optimizer_fraction}")
+    if host_only and gpu_optimizer_fraction > 0:
+        raise ValueError("host_only and gpu_optimizer_fraction > 0 contradict each other")
+    options = megatrain_options()
+    block: dict = {"liger_kernels": bool(liger), "use_liger": bool(liger)}
+    offload_optimizer = {"device": "cpu", "pin_memory": True}
+    if gpu_optimizer_fraction > 0:
+        offload_optimizer["ratio"] = round(1.0 - gpu_optimizer_fraction, 6)
+        block["gpu_optimizer_layers"] = -1  # from offload_optimizer.ratio, whatever the engine's default
+    if host_only:
+        block["gpu_optimizer_layers"] = 0
+    block.update(options)
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": dict(OPTIMIZER, betas=list(OPTIMIZER["betas"]))},
+        "gradient_clipping": h2h_clip(),
         "bf16": {"enabled": device.startswith("cuda")},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+                              "offload_optimizer": offload_optimizer},
         "wall_clock_breakdown": True,
-        # extra engine knobs for experiments, e.g. MEGATRAIN_OPTIONS='{"fp32_grad_landing": true}'
-        "megatrain": {"num_slots": num_slots, **json.loads(os.environ.get("MEGATRAIN_OPTIONS", "{}"))},
+        "megatrain": block,
     }
+
+
+def megatrain_settings(ds_config: dict, seq: int, steps: int, warmup: int, device: str) -> dict:
+    """The recorded settings of a ``megatrain`` run, read from its config (recorded whole, with the options)."""
+    block = ds_config.get("megatrain", {})
+    cuda = device.startswith("cuda")
+    kernels = [k for k in LIGER_KERNELS[:3] if cuda and block.get("liger_kernels")]
+    if not block.get("fused_loss", True):
+        loss = "the model's own loss (full logits)"
+    elif block.get("use_liger", True) and cuda and liger_importable():
+        loss = "liger fused linear cross-entropy (no logits)"
+        kernels.append("fused_linear_cross_entropy")
+    else:
+        loss = "megatrain_ds chunked linear cross-entropy (torch, no whole logits)"
+    recompute = ENGINE_RECOMPUTE + ("; saved inputs in pinned host memory" if block.get("offload_activations")
+                                    else "")
+    return settings_dict(
+        precision="fp32 master, bf16 compute" if ds_config["bf16"]["enabled"] else "fp32",
+        optimizer="megatrain_ds host AdamW", opt_params=ds_config["optimizer"]["params"],
+        clip=ds_config["gradient_clipping"], warmup=warmup, steps=steps, seq=seq,
+        micro_batch=ds_config["train_micro_batch_size_per_gpu"], kernels=kernels, loss_kernel=loss,
+        gradient_checkpointing=recompute,
+        offload_optimizer_ratio=float(ds_config["zero_optimization"]["offload_optimizer"].get("ratio", 1.0)),
+        gpu_optimizer_layers=block.get("gpu_optimizer_layers", "engine default"),
+        megatrain_options=megatrain_options(), ds_config=ds_config)
 
 
 def _median_breakdown(breakdowns: list[dict]) -> dict:
@@ -43,12 +100,36 @@ def _median_breakdown(breakdowns: list[dict]) -> dict:
     return {k: statistics.median(b[k] for b in breakdowns) for k in keys}
 
 
+def _engine_facts(engine) -> dict:
+    """What the engine really ran with: its parsed megatrain knobs (defaults included) and how many leading
+    layers' optimizer state ended on the GPU (read defensively: only for the record)."""
+    facts: dict = {}
+    mt = getattr(getattr(engine, "config_settings", None), "megatrain", None)
+    if mt is not None and dataclasses.is_dataclass(mt):
+        facts["engine_megatrain"] = dataclasses.asdict(mt)
+    state = getattr(getattr(engine, "executor", None), "device_state", None)
+    lo, hi = getattr(state, "lo", 0), getattr(state, "hi", 0)
+    facts["gpu_optimizer_layers_used"] = int(hi - lo) if state is not None else 0
+    try:  # share of the parameters whose optimizer state is on the GPU: those layers + the resident ones with them
+        on_gpu = 0 if state is None else int(state.full1 - state.full0) + sum(
+            t.numel() for t in engine.resident.master if t is not None and t.device.type != "cpu")
+        total = int(engine.store.n_full) + sum(t.numel() for t in engine.resident.master if t is not None)
+        facts["gpu_optimizer_share"] = on_gpu / total if total else None
+    except Exception:  # noqa: BLE001 - engine internals; the record just lacks the number
+        pass
+    return facts
+
+
 def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, warmup: int = 2,
-                  device: str = "cuda", seed: int = 0, init_device: str | None = None) -> dict:
-    """Train ``warmup + steps`` steps on megatrain_ds; result dict as the baselines, plus the breakdown."""
+                  device: str = "cuda", seed: int = 0, init_device: str | None = None, liger: bool = False,
+                  gpu_optimizer_fraction: float = 0.0, host_only: bool = False) -> dict:
+    """Train ``warmup + steps`` steps on megatrain_ds; result dict as the baselines, plus the breakdown.
+    ``liger``, ``gpu_optimizer_fraction``, ``host_only``: see :func:`megatrain_ds_config`."""
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
     init_device = init_device or device
+    ds_config = megatrain_ds_config(micro_batch, device, liger, gpu_optimizer_fraction, host_only)
+    settings = megatrain_settings(ds_config, seq, steps, warmup, device)
     n_params = 0
     try:
         torch.manual_seed(seed)
@@ -56,7 +137,6 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
             model = AutoModelForCausalLM.from_config(config)
         model = model.float()
         n_params = count_params(model)
-        ds_config = megatrain_ds_config(micro_batch, device)
         engine, _, _, _ = megatrain_ds.initialize(model=model, model_parameters=model.parameters(),
                                                   config=ds_config)
         cleanup()
@@ -79,15 +159,16 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
             t.numel() * t.element_size() for ts in (engine.resident.master, engine.resident.exp_avg,
                                                     engine.resident.exp_avg_sq, engine.resident.grad,
                                                     engine.resident.wire) for t in ts if t is not None)
+        settings.update(_engine_facts(engine))
         engine.destroy()
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed
         if not is_oom(exc):
             raise
         cleanup()
         return result_dict("megatrain", config, layers, micro_batch, seq, device, n_params,
-                           status="oom", error=str(exc)[:4000])
+                           status="oom", error=str(exc)[:4000], ds_config=ds_config, settings=settings)
     # the last batch only served to close the last measured step's breakdown
     return result_dict("megatrain", config, layers, micro_batch, seq, device, n_params, warm, times[:-1],
                        losses[:-1], breakdown=breakdown, engine_host_state_bytes=host_state,
                        engine_host_bytes_per_param=host_state / n_params, ds_config=ds_config,
-                       precision="fp32 master, bf16 compute" if device.startswith("cuda") else "fp32")
+                       precision=settings["precision"], settings=settings)

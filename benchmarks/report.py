@@ -5,6 +5,8 @@
 
 Rows are grouped by tokens per step and depth; each row's ratios are against the ``zero3`` and ``resident``
 rows of the same tokens per step and number of layers. Units: tokens/s, TFLOPS (ANCHORS formula), GB = 1e9 bytes.
+Below the tables, one line per run with its recorded settings (kernels, loss, precision, optimizer, clip, steps,
+checkpointing, optimizer offload, megatrain options).
 """
 from __future__ import annotations
 
@@ -84,6 +86,42 @@ def breakdown_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def settings_line(row: dict) -> str:
+    """One compact line of a run's recorded "settings" ("no settings recorded" for older result files)."""
+    s = row.get("settings")
+    name = f"{row.get('name', row.get('system'))} ({row.get('system')})"
+    if not s:
+        return f"- {name}: no settings recorded"
+    kernels = ("liger " + "+".join(k for k in s["kernels"] if k != "fused_linear_cross_entropy")) \
+        if s.get("kernels") else "model's own"
+    betas = ", ".join(f"{b:g}" for b in s["betas"])
+    parts = [s["precision"],
+             f"{s['optimizer']} lr {s['lr']:g} wd {s['weight_decay']:g} betas ({betas}) eps {s['eps']:g}",
+             f"clip {s['clip']:g}", f"warmup {s['warmup']} + {s['steps']} steps",
+             f"{s['micro_batch']} × {s['seq']} tokens", f"kernels: {kernels}", f"loss: {s['loss_kernel']}",
+             f"checkpointing: {s['gradient_checkpointing']}"]
+    ratio = s.get("offload_optimizer_ratio")
+    if ratio is None:
+        parts.append("optimizer state on the GPU")
+    else:
+        where = f"offload_optimizer.ratio {ratio:g}"
+        if s.get("gpu_optimizer_share") is not None:
+            where += f" (GPU share {s['gpu_optimizer_share']:.2f})"
+        parts.append(where)
+    if row.get("system") == "megatrain":
+        layers = f"gpu_optimizer_layers {s.get('gpu_optimizer_layers')}"
+        if "gpu_optimizer_layers_used" in s:
+            layers += f" (used {s['gpu_optimizer_layers_used']})"
+        parts.append(layers)
+        if s.get("megatrain_options"):
+            parts.append("options " + json.dumps(s["megatrain_options"], sort_keys=True))
+    return f"- {name}: " + " · ".join(parts)
+
+
+def settings_lines(rows: list[dict]) -> str:
+    return "\n".join(settings_line(r) for r in rows)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder")
@@ -94,6 +132,8 @@ def main(argv: list[str]) -> int:
     print(throughput_table(rows))
     print()
     print(breakdown_table(rows))
+    print()
+    print(settings_lines(rows))
     if args.depth_plot:
         from benchmarks.h2h import plot
 

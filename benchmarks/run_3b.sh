@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Qwen2.5-3B runs on the lent H200 box (issue 6), each phase one <= 10-minute device command:
 #
-#   bash benchmarks/run_3b.sh PHASE OUTDIR      PHASE: gputests | best1 | best2 | knobs
+#   bash benchmarks/run_3b.sh PHASE OUTDIR      PHASE: gputests | best1 | best2 | knobs | spec* | fair16k | fairbest
 #
 #   gputests  the test suite on the GPU (the real three-stream path; tests marked gpu run only there);
 #             PYTEST_ARGS="-m gpu tests" runs only those
 #   best1/2   the harness's own best-batch search for all three systems (doubling; results.json grows per run)
 #   knobs     megatrain at 16K with gpu_optimizer_layers "auto", and at 128K with liger_kernels, vs defaults
 #   spec      megatrain at 16K with speculative_step on (default) and off (issue 13); specz3: ZeRO-3 at 16K
+#   fair16k   fair peers at 16K (issue 13): ZeRO-3, whole-on-GPU, megatrain --host-only, megatrain (engine defaults),
+#             each in its own h2h call, all with liger auto (on with liger-kernel on CUDA) and the same clip
+#   fairbest  megatrain (engine defaults, liger auto) best batch from 64K to 256K tokens/step
+#   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
 phase=${1:?phase}; out=${2:?outdir}; model=qwen2.5-3b
@@ -35,5 +39,17 @@ case $phase in
         h2h_call 150 specoff --systems megatrain --clip 1e9 --megatrain-options '{"speculative_step": false}' \
             --tokens-per-step 16384 --warmup 2 --steps 6
         h2h_call 240 zero3 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  fair16k)  # limits sum to 545 s: ZeRO-3 ~4 min with its build, whole-on-GPU and megatrain ~1.5 min each.
+        # The harness's random data clips every step at 1.0, so megatrain's speculative step never engages at
+        # CLIP=1.0; the default 1e9 never clips. Run the phase at both (CLIP=1.0 and CLIP=1e9) where time allows.
+        clip=${CLIP:-1e9}; c=clip$clip
+        h2h_call 245 zero3_$c --systems zero3 --clip $clip --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 resident_$c --systems resident --clip $clip --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 hostonly_$c --systems megatrain --host-only --clip $clip --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 megatrain_$c --systems megatrain --clip $clip --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  fairbest)  # 64K, 128K, 256K: ~40 s build + 6 steps each (a 256K step is ~11 s)
+        clip=${CLIP:-1e9}; c=clip$clip
+        h2h_call 540 megatrain_$c --systems megatrain --best-batch --min-tokens 65536 --max-tokens 262144 \
+            --clip $clip --warmup 2 --steps 4 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -2,7 +2,8 @@
 
 Usage:
     python -m benchmarks.run_system --system {resident,zero3,megatrain} --model NAME [--layers N] \
-        --tokens-per-step T [--seq 1024] --steps S [--warmup 2] --device cuda|cpu --json OUT.json
+        --tokens-per-step T [--seq 1024] --steps S [--warmup 2] --device cuda|cpu --json OUT.json \
+        [--liger auto|on|off] [--gpu-optimizer-fraction F] [--host-only]
 
 A driver runs each system in its own subprocess so that memory peaks and allocator state do not leak
 between systems. For zero3 the DeepSpeed config is also written to ``OUT.ds_config.json``. Exit code 0
@@ -29,9 +30,9 @@ SYSTEMS = {
 
 # ---------------------------------------------------------------------------------------------
 # megatrain system: provided by benchmarks/megatrain_system.py (written alongside megatrain_ds).
-# It must define run_megatrain(config, tokens_per_step, seq, steps, warmup, device, seed) -> dict
-# with the same keys as the baselines (see benchmarks.common.result_dict). A missing or broken
-# module only disables "megatrain"; the baselines keep working.
+# It must define run_megatrain(config, tokens_per_step, seq, steps, warmup, device, seed, liger=,
+# gpu_optimizer_fraction=, host_only=) -> dict with the same keys as the baselines (see
+# benchmarks.common.result_dict). A missing or broken module only disables "megatrain"; the baselines keep working.
 # ---------------------------------------------------------------------------------------------
 MEGATRAIN_IMPORT_ERROR: str = ""
 try:
@@ -54,10 +55,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps, not timed in the median")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--liger", default="auto", choices=["auto", "on", "off"],
+                        help="liger-kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (auto: on CUDA "
+                             "when liger_kernel imports)")
+    parser.add_argument("--gpu-optimizer-fraction", type=float, default=0.0,
+                        help="fraction F of the optimizer state on the GPU (offload_optimizer.ratio = 1 - F; zero3 "
+                             "and megatrain)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="megatrain: gpu_optimizer_layers 0 (all optimizer state on the host)")
     parser.add_argument("--json", required=True, help="path of the result JSON")
     parser.add_argument("--progress", action="store_true",
                         help="print '@@h2h-step DONE TOTAL SECONDS' after each step (read by benchmarks.h2h)")
     return parser.parse_args(argv)
+
+
+def system_kwargs(args: argparse.Namespace) -> dict:
+    """The fairness switches each system takes: liger (all; "auto" resolved here), the GPU's share of the
+    optimizer state (zero3, megatrain; resident keeps everything on the GPU), host-only (megatrain)."""
+    kwargs: dict = {"liger": common.resolve_liger(args.liger, args.device)}
+    if args.system in ("zero3", "megatrain"):
+        kwargs["gpu_optimizer_fraction"] = args.gpu_optimizer_fraction
+    if args.system == "megatrain":
+        kwargs["host_only"] = args.host_only
+    return kwargs
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -97,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         res = SYSTEMS[args.system](config, args.tokens_per_step, seq=args.seq, steps=args.steps,
-                                   warmup=args.warmup, device=args.device, seed=args.seed)
+                                   warmup=args.warmup, device=args.device, seed=args.seed,
+                                   **system_kwargs(args))
     except Exception:  # noqa: BLE001 - reported in the JSON for the driver
         res = {"system": args.system, "model": args.model, "layers": config.num_hidden_layers,
                "tokens_per_step": args.tokens_per_step, "device": args.device, "status": "error",

@@ -153,8 +153,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         wire_dtype = torch.float32 if mt.stream_fp32_master else compute_dtype
         self.compute_dtype, self.wire_dtype = compute_dtype, wire_dtype
         model.train()
-        # before the layer templates are made from the layers
-        self.liger_model_type = _apply_liger_kernels(model, device, mt.liger_kernels)
+        # before the layer templates are made from the layers; "auto" in mixed precision only: fp32 training is
+        # the exact mode (liger's kernels round differently from the model's own, below bf16's precision)
+        liger = mt.liger_kernels if (mt.liger_kernels != "auto" or compute_dtype != torch.float32) else False
+        self.liger_model_type = _apply_liger_kernels(model, device, liger)
         settings = config.optimizer
         defaults = settings and dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
                                      weight_decay=settings.weight_decay)

@@ -29,6 +29,22 @@ def test_h2h_cpu_smoke(tmp_path):
     assert by_system["megatrain"]["ds_config"]["megatrain"]["num_slots"] == 3  # --megatrain-options reached it
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "megatrain" in (out / "results.md").read_text()
+    # fair peers: the same AdamW hyperparameters, clip and steps recorded by every system, and by ZeRO-3's config
+    from benchmarks.shapes import make_config
+    from benchmarks.systems import zero3_ds_config, zero3_settings
+
+    zero3 = zero3_settings(zero3_ds_config(make_config("tiny"), 4, "cpu"), seq=64, steps=2, warmup=1)
+    same = ("lr", "weight_decay", "betas", "eps", "clip", "steps", "warmup", "seq", "micro_batch")
+    expected = {"lr": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "clip": 1.0, "steps": 2,
+                "warmup": 1, "seq": 64, "micro_batch": 4}
+    for settings in [r["settings"] for r in by_system.values()] + [zero3]:
+        assert {k: settings[k] for k in same} == expected
+        assert settings["liger"] is False and settings["kernels"] == []  # --liger auto on CPU: off for all
+    assert by_system["megatrain"]["settings"]["megatrain_options"] == {"num_slots": 3}
+    assert by_system["megatrain"]["settings"]["gpu_optimizer_layers"] == "engine default"  # not set unless asked
+    assert "gpu_optimizer_layers" not in by_system["megatrain"]["ds_config"]["megatrain"]
+    md = (out / "results.md").read_text()
+    assert "lr 1e-05 wd 0.01 betas (0.9, 0.999) eps 1e-08" in md and "resident_Ldefault_256 (resident)" in md
     # a progress bar per system, over its steps (warm-up + measured; megatrain runs one more to close its breakdown)
     assert "megatrain L=2 T=256: 4/4 steps" in proc.stderr, proc.stderr[-3000:]
     assert "resident L=2 T=256: 3/3 steps" in proc.stderr, proc.stderr[-3000:]
@@ -48,13 +64,13 @@ def test_host_adam_probe_prints_a_row_per_thread_count(capsys):
 def test_h2h_best_batch_records_every_probe_and_marks_the_fastest(tmp_path):
     out = tmp_path / "best"
     cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems",
-           "megatrain,resident", "--seq", "64", "--best-batch", "--min-tokens", "64", "--max-tokens", "128",
+           "megatrain", "--seq", "64", "--best-batch", "--min-tokens", "64", "--max-tokens", "128",
            "--steps", "1", "--warmup", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["results"]
-    for system in ("megatrain", "resident"):
+    for system in ("megatrain",):  # one system keeps the file fast; the search is the same for each
         probes = [r for r in runs if r["system"] == system]
         assert [r["tokens_per_step"] for r in probes] == [64, 128]
         best = [r for r in probes if r.get("best_batch")]
@@ -88,11 +104,51 @@ def test_h2h_depth_sweep_runs_each_depth_and_plots_tflops_against_layers(tmp_pat
     out = tmp_path / "depth"
     cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems", "megatrain",
            "--seq", "64", "--tokens-per-step", "128", "--depth-sweep", "1,3", "--steps", "1", "--warmup", "1",
-           "--out", str(out)]
+           "--liger", "off", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["results"]
     assert [(r["system"], r["layers"], r["status"]) for r in runs] == [("megatrain", 1, "ok"), ("megatrain", 3, "ok")]
     assert runs[1]["n_params"] > runs[0]["n_params"]  # same width, more layers
+    for r in runs:  # --liger off: no liger kernel, and megatrain_ds told so (its own default would use liger)
+        assert r["settings"]["liger"] is False and r["settings"]["kernels"] == []
+        block = r["ds_config"]["megatrain"]
+        assert block["liger_kernels"] is False and block["use_liger"] is False
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_optimizer_fraction_sets_the_same_offload_ratio_for_megatrain_and_zero3(monkeypatch):
+    from benchmarks.megatrain_system import megatrain_ds_config, megatrain_settings
+    from benchmarks.shapes import make_config
+    from benchmarks.systems import zero3_ds_config, zero3_settings
+
+    monkeypatch.delenv("MEGATRAIN_OPTIONS", raising=False)
+    config = make_config("qwen2.5-3b")
+    zero3 = zero3_ds_config(config, 16, "cuda", gpu_optimizer_fraction=0.5)
+    mega = megatrain_ds_config(16, "cuda", gpu_optimizer_fraction=0.5)
+    for ds_config in (zero3, mega):
+        assert ds_config["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+        assert ds_config["optimizer"]["params"] == {"lr": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
+                                                    "eps": 1e-8}
+    assert mega["megatrain"]["gpu_optimizer_layers"] == -1  # the engine reads the ratio, whatever its default
+    assert zero3["zero_optimization"]["sub_group_size"] < 1e8  # DeepSpeed places whole sub-groups: one per layer
+    assert zero3_settings(zero3, 1024, 4, 2)["ds_config"]["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+    recorded = megatrain_settings(mega, 1024, 4, 2, "cuda")
+    assert recorded["offload_optimizer_ratio"] == 0.5 and recorded["ds_config"] is mega
+    # default: nothing about optimizer placement (the engine decides); --host-only: explicitly all on the host
+    assert "ratio" not in zero3_ds_config(config, 16, "cuda")["zero_optimization"]["offload_optimizer"]
+    assert "gpu_optimizer_layers" not in megatrain_ds_config(16, "cuda")["megatrain"]
+    assert megatrain_ds_config(16, "cuda", host_only=True)["megatrain"]["gpu_optimizer_layers"] == 0
+    monkeypatch.setenv("MEGATRAIN_OPTIONS", '{"gpu_optimizer_layers": "auto"}')  # --megatrain-options wins
+    assert megatrain_settings(megatrain_ds_config(16, "cuda"), 1024, 4, 2, "cuda")["gpu_optimizer_layers"] == "auto"
+
+
+def test_h2h_rejects_host_only_with_a_gpu_optimizer_fraction(tmp_path):
+    import pytest
+
+    from benchmarks import h2h
+
+    with pytest.raises(SystemExit):
+        h2h.main(["--model", "tiny", "--device", "cpu", "--host-only", "--gpu-optimizer-fraction", "0.5",
+                  "--out", str(tmp_path)])
