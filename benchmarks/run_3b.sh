@@ -47,9 +47,14 @@ case $phase in
         h2h_call 100 resident_$c --systems resident --clip $clip --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 100 hostonly_$c --systems megatrain --host-only --clip $clip --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 100 megatrain_$c --systems megatrain --clip $clip --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  fairclip1)  # clipping at 1.0 fires every step on the harness's random data: speculation off, the plain path
+        h2h_call 245 zero3_clip1 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 hostonly_clip1 --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 megatrain_clip1 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
   fairbest)  # 64K, 128K, 256K: ~40 s build + 6 steps each (a 256K step is ~11 s)
         clip=${CLIP:-1e9}; c=clip$clip
-        h2h_call 540 megatrain_$c --systems megatrain --best-batch --min-tokens 65536 --max-tokens 262144 \
+        h2h_call ${BEST_LIMIT:-540} megatrain_$c --systems megatrain --best-batch --min-tokens 65536 \
+            --max-tokens ${MAX_TOKENS:-262144} \
             --clip $clip --warmup 2 --steps 4 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

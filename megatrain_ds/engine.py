@@ -178,6 +178,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.placement = resolve_placement(mt.host_threads, device.index) if device.type == "cuda" else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host",
                                          initializer=apply_placement, initargs=(self.placement,))
+        # and the AdamW thread (speculative and post-norm updates; see HostAdamW.bind)
+        self.opt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-adamw",
+                                             initializer=apply_placement, initargs=(self.placement,))
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
                                        num_slots=mt.num_slots, compute_dtype=compute_dtype)
         if mt.trace:
@@ -228,7 +231,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if settings is not None:
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
             self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
-                                config.loss_scaler)
+                                config.loss_scaler, optimizer_worker=self.opt_worker)
             self.optimizer.policy = SpeculationPolicy(mt.speculative_step, mt.speculation_backoff)
         self.lr_scheduler = None
         # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
@@ -514,6 +517,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 fut.result()
         if self.resident.update is not None:
             self.resident.update.result()
+        if self.optimizer is not None and self.optimizer._closing is not None:
+            self.optimizer._closing.result()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -654,4 +659,5 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 del p._megatrain_home
         self.synchronize()
         self.worker.shutdown(wait=True)
+        self.opt_worker.shutdown(wait=True)
         self.store.close()

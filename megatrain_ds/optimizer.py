@@ -190,8 +190,14 @@ class HostAdamW(torch.optim.Optimizer):
         return self.cur_scale
 
     def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor, clip: float,
-             scaler=None) -> None:
+             scaler=None, optimizer_worker: ThreadPoolExecutor | None = None) -> None:
+        """``worker``: the landing thread (gradient folds, squared norms, the norm task); ``optimizer_worker``:
+        the AdamW thread (speculative updates, then the step's update tasks). Two threads so the norm is known
+        as soon as the last gradient lands, not after the speculative updates queued before it (the host
+        AdamW of a 3B step takes longer than its backward without recompute)."""
         self.executor, self.resident, self.worker, self.clip = executor, resident, worker, float(clip)
+        self.opt_worker = optimizer_worker or worker
+        self._closing: Future | None = None  # the last step's close task (speculation accounting)
         self.scaler = scaler  # fp16 LossScaler: grads arrive multiplied by its scale
         self.last_step_skipped = False
         self._tmp = torch.empty(executor.store.max_train, dtype=torch.float32)
@@ -211,24 +217,24 @@ class HostAdamW(torch.optim.Optimizer):
         policy allows (the previous step's norm task has run: engine.step() waited for it). ``allowed``: the
         engine's check that no layer is loaded again after its gradient lands (one forward per layer)."""
         self.spec = None
+        if self._closing is not None:
+            self._closing.result()  # the previous step's accounting (policy) is in
         if allowed and self.policy.allows():
             scale = self.scaler.scale if self.scaler is not None else 1.0
             self.spec = Speculation(hp=self._hyperparameters(self.step_count + 1), coef=1.0 / scale)
 
     def _speculate(self, i: int, sq, before_fold: bool = False) -> None:
-        """Worker thread, right after layer i's final gradient landed: step it now with coefficient 1.
-        ``before_fold``: called before a landing is folded in; a layer already stepped gets a second gradient
-        (two forwards into one loss): undo it now, while its gradient is still the one the step used; it is
-        updated with the sum after the norm."""
+        """Landing thread, right after layer i's final gradient landed: queue its update with coefficient 1 on
+        the AdamW thread. ``before_fold``: called before a landing is folded in; a layer already stepped gets a
+        second gradient (two forwards into one loss): undo it now (after its queued update, on the AdamW
+        thread), while its gradient is still the one the step used; it is updated with the sum after the norm."""
         spec, ex = self.spec, self.executor
         if spec is None:
             return
         if before_fold:
             if i in spec.landed:
                 spec.stale.add(i)
-                if i in spec.done:
-                    self._undo_layer(i, spec)
-                    spec.done.remove(i)
+                self.opt_worker.submit(self._unspeculate, i, spec).result()
             return
         if spec.stopped or i in spec.stale or (ex.device_state is not None and ex.device_state.owns(i)):
             return
@@ -236,13 +242,25 @@ class HostAdamW(torch.optim.Optimizer):
         if sq is None or not math.isfinite(sq):
             spec.stopped = True  # the step will be skipped (or this layer's norm is unknown): stop here
             return
-        with ex.timer.host_span("speculative_s"), _range(f"speculate.L{i}"):
+        self.opt_worker.submit(self._speculative_update, i, spec)
+
+    def _speculative_update(self, i: int, spec: Speculation) -> None:
+        """AdamW thread: layer i's update with the speculation's coefficient, unless the norm is already known
+        (then the plain update after the norm does it, in forward order) or the step is doomed."""
+        if spec.closed or spec.stopped or i in spec.stale:
+            return
+        with self.executor.timer.host_span("speculative_s"), _range(f"speculate.L{i}"):
             self._update_layer(i, spec.hp, spec.coef)
         spec.done.append(i)
 
+    def _unspeculate(self, i: int, spec: Speculation) -> None:
+        if i in spec.done:
+            self._undo_layer(i, spec)
+            spec.done.remove(i)
+
     def _speculate_resident(self, k: int, sq) -> None:
-        """Worker thread, after resident parameter k's gradient landed (after the backward): step it now, so
-        the update the next forward waits for first (the embedding's) is done by the time the norm is."""
+        """Landing thread, after resident parameter k's gradient landed (after the backward): queue its update
+        now, so the update the next forward waits for first (the embedding's) is under way before the norm."""
         spec, res = self.spec, self.resident
         if spec is None or spec.stopped or res.on_device or k in spec.resident_landed:
             return
@@ -250,6 +268,12 @@ class HostAdamW(torch.optim.Optimizer):
         if sq is None or not math.isfinite(sq):
             spec.stopped = True
             return
+        self.opt_worker.submit(self._speculative_resident_update, k, spec)
+
+    def _speculative_resident_update(self, k: int, spec: Speculation) -> None:
+        if spec.closed or spec.stopped:
+            return
+        res = self.resident
         if res.wire_read is not None:
             res.wire_read.synchronize()  # the last upload has read the wire copy
         with self.executor.timer.host_span("speculative_s"), _range(f"speculate.resident{k}"):
@@ -278,7 +302,9 @@ class HostAdamW(torch.optim.Optimizer):
                 self._undo_layer(i, spec)
             for k in spec.resident_done:
                 self._undo_resident(k, spec)
-        self.worker.submit(undo_all).result()
+        self.worker.submit(lambda: None).result()  # the landings queued so far have run (and queued their updates)
+        spec.closed = True  # updates queued but not started are dropped
+        self.opt_worker.submit(undo_all).result()
         for i in spec.done:
             self.executor.schedule.invalidate(i)  # a slot loaded meanwhile would hold the rolled-forward weights
         if spec.done or spec.resident_done:
@@ -371,12 +397,13 @@ class HostAdamW(torch.optim.Optimizer):
         host = [i for i in range(len(ex.layouts)) if i not in set(on_device)]
         for i in on_device:
             if layer_has[i]:
-                ex.schedule.rewrite(i, self.worker.submit(self._device_task, i, hp, norm, ex.backward_done))
-        res.update = self.worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done, spec)
+                ex.schedule.rewrite(i, self.opt_worker.submit(self._device_task, i, hp, norm, ex.backward_done))
+        res.update = self.opt_worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done, spec)
         res.uploaded = False
         for i in host:
             if layer_has[i]:
-                ex.schedule.rewrite(i, self.worker.submit(self._layer_task, i, hp, norm, spec))
+                ex.schedule.rewrite(i, self.opt_worker.submit(self._layer_task, i, hp, norm, spec))
+        self._closing = self.opt_worker.submit(self._close_task, norm, spec)  # after every update task (FIFO)
         res.has_grad = [False] * len(res.params)
         res.sq_norm = [None] * len(res.params)
         self.last_norm = norm
@@ -417,17 +444,24 @@ class HostAdamW(torch.optim.Optimizer):
         if self._clip > 0 and not overflow:
             coef = min(1.0, self._clip / (norm + 1e-6))
         self._coef = coef / scale  # the updates multiply the landed gradients by this
-        if spec is not None:  # every landing (and so every speculative update) ran before this task
+        if spec is not None:  # every landing ran before this task; speculative updates may still be running
+            spec.closed = True  # on the AdamW thread: those not started are left to the plain update
             if self.spec is spec:
                 self.spec = None
             spec.commit = not overflow and self._coef == spec.coef and same_hyperparameters(hp, spec.hp)
-            if spec.done or spec.resident_done:
-                self.policy.speculated += 1
-                self.policy.rolled_back += int(not spec.commit)
-        self.policy.record(clipped_or_skipped=overflow or coef < 1.0,
-                           rolled_back=spec is not None and bool(spec.done or spec.resident_done)
-                           and not spec.commit)
+        self._clipped_or_skipped = overflow or coef < 1.0
         return math.inf if overflow else norm  # DeepSpeed reports a skipped step's norm as inf
+
+    def _close_task(self, norm_future, spec: Speculation | None) -> None:
+        """AdamW thread, after the step's update tasks: the speculation's final accounting (which layers were
+        stepped during the backward is known only now) and the policy's record of this step."""
+        norm_future.result()
+        rolled_back = False
+        if spec is not None and (spec.done or spec.resident_done):
+            self.policy.speculated += 1
+            rolled_back = not spec.commit
+            self.policy.rolled_back += int(rolled_back)
+        self.policy.record(clipped_or_skipped=self._clipped_or_skipped, rolled_back=rolled_back)
 
     def _layer_grad(self, i: int) -> torch.Tensor:
         """Layer i's accumulated gradient, wherever it lives (GPU-held optimizer state or host store)."""

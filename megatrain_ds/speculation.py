@@ -4,9 +4,13 @@ Exact ``clip_grad_norm_`` needs the norm over every gradient, known only when th
 landed. Without speculation the whole host AdamW waits for it and then runs in forward order under the next
 forward, which is faster than the CPU optimizer at small batches: the GPU idles (41% of a 3B/16K step).
 
-With speculation, at an accumulation boundary each layer is stepped on the host worker right after its
-gradient lands, during the backward, as if the clip coefficient were 1 (fp16: 1 / loss scale). When the
-norm is known (``HostAdamW._norm_task``):
+With speculation, at an accumulation boundary each layer's update is queued on the AdamW thread right after
+its gradient lands (the landing thread folds gradients and sums norms; two threads, so the norm is known as
+soon as the last gradient lands), during the backward, as if the clip coefficient were 1 (fp16: 1 / loss
+scale). Updates not yet started when the norm is known are not made speculatively (``closed``): those layers
+get the plain update after the norm, in forward order, which is the order the next forward needs them (the
+host AdamW of a 3B step, ~0.8 s, outlasts a backward without recompute). When the norm is known
+(``HostAdamW._norm_task``):
 
 - finite and clipping does not fire (coefficient exactly 1), same hyperparameters: the speculated update is
   the update. It is **bit-identical** to the non-speculative step: the same fused kernel on the same inputs.
@@ -45,6 +49,8 @@ class Speculation:
     resident_done: list[int] = field(default_factory=list)  # resident parameters stepped (embeddings, head)
     resident_landed: set[int] = field(default_factory=set)
     stopped: bool = False  # a non-finite gradient landed: nothing more is speculated
+    closed: bool = False  # the norm is known (or the speculation was abandoned): updates not started yet are not
+    # made speculatively (the layer gets the plain update after the norm, in forward order)
     commit: bool | None = None  # decided by the norm task: keep the speculated updates as they are
 
 

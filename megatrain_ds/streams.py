@@ -4,8 +4,8 @@
 
 Three streams, one schedule. ``h2d`` copies a layer's wire weights from pinned host memory into a device
 slot; ``compute`` is the caller's current stream (the model's own ops run there too); ``d2h`` evacuates a
-layer's flat gradient into pinned host memory. A fourth actor is the host worker thread
-(``HostWorker``): it consumes landed gradients and runs the optimizer. No per-layer ``synchronize()``
+layer's flat gradient into pinned host memory. The other actors are two host threads: the landing
+thread consumes landed gradients, the AdamW thread runs the optimizer. No per-layer ``synchronize()``
 exists; only the events below order the actors.
 
 | event                 | recorded on | waited by                          | protects                                  |
@@ -23,7 +23,9 @@ exists; only the events below order the actors.
 The per-layer fields these events and futures live in (versions, ``wire_ready``, ``wire_read``, landings) have
 one owner, ``LayerSchedule`` (schedule.py), with the cycle and its invariants.
 
-Host-side ordering (not events, Python futures): the worker runs in FIFO order, so gradient landings of a
+Host-side ordering (not events, Python futures). Two host threads: the landing thread (folds, squared norms,
+the norm task) and the AdamW thread (speculative updates, then each step's update tasks); each is FIFO, and an
+update task waits for its step's norm future. the worker runs in FIFO order, so gradient landings of a
 backward precede the norm task of the following ``step()``, which precedes the per-layer optimizer tasks.
 Before ``h2d`` reads wire i, the main thread waits (CPU-side) for the optimizer future of layer i: this is
 the only place where the GPU can wait on the CPU, and it is what makes the update of step t overlap the
