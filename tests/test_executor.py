@@ -14,13 +14,16 @@ from megatrain_ds.streams import CpuStreams, CudaStreams
 from tests.models import tiny_hf
 
 LAYERS = 4
+# the streaming schedule itself: every layer recomputed, all optimizer state on the host (the "auto" placements
+# after the first step on CUDA would change what these tests look at; test_keep.py covers kept layers)
+HOST = {"keep_activations": 0, "gpu_optimizer_layers": 0}
 
 
 def _engine(num_slots=2, ga=1, layers=LAYERS):
     model = tiny_hf("llama", layers=layers)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "megatrain": {"num_slots": num_slots,
-                                                                              "trace": True}}
+                                                                              "trace": True, **HOST}}
     engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
     return engine
 
@@ -178,7 +181,7 @@ def test_gpu_offloaded_activations_cut_peak_memory():
         base = torch.cuda.memory_allocated()
         model = tiny_hf("llama", layers=16)
         cfg = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "megatrain": {"offload_activations": offload}}
+               "megatrain": {"offload_activations": offload, **HOST}}
         engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
         ids = torch.randint(0, 256, (8, 512))
         for _ in range(2):
@@ -195,7 +198,7 @@ def _five_step_run(arch: str, layers: int, megatrain: dict, inspect_engine):
     """5 fp32 steps of a tiny model with the given ``megatrain`` block: (losses, inspect_engine(engine))."""
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "gradient_clipping": 1.0, "megatrain": megatrain}
+           "gradient_clipping": 1.0, "megatrain": {"keep_activations": 0, **megatrain}}
     engine, *_ = megatrain_ds.initialize(model=tiny_hf(arch, layers=layers), config=cfg)
     gen = torch.Generator().manual_seed(1)
     losses = []

@@ -152,3 +152,27 @@ def test_keep_activations_rejects_bad_values(bad):
     with pytest.raises(megatrain_ds.ConfigError, match="megatrain.keep_activations"):
         megatrain_ds.initialize(model=tiny_hf("llama"), config={**test_paths._config(),
                                                                 "megatrain": {"keep_activations": bad}})
+
+
+@pytest.mark.gpu
+def test_gpu_keep_activations_auto_keeps_layers_and_matches_recompute():
+    """On a real GPU "auto" measures the layer graphs of the first step and keeps layers after it (a tiny model:
+    all of them); 5 fp32 steps give the losses of the all-recompute run to 1e-5, and the kept steps run no
+    recompute."""
+    runs = {}
+    for keep in (0, "auto"):
+        torch.manual_seed(0)
+        cfg = {**test_paths._config(), "megatrain": {"keep_activations": keep, "gpu_optimizer_layers": 0}}
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)
+        counts = _counting(engine)
+        losses = []
+        for ids in test_paths._batches(n=5):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[keep] = (losses, engine.executor.keep, counts["recompute"])
+        engine.destroy()
+    assert runs[0][1] == frozenset() and len(runs[0][2]) == 5 * 4
+    assert runs["auto"][1] == frozenset(range(4)) and runs["auto"][2] == [3, 2, 1, 0]  # only the first step
+    torch.testing.assert_close(torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0)

@@ -41,8 +41,9 @@ def engine_grads(engine) -> dict[str, torch.Tensor]:
         if fut is not None:
             fut.result()  # the landings have folded every gradient into its fp32 home
     out = {}
+    ds = ex.device_state  # on CUDA "auto" may have moved some layers' state to the GPU after the first step
     for i, layout in enumerate(engine.store.layouts):
-        grad = engine.store.grad_of(i).float()
+        grad = (ds.grad_of(i) if ds is not None and ds.owns(i) else engine.store.grad_of(i)).float()
         for slot in layout.slots:
             if slot.trainable and ex.has_grad[i]:
                 out[f"{engine.block_name}.{i}.{slot.name}"] = grad[slot.offset:slot.offset + slot.numel].view(slot.shape)

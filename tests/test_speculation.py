@@ -21,7 +21,7 @@ NAN_STEP = 7
 
 def _config(clip: float, ga: int = 1, **megatrain) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "gradient_clipping": clip,
-            "wall_clock_breakdown": True, "megatrain": megatrain,
+            "wall_clock_breakdown": True, "megatrain": {"gpu_optimizer_layers": 0, **megatrain},  # host AdamW
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "eps": EPS}}}
 
 
