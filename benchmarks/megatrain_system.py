@@ -26,7 +26,8 @@ from benchmarks.common import (LIGER_KERNELS, OPTIMIZER, cleanup, count_params, 
                                make_batches, measure, micro_batch_for, reset_memory_stats, result_dict,
                                settings_dict)
 
-ENGINE_RECOMPUTE = "megatrain_ds recompute of every streamed layer in its backward"
+ENGINE_RECOMPUTE = ("megatrain_ds recompute of each streamed layer in its backward, except the kept layers "
+                    "(keep_activations; count in kept_layers)")
 
 
 def megatrain_options() -> dict:
@@ -110,6 +111,8 @@ def _engine_facts(engine) -> dict:
     state = getattr(getattr(engine, "executor", None), "device_state", None)
     lo, hi = getattr(state, "lo", 0), getattr(state, "hi", 0)
     facts["gpu_optimizer_layers_used"] = int(hi - lo) if state is not None else 0
+    facts["kept_layers"] = len(getattr(getattr(engine, "executor", None), "keep", ()))  # no recompute for these
+    facts["resident_state_on_gpu"] = bool(getattr(getattr(engine, "resident", None), "on_device", False))
     try:  # share of the parameters whose optimizer state is on the GPU: those layers + the resident ones with them
         on_gpu = 0 if state is None else int(state.full1 - state.full0) + sum(
             t.numel() for t in engine.resident.master if t is not None and t.device.type != "cpu")
