@@ -197,6 +197,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         # (off CUDA nothing is measured, so nothing is placed: _auto_budget_bytes is None)
         self._auto_device_state = n_device == "auto" and settings is not None
         self._auto_keep = mt.keep_activations == "auto"
+        self._auto_placed = ""  # what "auto" put on the GPU (named in an out-of-memory error)
         if n_device == "auto":
             n_device = 0
         if n_device > 0:
@@ -259,9 +260,21 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         args, kwargs = _to_device(args, self.device), _to_device(kwargs, self.device)
         self.timer.begin_forward()
         self.tput_timer.start()  # DeepSpeed's throughput timer, as its forward starts it (surface.py)
-        if self._fused is not None and torch.is_grad_enabled() and self._fused_loss_applies(kwargs):
-            return self._forward_fused_loss(args, kwargs)
-        return self.module(*args, **kwargs)
+        try:
+            if self._fused is not None and torch.is_grad_enabled() and self._fused_loss_applies(kwargs):
+                return self._forward_fused_loss(args, kwargs)
+            return self.module(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            self._explain_oom(exc)
+            raise
+
+    def _explain_oom(self, exc: BaseException) -> None:
+        """A device OOM after "auto" used the memory the first step left free: say which keys give it back."""
+        if self._auto_placed:
+            exc.args = (f"{exc.args[0] if exc.args else exc}\n[megatrain_ds] after the first step, \"auto\" "
+                        f"placed {self._auto_placed} in the GPU memory that step left free; this batch needs more: "
+                        "set megatrain.keep_activations and/or megatrain.gpu_optimizer_layers to 0 (or a smaller "
+                        "count), or raise megatrain.gpu_memory_reserve", *exc.args[1:])
 
     def _fused_loss_applies(self, kwargs) -> bool:
         """The fused head + cross-entropy computes exactly the model's loss: plain causal-LM labels, nothing the
@@ -322,8 +335,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.executor.in_engine_backward = True
         try:
             loss.backward(retain_graph=retain_graph)
-        except BaseException:
+        except BaseException as exc:
             self._discard_gradients()
+            if isinstance(exc, torch.OutOfMemoryError):
+                self._explain_oom(exc)
             raise
         finally:
             self.executor.in_engine_backward = False
@@ -421,6 +436,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 self.move_layer_state_to_device(n)
             placed.append(f"{n} of {n_layers} layers' optimizer state on the GPU "
                           f"({DeviceOptimizerState.nbytes(self.store, n) / 2**30:.1f} GiB)")
+        self._auto_placed = "; ".join(p for p in placed if not p.startswith("0 of"))
         print(f"[megatrain_ds] placed from the first step's peak ({max(start, 0) / 2**30:.1f} GiB free above it "
               f"and the reserve): {'; '.join(placed) or 'nothing'}", flush=True)
 

@@ -176,3 +176,20 @@ def test_gpu_keep_activations_auto_keeps_layers_and_matches_recompute():
     assert runs[0][1] == frozenset() and len(runs[0][2]) == 5 * 4
     assert runs["auto"][1] == frozenset(range(4)) and runs["auto"][2] == [3, 2, 1, 0]  # only the first step
     torch.testing.assert_close(torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0)
+
+
+def test_out_of_memory_after_auto_placement_names_the_keys(monkeypatch):
+    """A device OOM in a later, larger step after "auto" used the free memory says which keys give it back."""
+    from megatrain_ds.engine import MegaTrainEngine
+
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=test_paths._config())
+    engine._auto_placed = "3 of 3 layers kept without recompute (1.0 GiB)"  # as _place_auto records it
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(engine, "_forward_fused_loss", oom)
+    ids = torch.randint(0, 256, (2, 8))
+    with pytest.raises(torch.OutOfMemoryError, match="megatrain.keep_activations") as err:
+        engine(input_ids=ids, labels=ids)
+    assert "Tried to allocate 2.00 GiB" in str(err.value) and "3 of 3 layers kept" in str(err.value)
+    engine.destroy()
