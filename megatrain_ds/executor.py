@@ -183,9 +183,12 @@ class StreamedLayers:
         wire = self.store.wire_of(i)
         st = self.streams
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
+        owned = self.device_state is not None and self.device_state.owns(i)
+        if owned:
+            st.wait(st.h2d, self.schedule.device_ready[i])  # its GPU-side update (opt stream) is done
         n = wire.numel()
         with st.on(st.h2d), self.timer.span("h2d", st.h2d), _range("h2d", i):
-            if self.device_state is not None and self.device_state.owns(i):  # device master: a cast, no PCIe
+            if owned:  # device master: a cast, no PCIe
                 slot.buf[:n].copy_(self.device_state.master_of(i))
             elif slot.stage is None:
                 slot.buf[:n].copy_(wire, non_blocking=True)

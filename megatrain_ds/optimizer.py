@@ -64,6 +64,7 @@ class ResidentParams:
         self.update: Future | None = None  # optimizer task that rewrote the wire copies
         self.uploaded = True
         self.wire_read = None  # last H2D event reading the wire copies (host state)
+        self.device_updated = None  # GPU-held state: event after its last update (opt stream)
         self.on_final_landing = None  # worker thread, after a final gradient landed: (index, sq-norm)
 
     def device_bytes(self) -> int:
@@ -152,6 +153,8 @@ class ResidentParams:
         # backward may still read them when an eval forward runs between backward() and step()).
         # See [Note: stream and event ordering]: ``params_read``.
         st.wait(st.h2d, st.record(st.compute()))
+        if self.on_device:
+            st.wait(st.h2d, self.device_updated)  # the GPU-side update (opt stream) is done
         with st.on(st.h2d):
             for p, master, wire in zip(self.params, self.master, self.wire):
                 p.data.copy_(master if self.on_device else wire, non_blocking=True)
@@ -391,15 +394,16 @@ class HostAdamW(torch.optim.Optimizer):
         res_sq, res_has = list(res.sq_norm), list(res.has_grad)
         scale = self.scaler.scale if self.scaler is not None else 1.0  # the scale the backward used
         norm = self.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has, scale, hp, spec)
-        # FIFO order of the host worker: the device-state updates first (they only launch kernels), then the
-        # resident parameters (the embedding is used first), then the host layers in forward order.
+        # FIFO order of the AdamW thread: the resident parameters first (the embedding is used first; held on the
+        # GPU, its update also heads the opt stream), then the GPU-held layers (they only launch kernels), then
+        # the host layers in forward order.
         on_device = [i for i in range(len(ex.layouts)) if ex.device_state is not None and ex.device_state.owns(i)]
         host = [i for i in range(len(ex.layouts)) if i not in set(on_device)]
+        res.update = self.opt_worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done, spec)
+        res.uploaded = False
         for i in on_device:
             if layer_has[i]:
                 ex.schedule.rewrite(i, self.opt_worker.submit(self._device_task, i, hp, norm, ex.backward_done))
-        res.update = self.opt_worker.submit(self._resident_task, hp, res_has, norm, ex.backward_done, spec)
-        res.uploaded = False
         for i in host:
             if layer_has[i]:
                 ex.schedule.rewrite(i, self.opt_worker.submit(self._layer_task, i, hp, norm, spec))
@@ -491,10 +495,11 @@ class HostAdamW(torch.optim.Optimizer):
         if self._skip:  # non-finite gradients: this step is skipped
             return
         res, st = self.resident, self.executor.streams
-        if res.on_device:  # launch on the h2d stream; upload()'s casts follow on the same stream
-            st.wait(st.h2d, backward_done)
-            with st.on(st.h2d):
+        if res.on_device:  # launch on the opt stream; upload()'s casts wait for the event after it
+            st.wait(st.opt, backward_done)
+            with st.on(st.opt):
                 self._update_resident(hp, has)
+            res.device_updated = st.record(st.opt)
             return
         if res.wire_read is not None:
             res.wire_read.synchronize()  # the last upload has read the wire copies
@@ -514,18 +519,19 @@ class HostAdamW(torch.optim.Optimizer):
             res.wire[k].copy_(res.master[k])
 
     def _device_task(self, i: int, hp, norm_future, backward_done):
-        """Launch layer i's update on the GPU, on the h2d stream: the casts that read the device master for
-        the next forward are issued on the same stream after it, so they see the update."""
+        """Launch layer i's update on the GPU, on the opt stream; the cast that reads the device master for the
+        next forward waits for the event recorded after it (``schedule.device_ready``)."""
         norm_future.result()
         if self._skip:
             return
         ex, st = self.executor, self.executor.streams
-        st.wait(st.h2d, backward_done)  # the gradient accumulators are complete
+        st.wait(st.opt, backward_done)  # the gradient accumulators are complete
         master, grad = ex.device_state.master_of(i), ex.device_state.grad_of(i)
         m, v = ex.device_state.moments_of(i)
-        with st.on(st.h2d):
+        with st.on(st.opt), _range(f"adamw_gpu.L{i}"):
             for group, a, b in ex.store.layouts[i].segments:
                 self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], self._coef)
+        ex.schedule.updated_on_device(i, st.record(st.opt))
 
     def _layer_task(self, i: int, hp, norm_future, spec: Speculation | None = None):
         norm_future.result()

@@ -14,6 +14,7 @@ Each streamed layer i moves through one cycle per optimizer step:
 |                  | outside it: rollback, load, set_*)      |                                                |
 | ``wire_ready[i]``| ``rewrite``                             | ``wait_rewritten`` before the H2D of wire i    |
 | ``wire_read[i]`` | ``loaded`` (the H2D event)              | ``wait_read`` before the optimizer rewrites i  |
+| ``device_ready`` | ``updated_on_device`` (GPU-held state)  | the H2D stream, before casting i's master      |
 | ``has_grad[i]``, | ``landing`` (a gradient of i went to    | ``close_window`` (the optimizer's norm and     |
 | ``sq_norm[i]``   | the host worker)                        | update tasks), engine/surface reads            |
 | ``forward_calls``| ``forward`` / ``backward_finished``     | the engine's speculation check (one forward)   |
@@ -39,6 +40,7 @@ class LayerSchedule:
         self.has_grad = [False] * n_layers
         self.sq_norm: list[Future | None] = [None] * n_layers
         self.forward_calls = [0] * n_layers  # grad-enabled forwards of each layer since the last backward
+        self.device_ready: list[object] = [None] * n_layers  # GPU-held state: event after i's update (opt stream)
 
     # --- weights ------------------------------------------------------------------------------------
     def rewrite(self, i: int, task: Future) -> None:
@@ -63,6 +65,10 @@ class LayerSchedule:
                 pending.result()  # the only place the GPU can wait on the CPU (see streams.py's Note)
         else:
             pending.result()
+
+    def updated_on_device(self, i: int, event) -> None:
+        """Layer i's GPU-held master was updated by kernels that ``event`` follows (the opt stream)."""
+        self.device_ready[i] = event
 
     def loaded(self, i: int, event) -> None:
         """The H2D of wire i was issued; ``event`` completes when it has read the bytes."""
