@@ -194,10 +194,9 @@ class MegatrainSettings:
         k = self.keep_activations
         if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
             raise ConfigError(f"megatrain.keep_activations must be a layer count >= 0 or \"auto\", got {k!r}")
-        from .placement import resolve as _resolve_threads
+        from .placement import parse_setting
         try:
-            _resolve_threads(self.host_threads, topology={"cpus": [0], "nodes": {0: [0]}, "siblings": {},
-                                                          "smt": False})  # the value's check only
+            parse_setting(self.host_threads)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.liger_kernels not in (True, False, "auto"):

@@ -156,7 +156,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         # before the layer templates are made from the layers; "auto" in mixed precision only: fp32 training is
         # the exact mode (liger's kernels round differently from the model's own, below bf16's precision)
         liger = mt.liger_kernels if (mt.liger_kernels != "auto" or compute_dtype != torch.float32) else False
-        self.liger_model_type = _apply_liger_kernels(model, device, liger)
+        self.liger_model_type = _apply_liger_kernels(model, device, liger)  # None: the model's own kernels
         settings = config.optimizer
         defaults = settings and dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
                                      weight_decay=settings.weight_decay)

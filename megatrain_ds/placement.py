@@ -242,23 +242,28 @@ def plan_placement(topology: dict, gpu_numa_node: int | None, reserve_main: int 
                      shared_with_main=shared, reason="; ".join(notes))
 
 
+def parse_setting(setting) -> int | str:
+    """``megatrain.host_threads`` checked, with no side effects: "auto", "off" or a thread count >= 1."""
+    if setting is None:
+        return "auto"
+    if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
+        return setting.strip().lower()
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
+        return setting
+    if isinstance(setting, str) and setting.strip().isdigit() and int(setting) >= 1:
+        return int(setting)
+    raise ValueError(f'{SETTING} must be "auto", "off" or a thread count >= 1, got {setting!r}')
+
+
 def resolve(setting="auto", device_index: int | None = None, topology: dict | None = None,
             reserve_main: int = 1) -> Placement | None:
     """``megatrain.host_threads``: "auto" (default; plan as above), "off" (touch nothing: None), or a thread
     count >= 1. Call on the main thread. Anything else raises ValueError; a host where the topology cannot be
     read warns once and returns None (training goes on unplaced)."""
-    if setting is None:
-        setting = "auto"
-    threads = None
-    if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
-        if setting.strip().lower() == "off":
-            return None
-    elif isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
-        threads = setting
-    elif isinstance(setting, str) and setting.strip().isdigit() and int(setting) >= 1:
-        threads = int(setting)
-    else:
-        raise ValueError(f'{SETTING} must be "auto", "off" or a thread count >= 1, got {setting!r}')
+    threads = parse_setting(setting)
+    if threads == "off":
+        return None
+    threads = None if threads == "auto" else threads
     try:
         torch.get_num_threads()  # fixes the main thread's OpenMP count before the worker's set_num_threads
         topo = topology if topology is not None else host_topology()

@@ -44,6 +44,8 @@ def test_batch_triple(cfg, triple):
      "megatrain.gpu_optimizer_layers"),
     ({"train_micro_batch_size_per_gpu": 2, "megatrain": {"gpu_optimizer_layers": -2}},
      "megatrain.gpu_optimizer_layers"),
+    ({"train_micro_batch_size_per_gpu": 2, "megatrain": {"host_threads": 0}}, "megatrain.host_threads"),
+    ({"train_micro_batch_size_per_gpu": 2, "megatrain": {"liger_kernels": "yes"}}, "megatrain.liger_kernels"),
     ({"train_micro_batch_size_per_gpu": 2, "megatrain": {"gpu_memory_reserve": 1.0}},
      "megatrain.gpu_memory_reserve"),
     ({"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True, "loss_scale_windw": 10}},
