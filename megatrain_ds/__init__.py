@@ -57,18 +57,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                config=None, mesh_param=None, config_params=None):
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
-    One process only (``comm.require_one_process``); it leaves ``torch.distributed`` and ``deepspeed.comm``
-    initialized, as DeepSpeed does. The config is validated here, and every accepted setting that megatrain_ds
+    One process, or N under a launcher (torchrun, ``deepspeed``, ``accelerate launch``): data parallel, see
+    dp.py. It leaves ``torch.distributed`` and ``deepspeed.comm`` initialized, as DeepSpeed does. The config is validated here, and every accepted setting that megatrain_ds
     does not act on (config keys, ``mpu``, a missing optimizer) is named in ONE warning."""
     if model is None:
         raise ValueError("initialize() needs model=")
-    comm.require_one_process()  # before any process group: WORLD_SIZE > 1 would wait for peers first
     config = _config_argument(args, config, config_params)
     local_rank = getattr(args, "local_rank", None)
     if isinstance(local_rank, int) and local_rank >= 0:  # deepspeed launcher passes --local_rank
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
     init_distributed(distributed_port=distributed_port)
-    settings = parse_config(config, warn=False)
+    launched = int(os.environ.get("WORLD_SIZE", comm.get_world_size()) or 1)
+    if launched != comm.get_world_size():  # e.g. a group of one made before WORLD_SIZE was set: never train apart
+        raise RuntimeError(f"WORLD_SIZE is {launched} but torch.distributed's process group has "
+                           f"{comm.get_world_size()} rank(s): initialize the process group over every launched "
+                           "process (or let megatrain_ds.initialize do it), or launch that many processes")
+    settings = parse_config(config, world_size=comm.get_world_size(), warn=False)
     notes = settings.not_acted_on
     _check_parallelism(mpu, mesh_param, notes)
     client_groups = None
@@ -93,7 +97,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     dataloader = None
     if training_data is not None:
         dataloader = torch_dataloader(training_data, settings.micro_batch_size, collate_fn,
-                                      drop_last=settings.dataloader_drop_last)
+                                      drop_last=settings.dataloader_drop_last, num_replicas=comm.get_world_size(),
+                                      rank=comm.get_rank())
     engine.training_dataloader = dataloader  # as DeepSpeed's engine keeps it
     return engine, engine.optimizer, dataloader, scheduler
 
@@ -198,13 +203,14 @@ def add_config_arguments(parser):
     return parser
 
 
-def torch_dataloader(data, batch_size: int, collate_fn=None, drop_last: bool = False):
-    """The batches DeepSpeed's ``DeepSpeedDataLoader`` gives one process: a ``DistributedSampler`` over a world of
-    one (a seeded shuffle, seed 0; DeepSpeed never calls ``set_epoch``, so every epoch has the same order) and
+def torch_dataloader(data, batch_size: int, collate_fn=None, drop_last: bool = False, num_replicas: int = 1,
+                     rank: int = 0):
+    """The batches DeepSpeed's ``DeepSpeedDataLoader`` gives a rank: a ``DistributedSampler`` over the data-parallel
+    world (a seeded shuffle, seed 0; DeepSpeed never calls ``set_epoch``, so every epoch has the same order) and
     ``dataloader_drop_last`` from the config."""
     import torch.utils.data
 
-    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=num_replicas, rank=rank)
     return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                                        drop_last=drop_last)
 

@@ -49,13 +49,14 @@ class DeviceOptimizerState:
     @staticmethod
     def nbytes(store: HostLayerStore, hi: int) -> int:
         """Device bytes the state of layers [0, hi) takes: fp32 master (all elements) + moments and gradient
-        (trainable elements)."""
+        (trainable elements); of the layers this rank owns."""
         full = store.offsets[hi].full if hi < len(store.layouts) else store.n_full
         train = store.offsets[hi].train if hi < len(store.layouts) else store.n_train
         return 4 * full + 12 * train
 
     def owns(self, i: int) -> bool:
-        return self.lo <= i < self.hi
+        """Layer i's state is here (data parallel: only the layers this rank owns, see dp.py)."""
+        return self.lo <= i < self.hi and self.store.owned[i]
 
     def master_of(self, i: int) -> torch.Tensor:
         o = self.store.offsets[i].full - self.full0

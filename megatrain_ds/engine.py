@@ -22,6 +22,7 @@ from .checkpoint import consolidated_state_dict, load_checkpoint, save_16bit_mod
 from .config import ConfigError, TrainConfig
 from .executor import StreamedLayers
 from .device_state import DeviceOptimizerState
+from .dp import DataParallel
 from .host_state import HostLayerStore
 from .loss import linear_cross_entropy
 from .loss_scale import cast_inputs_half
@@ -67,6 +68,40 @@ def _apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str
     _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
     return model_type
+
+
+def _sync_initial_weights(model: nn.Module, layers: nn.ModuleList, dp, shared_ids: set) -> None:
+    """Data parallel: every rank trains from rank 0's weights (DeepSpeed broadcasts them from rank 0 too). A
+    streamed layer's weights go to its owner only (the other ranks never hold them); resident parameters and
+    buffers to every rank. Over the gloo group, one tensor at a time (host memory: one tensor above the model)."""
+    import torch.distributed as dist
+
+    def exchange(t: torch.Tensor, dst: int | None) -> None:
+        host = t.detach().to("cpu", copy=True).contiguous() if t.device.type != "cpu" else t.detach()
+        if dst is None:
+            dist.broadcast(host, src=0, group=dp.cpu_group)
+        elif dp.rank == 0:
+            dist.send(host, dst=dst, group=dp.cpu_group)
+        else:
+            dist.recv(host, src=0, group=dp.cpu_group)
+        if host is not t and (dst is None or dp.rank == dst):
+            with torch.no_grad():
+                t.copy_(host)
+
+    in_layers = set()
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if id(p) in shared_ids:  # resident (used by two layers, or a layer and the rest): every rank
+                continue
+            in_layers.add(id(p))
+            if dp.owner(i) != 0 and dp.rank in (0, dp.owner(i)):
+                exchange(p.data, dp.owner(i))
+    for p in model.parameters():
+        if id(p) not in in_layers:
+            exchange(p.data, None)
+    for buf in model.buffers():
+        if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
+            exchange(buf, None)
 
 
 def _param_groups(model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
@@ -147,6 +182,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        self.dp = DataParallel(device)  # rank, world, layer ownership (dp.py); world 1: owns everything
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.compute_dtype, torch.float32)
         mt = config.megatrain
         # what crosses PCIe: the compute dtype, or the fp32 master itself (cast on the GPU) when asked
@@ -168,11 +204,14 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.block_name, layers = find_block_list(model)
         shared_ids = shared_parameter_ids(model, layers)  # used by two layers (or a layer and the rest): resident
         layouts = [build_layout(i, layer, group_of, shared_ids) for i, layer in enumerate(layers)]
+        if self.dp.active:  # every rank starts from rank 0's weights, as DeepSpeed's ZeRO-3 does
+            _sync_initial_weights(model, layers, self.dp, shared_ids)
         ga = config.gradient_accumulation_steps
         self.streams = make_streams(device)
         pin = device.type == "cuda"
         grad_dtype = torch.float32 if (mt.fp32_grad_landing or mt.stream_fp32_master) else None
-        self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype)
+        self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype,
+                                    owned=self.dp.owned_mask(len(layers)))
         # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
         # Its threads are placed (placement.py) on CUDA only: on the CPU the main thread computes the model itself
         self.placement = resolve_placement(mt.host_threads, device.index) if device.type == "cuda" else None
@@ -182,7 +221,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.opt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-adamw",
                                              initializer=apply_placement, initargs=(self.placement,))
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
-                                       num_slots=mt.num_slots, compute_dtype=compute_dtype)
+                                       num_slots=mt.num_slots, compute_dtype=compute_dtype, dp=self.dp)
         if mt.trace:
             self.executor.trace = []
         if mt.offload_activations:
@@ -207,7 +246,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin,
-                                       state_on_device=n_device > 0)
+                                       state_on_device=n_device > 0, dp=self.dp)
         # The module may be called without the engine (the HF Trainer evaluates ``trainer.model``; generate):
         # a module owning resident parameters refreshes their device copies first (a no-op when current).
         resident_ids = {id(p) for p in resident}
@@ -232,7 +271,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if settings is not None:
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
             self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
-                                config.loss_scaler, optimizer_worker=self.opt_worker)
+                                config.loss_scaler, optimizer_worker=self.opt_worker, dp=self.dp)
             self.optimizer.policy = SpeculationPolicy(mt.speculative_step, mt.speculation_backoff)
         self.lr_scheduler = None
         # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
@@ -343,6 +382,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         finally:
             self.executor.in_engine_backward = False
             self.executor.schedule.backward_finished()
+        if self.dp.active:  # the owners' accumulations ran on d2h after each reduce (executor._evacuate)
+            self.streams.wait(self.streams.compute(), self.streams.record(self.streams.d2h))
         self.resident.evacuate(self.worker, final)
         self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
         return loss
@@ -410,6 +451,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         budget = self._auto_budget_bytes()
         if budget is None:
             return
+        budget = self.dp.min_int(budget)  # every rank keeps the same layers (the collectives' order: dp.py)
         start, placed = budget, []
         if auto_state and self.optimizer is not None and not self.resident.on_device:
             need = self.resident.device_bytes()
@@ -423,6 +465,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             weights = max(l.numel for l in self.store.layouts) * ex.slots[0].buf.element_size()
             per_layer = int(ex.graph_bytes * 1.1) + weights  # 10% above the largest graph a recompute built
             n = min(len(self.store.layouts), max(0, budget) // per_layer) if ex.graph_bytes else 0
+            n = self.dp.min_int(n)
             ex.set_keep(n)
             budget -= n * per_layer
             placed.append(f"{n} of {len(self.store.layouts)} layers kept without recompute "
@@ -545,11 +588,20 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.executor.device_state.sync_to_host()
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy)."""
+        """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy). Data
+        parallel: a collective (every rank calls it); the layers other ranks own come over gloo, as copies."""
         self.sync_masters_to_host()
         out = {}
         prefix = self.block_name + "."
         for i, layout in enumerate(self.store.layouts):
+            if self.dp.active:  # from layer i's owner, one layer at a time
+                import torch.distributed as dist
+                flat = self.store.master_of(i) if self.store.owned[i] else torch.empty(layout.numel)
+                dist.broadcast(flat, src=self.dp.owner(i), group=self.dp.cpu_group)
+                for slot in layout.slots:
+                    start = slot.offset + (0 if slot.trainable else layout.n_train)
+                    out[f"{prefix}{i}.{slot.name}"] = flat[start:start + slot.numel].view(slot.shape)
+                continue
             for slot in layout.slots:
                 out[f"{prefix}{i}.{slot.name}"] = self.store.param_master(i, slot.name)
         names = {id(p): n for n, p in self.module.named_parameters()}
@@ -599,7 +651,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             raise RuntimeError(f"state does not match the model: wrong shapes {wrong[:5]}, missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]} (strict=False loads what matches; nothing was loaded)")
         for key, (i, slot) in layer_keys.items():
-            if key in state:
+            if key in state and store.owned[i]:  # data parallel: each rank writes the layers it holds
                 store.param_master(i, slot.name).copy_(state[key].reshape(slot.shape))
         for key, k in resident_keys.items():
             if key in state:
@@ -622,7 +674,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             by_name = dict(layer.named_parameters(remove_duplicate=False))
             for slot in self.store.layouts[i].slots:
                 mark_partitioned(by_name[slot.name], ParamHome(self, i, slot.name, None), slot.shape)
-                by_name[slot.name].ds_tensor = self.store.param_master(i, slot.name)
+                by_name[slot.name].ds_tensor = (self.store.param_master(i, slot.name) if self.store.owned[i]
+                                                else torch.empty(0))  # data parallel: another rank holds it
         for k, p in enumerate(self.resident.params):
             mark_partitioned(p, ParamHome(self, None, None, k), tuple(p.shape))
             p.ds_tensor = p.data
@@ -632,12 +685,29 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         ds = self.executor.device_state
         if home.layer is None:
             return self.resident.master[home.resident_index].detach().to("cpu", copy=True)
+        if self.dp.active:  # a collective, as DeepSpeed's GatheredParameters: the owner's master to every rank
+            import torch.distributed as dist
+            owned = self.store.owned[home.layer]
+            if owned and ds is not None and ds.owns(home.layer):
+                self.store.master_of(home.layer).copy_(ds.master_of(home.layer))
+            slot = next(s for s in self.store.layouts[home.layer].slots if s.name == home.name)
+            value = (self.store.param_master(home.layer, home.name).clone() if owned
+                     else torch.empty(slot.shape, dtype=torch.float32))
+            dist.broadcast(value, src=self.dp.owner(home.layer), group=self.dp.cpu_group)
+            return value
         if ds is not None and ds.owns(home.layer):
             self.store.master_of(home.layer).copy_(ds.master_of(home.layer))  # this layer only
         return self.store.param_master(home.layer, home.name).clone()
 
     def _write_master(self, home: ParamHome, value: torch.Tensor) -> None:
         self.synchronize()
+        if self.dp.active:  # GatheredParameters(modifier_rank=0): rank 0's value, on every rank / the owner
+            import torch.distributed as dist
+            value = value.detach().to("cpu", torch.float32, copy=True).contiguous()
+            dist.broadcast(value, src=0, group=self.dp.cpu_group)
+            if home.layer is not None and not self.store.owned[home.layer]:
+                self.executor.schedule.invalidate(home.layer)  # every rank: the slots' versions stay in step
+                return
         if home.layer is None:  # resident: fp32 master and the device copy the forward uses
             k = home.resident_index
             self.resident.master[k].copy_(value.reshape(self.resident.master[k].shape))

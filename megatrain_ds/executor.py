@@ -76,11 +76,12 @@ class StreamedLayers:
 
     def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], store: HostLayerStore,
                  device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, dp=None) -> None:
         if num_slots < 2:
             raise ValueError(f"megatrain.num_slots must be >= 2 for double buffering, got {num_slots}")
         self.layouts, self.store, self.device = layouts, store, device
         self.streams, self.worker = streams, worker
+        self.dp = dp if dp is not None and dp.active else None  # data parallel (dp.py); None: one process
         self.templates: list[nn.Module] = []
         self.template_of: list[int] = []
         by_signature: dict[tuple, int] = {}
@@ -179,22 +180,26 @@ class StreamedLayers:
             slot = self.keep_slots[i]
         else:
             slot = min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
-        self.schedule.wait_rewritten(i, self.timer)  # CPU-side wait for the optimizer's update of layer i
-        wire = self.store.wire_of(i)
         st = self.streams
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
-        owned = self.device_state is not None and self.device_state.owns(i)
-        if owned:
-            st.wait(st.h2d, self.schedule.device_ready[i])  # its GPU-side update (opt stream) is done
-        n = wire.numel()
-        with st.on(st.h2d), self.timer.span("h2d", st.h2d), _range("h2d", i):
-            if owned:  # device master: a cast, no PCIe
-                slot.buf[:n].copy_(self.device_state.master_of(i))
-            elif slot.stage is None:
-                slot.buf[:n].copy_(wire, non_blocking=True)
-            else:  # fp32 master over PCIe, cast to the compute dtype on the GPU (same stream: ordered)
-                slot.stage[:n].copy_(wire, non_blocking=True)
-                slot.buf[:n].copy_(slot.stage[:n])
+        n = self.layouts[i].numel
+        if self.store.owned[i]:  # data parallel: the owner's copy, then broadcast (below)
+            self.schedule.wait_rewritten(i, self.timer)  # CPU-side wait for the optimizer's update of layer i
+            wire = self.store.wire_of(i)
+            owned = self.device_state is not None and self.device_state.owns(i)
+            if owned:
+                st.wait(st.h2d, self.schedule.device_ready[i])  # its GPU-side update (opt stream) is done
+            with st.on(st.h2d), self.timer.span("h2d", st.h2d), _range("h2d", i):
+                if owned:  # device master: a cast, no PCIe
+                    slot.buf[:n].copy_(self.device_state.master_of(i))
+                elif slot.stage is None:
+                    slot.buf[:n].copy_(wire, non_blocking=True)
+                else:  # fp32 master over PCIe, cast to the compute dtype on the GPU (same stream: ordered)
+                    slot.stage[:n].copy_(wire, non_blocking=True)
+                    slot.buf[:n].copy_(slot.stage[:n])
+        if self.dp is not None:  # NCCL's stream runs it after h2d's queued work; h2d waits for it (dp.py)
+            with st.on(st.h2d), self.timer.span("comm", st.h2d), _range("broadcast", i):
+                self.dp.broadcast_layer(slot.buf[:n], i)
         slot.ready = st.record(st.h2d)
         self.schedule.loaded(i, slot.ready)
         slot.layer, slot.version, slot.free = i, self.version[i], None
@@ -357,6 +362,22 @@ class StreamedLayers:
         """D2H layer i's flat gradient; the host worker accumulates it and (if final) takes its norm."""
         st, store = self.streams, self.store
         first, final = self.schedule.first_landing(i), self.final_micro
+        if self.dp is not None:  # the mean over ranks, on layer i's owner (dp.py); d2h current: off compute
+            st.wait(st.d2h, st.record(st.compute()))
+            with st.on(st.d2h), self.timer.span("comm", st.d2h), _range("reduce", i):
+                self.dp.reduce_layer_grad(flat_grad, i)
+            if not store.owned[i]:  # nothing lands here; its squared norm is the owner's share of the sum
+                st.hand_over(flat_grad, st.d2h)
+                self.schedule.landing(i, _DONE_ZERO)
+                self._log("reduce", i, None)
+                return
+            with st.on(st.d2h):  # the owner's norm / accumulate / D2H follow the reduce on d2h, not compute
+                return self._land_local(i, flat_grad, first, final)  # (engine.backward joins d2h at the end)
+        return self._land_local(i, flat_grad, first, final)
+
+    def _land_local(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool) -> None:
+        """Layer i's (mean) gradient into its home: the GPU-held accumulator, or D2H and the host worker."""
+        st, store = self.streams, self.store
         slab = None  # a landing slab of the ring (GA > 1), returned to the ring by the fold
         if self.device_state is not None and self.device_state.owns(i):
             return self._accumulate_on_device(i, flat_grad, first, final)
@@ -448,10 +469,21 @@ class StreamedLayers:
     forward_calls = property(lambda self: self.schedule.forward_calls)
 
 
+_DONE_ZERO = None  # set below: a completed landing whose squared norm is 0.0 (a layer another rank owns)
+
+
 def _range(op: str, i: int):
     """A profiler range naming the phase and layer (``torch.profiler`` traces show the overlap; near-free when
     no profiler is recording)."""
     return torch.profiler.record_function(f"megatrain.{op}.L{i}")
+
+
+def _done_zero():
+    from .dp import done
+    return done(0.0)
+
+
+_DONE_ZERO = _done_zero()
 
 
 def _make_layer_forward(executor: StreamedLayers, index: int):

@@ -103,15 +103,19 @@ class HostLayerStore:
     """fp32 master, Adam moments, wire copy and gradients for every streamed layer."""
 
     def __init__(self, layouts: list[LayerLayout], wire_dtype: torch.dtype, grad_accum_fp32: bool,
-                 pin: bool, grad_dtype: torch.dtype | None = None) -> None:
+                 pin: bool, grad_dtype: torch.dtype | None = None, owned: list[bool] | None = None) -> None:
         self.layouts = layouts
         self.wire_dtype = wire_dtype
+        # Data parallel (dp.py): this process holds the state of the layers it owns only. A layer it does not own
+        # takes no bytes (its offsets are those of the next owned layer) and has no views (``_owned``).
+        self.owned = list(owned) if owned is not None else [True] * len(layouts)
         self.offsets: list[LayerOffsets] = []
         full = train = 0
-        for layout in layouts:
+        for layout, mine in zip(layouts, self.owned):
             self.offsets.append(LayerOffsets(full, train))
-            full += layout.numel
-            train += layout.n_train
+            if mine:
+                full += layout.numel
+                train += layout.n_train
         self.n_full, self.n_train = full, train
         self.regions: list[HostRegion] = []
         self.wire_is_master = wire_dtype == torch.float32
@@ -127,7 +131,7 @@ class HostLayerStore:
         home_dtype = (grad_dtype or wire_dtype) if self.grad_direct else torch.float32
         self.grad = host_buffer(train, home_dtype, pin and self.grad_direct, self.regions)
         self.grad.zero_()
-        self.max_train = max((l.n_train for l in layouts), default=0)
+        self.max_train = max((l.n_train for l, mine in zip(layouts, self.owned) if mine), default=0)
         self.ring: queue.Queue | None = None
         self.scratch = None
         if not self.grad_direct:
@@ -139,15 +143,22 @@ class HostLayerStore:
         weakref.finalize(self, _release_all, self.regions)
 
     # views ---------------------------------------------------------------------------------------
+    def _owned(self, i: int) -> None:
+        if not self.owned[i]:
+            raise KeyError(f"layer {i}'s host state is held by another rank (data parallel: see dp.py)")
+
     def master_of(self, i: int) -> torch.Tensor:
+        self._owned(i)
         o = self.offsets[i].full
         return self.master[o:o + self.layouts[i].numel]
 
     def wire_of(self, i: int) -> torch.Tensor:
+        self._owned(i)
         o = self.offsets[i].full
         return self.wire[o:o + self.layouts[i].numel]
 
     def train_slice(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        self._owned(i)
         o = self.offsets[i].train
         return flat[o:o + self.layouts[i].n_train]
 
@@ -155,8 +166,13 @@ class HostLayerStore:
         return self.train_slice(self.grad, i)
 
     def load_layer(self, i: int, layer: torch.nn.Module) -> None:
-        """Copy ``layer``'s weights into the master (and wire) and release the module's own storage."""
+        """Copy ``layer``'s weights into the master (and wire) and release the module's own storage (a layer
+        another rank owns: only released)."""
         by_name = dict(layer.named_parameters(remove_duplicate=False))
+        if not self.owned[i]:
+            for slot in self.layouts[i].slots:
+                release_storage(by_name[slot.name])
+            return
         master, layout = self.master_of(i), self.layouts[i]
         for slot in layout.slots:
             start = slot.offset + (0 if slot.trainable else layout.n_train)

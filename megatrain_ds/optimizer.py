@@ -37,8 +37,9 @@ class ResidentParams:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], group_of: dict[int, int], device: torch.device,
-                 compute_dtype: torch.dtype, streams, pin: bool, state_on_device: bool = False) -> None:
+                 compute_dtype: torch.dtype, streams, pin: bool, state_on_device: bool = False, dp=None) -> None:
         self.params, self.group_of, self.device, self.streams = params, group_of, device, streams
+        self.dp = dp if dp is not None and dp.active else None  # data parallel: replicated, gradients averaged
         self.on_device = state_on_device
         state = device if state_on_device else torch.device("cpu")
         self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.wire, self.landing = [], [], [], [], [], []
@@ -97,6 +98,8 @@ class ResidentParams:
             if self.grad[k] is None:  # requires grad but not in any optimizer group: not trained
                 p.grad = None
                 continue
+            if self.dp is not None:  # every rank holds the same gradient from here on: the mean (dp.py)
+                self.dp.mean_grad(p.grad)
             first = not self.has_grad[k]
             self.has_grad[k] = True
             if self.on_device:
@@ -193,12 +196,13 @@ class HostAdamW(torch.optim.Optimizer):
         return self.cur_scale
 
     def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor, clip: float,
-             scaler=None, optimizer_worker: ThreadPoolExecutor | None = None) -> None:
+             scaler=None, optimizer_worker: ThreadPoolExecutor | None = None, dp=None) -> None:
         """``worker``: the landing thread (gradient folds, squared norms, the norm task); ``optimizer_worker``:
         the AdamW thread (speculative updates, then the step's update tasks). Two threads so the norm is known
         as soon as the last gradient lands, not after the speculative updates queued before it (the host
         AdamW of a 3B step takes longer than its backward without recompute)."""
         self.executor, self.resident, self.worker, self.clip = executor, resident, worker, float(clip)
+        self.dp = dp if dp is not None and dp.active else None  # data parallel: the norm is summed over ranks
         self.opt_worker = optimizer_worker or worker
         self._closing: Future | None = None  # the last step's close task (speculation accounting)
         self.scaler = scaler  # fp16 LossScaler: grads arrive multiplied by its scale
@@ -308,8 +312,10 @@ class HostAdamW(torch.optim.Optimizer):
         self.worker.submit(lambda: None).result()  # the landings queued so far have run (and queued their updates)
         spec.closed = True  # updates queued but not started are dropped
         self.opt_worker.submit(undo_all).result()
-        for i in spec.done:
-            self.executor.schedule.invalidate(i)  # a slot loaded meanwhile would hold the rolled-forward weights
+        # a slot loaded meanwhile would hold the rolled-forward weights; data parallel: every layer on every rank
+        # (the ranks' slots stay in step, and the owners' broadcasts bring the rolled-back bytes; dp.py)
+        for i in (spec.done if self.dp is None else range(len(self.executor.layouts))):
+            self.executor.schedule.invalidate(i)
         if spec.done or spec.resident_done:
             self.policy.rolled_back += 1
 
@@ -405,7 +411,9 @@ class HostAdamW(torch.optim.Optimizer):
             if layer_has[i]:
                 ex.schedule.rewrite(i, self.opt_worker.submit(self._device_task, i, hp, norm, ex.backward_done))
         for i in host:
-            if layer_has[i]:
+            if layer_has[i] and not ex.store.owned[i]:  # another rank updates it: the slot copy goes stale
+                ex.schedule.rewrite(i, norm)  # (its owner's broadcast, after its update, brings the new bytes)
+            elif layer_has[i]:
                 ex.schedule.rewrite(i, self.opt_worker.submit(self._layer_task, i, hp, norm, spec))
         self._closing = self.opt_worker.submit(self._close_task, norm, spec)  # after every update task (FIFO)
         res.has_grad = [False] * len(res.params)
@@ -422,15 +430,19 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _norm(self, layer_sq, res_sq, layer_has, res_has, scale, hp, spec):
         total = 0.0
+        owned = self.executor.store.owned
+        counted = self.dp is None or self.dp.rank == 0  # replicated resident gradients: counted once
         for futures, has, grads in ((layer_sq, layer_has, None), (res_sq, res_has, self.resident.grad)):
             for k, fut in enumerate(futures):
-                if not has[k]:
+                if not has[k] or (grads is None and not owned[k]) or (grads is not None and not counted):
                     continue
                 sq = fut.result()
                 if sq is None:  # the window's boundary was moved after its backward: norm it now
                     g = grads[k] if grads is not None else self._layer_grad(k)
                     sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2  # rare: slow is ok
                 total += sq
+        if self.dp is not None:  # every rank's share: one all-reduce of a scalar (gloo, this thread's group)
+            total = self.dp.sum_norm(total)
         norm = math.sqrt(total) / scale  # of the unscaled gradients
         overflow = not math.isfinite(norm)
         self.skip_message, self.step_error = (SKIP_MESSAGE if overflow else None), None
@@ -461,7 +473,9 @@ class HostAdamW(torch.optim.Optimizer):
         stepped during the backward is known only now) and the policy's record of this step."""
         norm_future.result()
         rolled_back = False
-        if spec is not None and (spec.done or spec.resident_done):
+        # data parallel: whether this rank stepped a layer early is its own timing; the policy (which decides the
+        # next speculation, hence which slots a rollback invalidates) must agree across ranks: any open one counts
+        if spec is not None and (spec.done or spec.resident_done or self.dp is not None):
             self.policy.speculated += 1
             rolled_back = not spec.commit
             self.policy.rolled_back += int(rolled_back)

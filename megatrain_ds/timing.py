@@ -23,7 +23,7 @@ class StepTimer:
     def __init__(self, streams, enabled: bool) -> None:
         self.streams, self.enabled = streams, enabled
         self.cuda = streams.kind == "cuda"
-        self.spans: dict[str, list] = {"h2d": [], "d2h": [], "compute": []}
+        self.spans: dict[str, list] = {"h2d": [], "d2h": [], "compute": [], "comm": []}
         # host spans: optimizer updates after the norm, speculative updates during the backward, rollbacks
         self.host = {"optimizer_s": 0.0, "landing_s": 0.0, "wait_for_optimizer_s": 0.0, "speculative_s": 0.0,
                      "rollback_s": 0.0}
@@ -91,7 +91,7 @@ class StepTimer:
             host = dict(self.host)
             for key in self.host:
                 self.host[key] = 0.0
-        self.last = {"step_s": wall, "h2d_s": h2d, "compute_s": compute, "d2h_s": d2h,
+        self.last = {"step_s": wall, "h2d_s": h2d, "compute_s": compute, "d2h_s": d2h, "comm_s": self._sum("comm"),
                      "cpu_optimizer_s": host["optimizer_s"], "cpu_grad_landing_s": host["landing_s"],
                      "wait_for_optimizer_s": host["wait_for_optimizer_s"],
                      "cpu_speculative_optimizer_s": host["speculative_s"], "cpu_rollback_s": host["rollback_s"],
@@ -105,7 +105,9 @@ class StepTimer:
             return "(no complete step yet)"
         idle = "n/a" if b.get("gpu_idle_s") is None else f"{b['gpu_idle_s']*1e3:.0f}"
         return (f"step {b['step_s']*1e3:.0f} ms | compute {b['compute_s']*1e3:.0f} | "
-                f"H2D {b['h2d_s']*1e3:.0f} | D2H {b['d2h_s']*1e3:.0f} | CPU optim {b['cpu_optimizer_s']*1e3:.0f} "
+                f"H2D {b['h2d_s']*1e3:.0f} | D2H {b['d2h_s']*1e3:.0f} | "
+                + (f"collectives {b['comm_s']*1e3:.0f} | " if b.get("comm_s") else "")
+                + f"CPU optim {b['cpu_optimizer_s']*1e3:.0f} "
                 f"(+{b.get('cpu_speculative_optimizer_s', 0)*1e3:.0f} during backward) "
                 f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms"
                 + (f" | speculated {b['speculated_steps']} rolled back {b['rolled_back_steps']}"

@@ -106,10 +106,25 @@ def test_world_of_one_is_idempotent_and_a_second_engine_works():
 
 
 # ---------------------------------------------------------------- 2. several processes: refused
-def test_world_size_above_one_is_a_clear_error(monkeypatch):
+def test_world_size_above_one_without_a_launcher_is_a_clear_error(monkeypatch):
+    """WORLD_SIZE 2 set by hand, no launcher's rendezvous: the error names what is missing (no hang): MASTER_ADDR,
+    or, when an earlier test left a process group of one, the mismatch with WORLD_SIZE."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(NotImplementedError, match=r"data parallelism .* not implemented.*Launch one process"):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises((ValueError, RuntimeError), match="MASTER_ADDR|WORLD_SIZE is 2"):
         megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config={**BASE, "optimizer": ADAMW})
+
+
+def test_batch_triple_uses_the_world_size():
+    """train_batch_size = micro x GA x world, as DeepSpeed: a triple that holds for one process only names the
+    world size."""
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    assert parse_config(cfg, world_size=1).train_batch_size == 4
+    with pytest.raises(ConfigError, match="world size 2"):
+        parse_config(cfg, world_size=2)
+    c = parse_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, world_size=2)
+    assert (c.micro_batch_size, c.gradient_accumulation_steps) == (2, 2)
 
 
 # ---------------------------------------------------------------- 3. defaults from the installed DeepSpeed

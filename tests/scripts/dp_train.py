@@ -1,0 +1,106 @@
+"""A DeepSpeed-style training script for the data-parallel tests: the same global batches whatever the world size.
+
+    torchrun --nproc_per_node 2 dp_train.py --out run.json --ga 1      # 2 ranks, micro-batch M each
+    python dp_train.py --out run.json --ga 2                            # 1 process, GA 2: the same global batch
+
+Every optimizer step consumes ``world * ga`` micro-batches drawn from one seeded generator; rank r's k-th
+micro-batch of a step is global micro-batch ``k * world + r``. Losses are recorded by global index (gathered
+to rank 0), with the step's learning rate and global grad norm; the final fp32 weights (full, every rank's
+layers) go to ``--out``'s ``.pt`` twin. ``--engine deepspeed`` runs real DeepSpeed (ZeRO-3, CPU offload).
+"""
+import argparse
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+import transformers
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--engine", choices=["megatrain", "deepspeed"], default="megatrain")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ga", type=int, default=1)
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--tied", action="store_true")
+    parser.add_argument("--save", default=None, help="save a checkpoint here after --save-at steps")
+    parser.add_argument("--save-at", type=int, default=2)
+    parser.add_argument("--load", default=None, help="resume from this checkpoint folder first")
+    parser.add_argument("--mt", default="{}", help="megatrain_ds's own config block (JSON)")
+    args = parser.parse_args()
+    if args.engine == "deepspeed":
+        import deepspeed
+    else:
+        import megatrain_ds as deepspeed
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      tie_word_embeddings=args.tied)
+    model = transformers.Qwen2ForCausalLM(config)
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.ga,
+        "train_batch_size": args.micro * args.ga * world, "steps_per_print": 1000, "gradient_clipping": args.clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-6,
+                                                  "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
+                                                     "warmup_num_steps": 2}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                              "offload_optimizer": {"device": "cpu"}},
+    }
+    if args.engine == "megatrain" and json.loads(args.mt):
+        ds_config["megatrain"] = json.loads(args.mt)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert engine.train_batch_size() == args.micro * args.ga * world
+    start = 0
+    if args.load:
+        engine.load_checkpoint(args.load)
+        start = engine.global_steps
+    gen = torch.Generator().manual_seed(1)
+    record = {"loss": {}, "lr": [], "grad_norm": [], "world": world}
+    for step in range(args.steps):
+        batches = [torch.randint(0, 256, (args.micro, 16), generator=gen) for _ in range(world * args.ga)]
+        if step < start:
+            continue
+        for k in range(args.ga):
+            index = k * world + rank
+            ids = batches[index].to(engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses = [None] * world
+            dist.all_gather_object(losses, (step * world * args.ga + k * world + rank, loss.item()))
+            record["loss"].update({str(i): v for i, v in losses})
+        record["lr"].append(engine.get_lr()[0])
+        record["grad_norm"].append(float(engine.get_global_grad_norm()))
+        if args.save and step + 1 == args.save_at:
+            engine.save_checkpoint(args.save)
+    if args.engine == "deepspeed":
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    else:
+        weights = {n: t.clone() for n, t in engine.master_state_dict().items()}
+    digest = hashlib.sha256(b"".join(weights[n].numpy().tobytes() for n in sorted(weights))).hexdigest()
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)
+    record["digests"] = digests
+    if args.engine == "megatrain":  # host elements per rank: each holds the layers it owns only (dp.py)
+        held = [None] * world
+        dist.all_gather_object(held, (engine.store.n_full, sum(l.numel for l in engine.store.layouts)))
+        record["host_elements"] = held
+    if rank == 0:
+        torch.save(weights, args.out + ".pt")
+        with open(args.out, "w") as f:
+            json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()
