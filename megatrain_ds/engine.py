@@ -214,7 +214,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                     owned=self.dp.owned_mask(len(layers)))
         # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
         # Its threads are placed (placement.py) on CUDA only: on the CPU the main thread computes the model itself
-        self.placement = resolve_placement(mt.host_threads, device.index) if device.type == "cuda" else None
+        # (data parallel: each local rank within its own share of the host's cores)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.dp.world) or 1) if self.dp.active else 1
+        self.placement = resolve_placement(mt.host_threads, device.index, local_rank=self.local_rank,
+                                           local_world=local_world) if device.type == "cuda" else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host",
                                          initializer=apply_placement, initargs=(self.placement,))
         # and the AdamW thread (speculative and post-norm updates; see HostAdamW.bind)

@@ -366,8 +366,10 @@ class StreamedLayers:
             st.wait(st.d2h, st.record(st.compute()))
             with st.on(st.d2h), self.timer.span("comm", st.d2h), _range("reduce", i):
                 self.dp.reduce_layer_grad(flat_grad, i)
+            # d2h reads it from here on (the mean, the accumulate, the norm, the D2H): the caching allocator must
+            # not hand its block to compute before d2h is done with it
+            st.hand_over(flat_grad, st.d2h)
             if not store.owned[i]:  # nothing lands here; its squared norm is the owner's share of the sum
-                st.hand_over(flat_grad, st.d2h)
                 self.schedule.landing(i, _DONE_ZERO)
                 self._log("reduce", i, None)
                 return

@@ -255,11 +255,36 @@ def parse_setting(setting) -> int | str:
     raise ValueError(f'{SETTING} must be "auto", "off" or a thread count >= 1, got {setting!r}')
 
 
+def share_between_local_ranks(topology: dict, node_of_rank: list[int | None], local_rank: int) -> dict:
+    """Data parallel (several ranks on one host): this rank's share of the host's cores, disjoint from the other
+    local ranks' (each runs its own host AdamW). Ranks whose GPUs sit on the same NUMA node split that node's
+    physical cores (with their SMT siblings) into equal contiguous parts; a rank's topology then holds its part
+    only, so no thread count spills onto a neighbour's cores. Ranks whose GPU node is unknown split the node with
+    the most cores."""
+    nodes, siblings = topology["nodes"], topology.get("siblings") or {}
+    biggest = max(nodes, key=lambda n: (len(nodes[n]), -n))
+    home = [n if n is not None and nodes.get(n) else biggest for n in node_of_rank]
+    node = home[local_rank]
+    peers = [r for r, n in enumerate(home) if n == node]
+    leaders, seen = [], set()
+    for c in nodes[node]:
+        if c not in seen:
+            group = [x for x in siblings.get(c, (c,)) if x in nodes[node]] or [c]
+            seen.update(group)
+            leaders.append(group)
+    k, j = len(peers), peers.index(local_rank)
+    lo, hi = j * len(leaders) // k, (j + 1) * len(leaders) // k
+    mine = sorted(c for group in leaders[lo:hi] for c in group) or nodes[node][:1]
+    return {**topology, "nodes": {node: mine}}
+
+
 def resolve(setting="auto", device_index: int | None = None, topology: dict | None = None,
-            reserve_main: int = 1) -> Placement | None:
+            reserve_main: int = 1, local_rank: int = 0, local_world: int = 1) -> Placement | None:
     """``megatrain.host_threads``: "auto" (default; plan as above), "off" (touch nothing: None), or a thread
     count >= 1. Call on the main thread. Anything else raises ValueError; a host where the topology cannot be
-    read warns once and returns None (training goes on unplaced)."""
+    read warns once and returns None (training goes on unplaced). ``local_world`` > 1 (data parallel): this
+    rank plans within its share of the host (``share_between_local_ranks``; GPU i is local rank i's), unless the
+    launcher bound the process to some cores already (its affinity is then its share)."""
     threads = parse_setting(setting)
     if threads == "off":
         return None
@@ -272,6 +297,10 @@ def resolve(setting="auto", device_index: int | None = None, topology: dict | No
             device_index = torch.cuda.current_device()
         if device_index is not None:
             node = gpu_numa_node(device_index)
+        if local_world > 1 and len(_usable_cpus()) >= (os.cpu_count() or 1):  # not bound to a share by the
+            others = [gpu_numa_node(r) if r < torch.cuda.device_count() else None for r in range(local_world)]
+            others[local_rank] = node
+            topo = share_between_local_ranks(topo, others, local_rank)
         return plan_placement(topo, node, reserve_main=reserve_main, threads=threads)
     except Exception as exc:  # noqa: BLE001 - placement is an optimisation, never a reason to stop
         _warn_once("plan", f"could not plan host thread placement ({type(exc).__name__}: {exc})")

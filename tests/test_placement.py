@@ -223,3 +223,24 @@ def test_openmp_threads_inherit_the_worker_mask():
     finally:
         worker.shutdown()
         torch.set_num_threads(threads_before)
+
+
+def test_local_ranks_get_disjoint_shares_of_the_host():
+    """Data parallel: two ranks whose GPUs share a NUMA node split its physical cores (SMT siblings follow their
+    core); ranks on different nodes keep their node; the plans never overlap."""
+    from megatrain_ds.placement import plan_placement, share_between_local_ranks
+
+    # one node, 8 physical cores 0-7 with siblings 8-15
+    topo = {"nodes": {0: list(range(16))}, "siblings": {c: (c % 8, c % 8 + 8) for c in range(16)}}
+    shares = [share_between_local_ranks(topo, [0, 0], r)["nodes"][0] for r in (0, 1)]
+    assert shares == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    plans = [plan_placement(share_between_local_ranks(topo, [0, 0], r), 0) for r in (0, 1)]
+    assert [p.main_cores for p in plans] == [(0,), (4,)]
+    assert [p.cores for p in plans] == [(1, 2, 3), (5, 6, 7)]
+    cores = [set(p.cores) | set(p.main_cores) for p in plans]
+    assert not cores[0] & cores[1]
+    # two nodes, one GPU on each: each rank keeps its own node whole
+    two = {"nodes": {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}, "siblings": {}}
+    assert share_between_local_ranks(two, [0, 1], 1)["nodes"] == {1: [4, 5, 6, 7]}
+    # unknown GPU nodes: the biggest node is split
+    assert share_between_local_ranks(two, [None, None], 1)["nodes"] == {0: [2, 3]}
