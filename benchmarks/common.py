@@ -96,9 +96,11 @@ def micro_batch_for(tokens_per_step: int, seq: int) -> int:
     return max(1, int(tokens_per_step) // int(seq))
 
 
-def make_batches(vocab: int, micro_batch: int, seq: int, n: int, seed: int) -> list[torch.Tensor]:
-    """``n`` CPU int64 tensors of shape (micro_batch, seq) holding seeded random token ids in [0, vocab)."""
-    gen = torch.Generator().manual_seed(seed)
+def make_batches(vocab: int, micro_batch: int, seq: int, n: int, seed: int, rank: int = 0) -> list[torch.Tensor]:
+    """``n`` CPU int64 tensors of shape (micro_batch, seq) holding seeded random token ids in [0, vocab).
+
+    ``rank``: a data-parallel rank's own micro-batches (rank 0 gets the one-process data)."""
+    gen = torch.Generator().manual_seed(seed + 1_000_003 * int(rank))
     return [torch.randint(0, vocab, (micro_batch, seq), generator=gen) for _ in range(n)]
 
 
@@ -190,20 +192,43 @@ def print_step_progress(done: int, total: int, seconds: float) -> None:
     print(f"{PROGRESS_TAG} {done} {total} {seconds:.4f}", flush=True)
 
 
+def data_rank() -> int:
+    """This process's data-parallel rank (0 without a launcher, or in a world of one)."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else 0
+
+
+def step_barrier():
+    """A callable that waits for every rank (a gloo group of its own, so it never queues behind the systems'
+    NCCL work), or None in one process. Every rank must call this at the same point (it makes a group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    group = dist.new_group(backend="gloo")
+    return lambda: dist.barrier(group=group)
+
+
 def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], warmup: int,
             device: str) -> tuple[list[float], list[float], list[float]]:
     """Run ``step`` on every batch; return (warm-up step times s, measured step times s, losses).
 
     Each step is timed with time.perf_counter between device synchronisations; the batch is moved to
     ``device`` before the clock starts. Losses are read after the clock stops.
+    Data parallel (several ranks): every rank starts each step after a barrier and ends it with its device sync
+    and a barrier, so each rank's step time is the slowest rank's (h2h reports rank 0's).
     """
+    barrier = step_barrier()
     warm_times, times, losses = [], [], []
     for i, cpu_batch in enumerate(batches):
         batch = cpu_batch.to(device, non_blocking=False)
         sync(device)
+        if barrier:
+            barrier()
         t0 = time.perf_counter()
         loss = step(batch)
         sync(device)
+        if barrier:
+            barrier()
         elapsed = time.perf_counter() - t0
         (warm_times if i < warmup else times).append(elapsed)
         losses.append(float(loss.detach().float().item()))

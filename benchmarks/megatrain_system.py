@@ -22,9 +22,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import megatrain_ds
-from benchmarks.common import (LIGER_KERNELS, OPTIMIZER, cleanup, count_params, h2h_clip, is_oom, liger_importable,
-                               make_batches, measure, micro_batch_for, reset_memory_stats, result_dict,
-                               settings_dict)
+from benchmarks.common import (LIGER_KERNELS, OPTIMIZER, cleanup, count_params, data_rank, h2h_clip, is_oom,
+                               liger_importable, make_batches, measure, micro_batch_for, reset_memory_stats,
+                               result_dict, settings_dict)
 
 ENGINE_RECOMPUTE = ("megatrain_ds recompute of each streamed layer in its backward, except the kept layers "
                     "(keep_activations; count in kept_layers)")
@@ -113,6 +113,12 @@ def _engine_facts(engine) -> dict:
     facts["gpu_optimizer_layers_used"] = int(hi - lo) if state is not None else 0
     facts["kept_layers"] = len(getattr(getattr(engine, "executor", None), "keep", ()))  # no recompute for these
     facts["resident_state_on_gpu"] = bool(getattr(getattr(engine, "resident", None), "on_device", False))
+    placement = getattr(engine, "placement", None)  # the host optimizer's threads and cores (per rank under DP)
+    if placement is not None and hasattr(placement, "describe"):
+        facts["host_placement"] = placement.describe()
+    owned = getattr(getattr(engine, "store", None), "owned", None)  # data parallel: the layers this rank holds
+    if owned is not None:
+        facts["owned_layers"] = f"{sum(bool(o) for o in owned)}/{len(owned)}"
     try:  # share of the parameters whose optimizer state is on the GPU: those layers + the resident ones with them
         on_gpu = 0 if state is None else int(state.full1 - state.full0) + sum(
             t.numel() for t in engine.resident.master if t is not None and t.device.type != "cpu")
@@ -154,7 +160,7 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
                 breakdowns.append(dict(engine.last_step_breakdown()))
             return loss
 
-        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps + 1, seed)
+        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps + 1, seed, rank=data_rank())
         warm, times, losses = measure(step, batches, warmup, device)
         # measure() times each step; the breakdown of step k is read at the start of step k+1
         breakdown = _median_breakdown(breakdowns[warmup:]) if len(breakdowns) > warmup else {}

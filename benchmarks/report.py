@@ -4,7 +4,10 @@
     python -m benchmarks.report DIR --depth-plot depth.png --tokens 16384   # also TFLOPS vs layers
 
 Rows are grouped by tokens per step and depth; each row's ratios are against the ``zero3`` and ``resident``
-rows of the same tokens per step and number of layers. Units: tokens/s, TFLOPS (ANCHORS formula), GB = 1e9 bytes.
+rows of the same tokens per step and number of layers. A folder with data-parallel runs (h2h ``--gpus N``) gets
+benchmarks.multi_gpu's tables instead: grouped by GPUs too, tokens/s summed over ranks, TFLOPS per GPU, host
+memory summed over the ranks, and megatrain's N-GPU / 1-GPU scaling. Units: tokens/s, TFLOPS (ANCHORS formula),
+GB = 1e9 bytes.
 Below the tables, one line per run with its recorded settings (kernels, loss, precision, optimizer, clip, steps,
 checkpointing, optimizer offload, megatrain options).
 """
@@ -14,6 +17,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 
 
@@ -22,7 +26,7 @@ def load(folder: str) -> list[dict]:
     possibly renamed, e.g. ``16k_zero3.json``); a run is named after its file, or after its h2h tag."""
     rows = []
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-        if path.endswith(".ds_config.json"):
+        if path.endswith(".ds_config.json") or re.search(r"\.rank\d+\.json$", path):  # a config; one rank's part
             continue
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -115,6 +119,9 @@ def settings_line(row: dict) -> str:
         parts.append(layers)
         if s.get("megatrain_options"):
             parts.append("options " + json.dumps(s["megatrain_options"], sort_keys=True))
+    if s.get("ranks"):  # data parallel (h2h --gpus N): rank 0's settings, and how the ranks ran
+        parts.append(f"{s['ranks']} ranks: {s.get('data_parallel')}; rank 0 on cpus {s.get('rank_cpus')}, "
+                     f"OMP_NUM_THREADS {s.get('omp_num_threads')}")
     return f"- {name}: " + " · ".join(parts)
 
 
@@ -129,9 +136,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=16384, help="the tokens/step of the runs in the depth plot")
     args = p.parse_args(argv)
     rows = load(args.folder)
-    print(throughput_table(rows))
-    print()
-    print(breakdown_table(rows))
+    if any(int(r.get("gpus", 1)) > 1 for r in rows):  # h2h --gpus N runs: the data-parallel tables
+        from benchmarks import multi_gpu
+
+        print(multi_gpu.throughput_table(rows))
+        print()
+        print(multi_gpu.scaling_lines(rows))
+        print()
+        print(multi_gpu.breakdown_table([r for r in rows if r.get("status") == "ok"]))
+    else:
+        print(throughput_table(rows))
+        print()
+        print(breakdown_table(rows))
     print()
     print(settings_lines(rows))
     if args.depth_plot:

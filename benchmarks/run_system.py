@@ -8,6 +8,11 @@ Usage:
 A driver runs each system in its own subprocess so that memory peaks and allocator state do not leak
 between systems. For zero3 the DeepSpeed config is also written to ``OUT.ds_config.json``. Exit code 0
 for status "ok" or "oom"; 1 (with status "error" in the JSON) for any other failure.
+
+Data parallel (``h2h --gpus N``): torchrun starts this module N times (WORLD_SIZE = N); each rank uses GPU
+LOCAL_RANK, trains on its own micro-batches, writes ``OUT.rank<r>.json`` (benchmarks.multi_gpu.rank_json) and
+prints progress on rank 0 only. A rank that is not "ok" (an OOM too) exits 1, so that torchrun stops the other
+ranks instead of leaving them waiting in a collective.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import traceback
 import warnings
 
 from benchmarks import common
+from benchmarks.multi_gpu import bind_rank, dist_env, rank_json
 from benchmarks.shapes import SHAPES, make_config
 from benchmarks.systems import run_resident, run_zero3
 
@@ -41,6 +47,15 @@ except Exception:  # noqa: BLE001 - any import failure just disables this one sy
     MEGATRAIN_IMPORT_ERROR = traceback.format_exc()
 else:
     SYSTEMS["megatrain"] = run_megatrain
+
+
+# How each system runs over N ranks (recorded in its settings under "data_parallel" when WORLD_SIZE > 1)
+DATA_PARALLEL = {
+    "megatrain": "megatrain_ds data parallel: layer i's host state on rank i % N, weights broadcast and gradients "
+                 "reduced per layer (megatrain_ds/dp.py), resident parameters all-reduced",
+    "zero3": "DeepSpeed ZeRO-3 over N ranks: parameters, gradients and optimizer state partitioned, CPU offload",
+    "resident": "torch DDP over N ranks (gradient_as_bucket_view), gradients averaged; whole model on every GPU",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,7 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.system not in SYSTEMS:
         sys.stderr.write(f"system {args.system!r} unavailable:\n{MEGATRAIN_IMPORT_ERROR}\n")
         return 2
-    if args.progress:
+    rank, local_rank, world = dist_env()
+    cpus = bind_rank(rank) if world > 1 else None  # h2h --bind-cores: before any thread pool exists
+    if world > 1 and args.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank)  # before any CUDA work: every system's "cuda" is this rank's GPU
+    if args.progress and rank == 0:
         common.STEP_PROGRESS = common.print_step_progress
     t0 = time.perf_counter()
     try:
@@ -123,15 +144,39 @@ def main(argv: list[str] | None = None) -> int:
         res = {"system": args.system, "model": args.model, "layers": config.num_hidden_layers,
                "tokens_per_step": args.tokens_per_step, "device": args.device, "status": "error",
                "error": traceback.format_exc()}
-        sys.stderr.write(res["error"])
+        sys.stderr.write(f"[rank {rank}] " * (world > 1) + res["error"])
     res["process_wall_s"] = time.perf_counter() - t0  # build + warm-up + measured steps (s)
     recorded = sys.argv[1:] if argv is None else list(argv)
     res.setdefault("argv", [os.path.basename(a) if a == args.json else a for a in recorded])  # no machine paths
-    write_json(args.json, res)
-    if "ds_config" in res:
+    path = args.json
+    if world > 1:
+        res.update(rank=rank, world_size=world)
+        if isinstance(res.get("settings"), dict):
+            res["settings"].update(ranks=world, data_parallel=DATA_PARALLEL[args.system],
+                                   omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                                   rank_cpus=cpus or "not bound")
+        path = rank_json(args.json, rank)
+    write_json(path, res)
+    if "ds_config" in res and rank == 0:
         write_json(os.path.splitext(args.json)[0] + ".ds_config.json", res["ds_config"])
-    print(summary_line(res), flush=True)
+    print(("" if world == 1 else f"[rank {rank}/{world}] ") + summary_line(res), flush=True)
+    if world > 1:
+        _leave_process_group(res.get("status") == "ok")
+        return 0 if res.get("status") == "ok" else 1
     return 0 if res.get("status") in ("ok", "oom") else 1
+
+
+def _leave_process_group(ok: bool) -> None:
+    """Data parallel: leave the launcher's process group cleanly after a good run (a failed rank exits at once:
+    its peers may be stuck in a collective, and torchrun stops them on its exit code)."""
+    import torch.distributed as dist
+
+    if ok and dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - the result is written; only the teardown failed
+            sys.stderr.write(f"process group teardown: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.common import (HF_CHECKPOINTING, LIGER_KERNELS, OPTIMIZER, apply_hf_liger, cleanup, count_params,
-                               enable_hf_checkpointing, h2h_clip, is_oom, make_batches, measure, micro_batch_for,
-                               reset_memory_stats, result_dict, set_single_process_env, settings_dict)
+                               data_rank, enable_hf_checkpointing, h2h_clip, is_oom, make_batches, measure,
+                               micro_batch_for, reset_memory_stats, result_dict, set_single_process_env,
+                               settings_dict)
 
 HF_LOSS = "HF ForCausalLMLoss (full logits, torch cross-entropy)"
 LIGER_LOSS = "liger fused linear cross-entropy (no logits)"
@@ -61,6 +62,9 @@ def run_resident(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, 
     ``tokens_per_step`` (tokens) is rounded down to a multiple of ``seq`` (tokens per sequence); one
     micro-batch per step. On device "cpu" autocast is off (plain fp32): CPU bf16 autocast is slow and
     is not what the GPU baseline measures; the CPU path exists only as a smoke test.
+    Under a launcher with WORLD_SIZE > 1 (h2h --gpus N) the model is wrapped in torch DDP (gradients averaged over
+    the ranks, ``gradient_as_bucket_view`` so the buckets are the gradients: no second copy), each rank on its
+    own micro-batch: plain data parallel, the whole-on-GPU bound for N GPUs.
     """
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
@@ -73,6 +77,7 @@ def run_resident(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, 
     try:
         model, optimizer = _build_resident(config, device, seed, liger)
         n_params = count_params(model)
+        train_model = _data_parallel(model, device)
         params = [p for p in model.parameters() if p.requires_grad]
         group = optimizer.param_groups[0]  # what the optimizer really got
         settings.update(lr=group["lr"], weight_decay=group["weight_decay"], betas=list(group["betas"]),
@@ -80,14 +85,14 @@ def run_resident(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, 
 
         def step(input_ids: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=use_amp):
-                loss = model(input_ids=input_ids, labels=input_ids).loss
+                loss = train_model(input_ids=input_ids, labels=input_ids).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss
 
-        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps, seed)
+        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps, seed, rank=data_rank())
         warm, times, losses = measure(step, batches, warmup, device)
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
         if not is_oom(exc):
@@ -97,6 +102,24 @@ def run_resident(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, 
                            status="oom", error=str(exc)[:4000], settings=settings)
     return result_dict("resident", config, layers, micro_batch, seq, device, n_params, warm, times, losses,
                        precision=settings["precision"], settings=settings)
+
+
+def _data_parallel(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """``model`` itself in one process; under a launcher (WORLD_SIZE > 1) wrapped in DDP over the launcher's
+    process group (NCCL on CUDA, gloo on CPU), created here if the launcher left none."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return model
+    cuda = device.startswith("cuda")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None,
+                                   gradient_as_bucket_view=True)
 
 
 def zero3_ds_config(config, micro_batch: int, device: str = "cuda", gpu_optimizer_fraction: float = 0.0) -> dict:
@@ -224,6 +247,7 @@ def run_zero3(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, war
         engine, holder = _build_zero3(config, ds_config, seed, liger)
         n_params = count_params(engine.module)
         settings["gpu_optimizer_share"] = _gpu_optimizer_share(engine) if gpu_optimizer_fraction > 0 else 0.0
+        settings["dp_world_size"] = int(getattr(engine, "dp_world_size", 1))  # ranks DeepSpeed partitions over
         run_device = str(engine.device) if device.startswith("cuda") else "cpu"
 
         def step(input_ids: torch.Tensor) -> torch.Tensor:
@@ -232,7 +256,7 @@ def run_zero3(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, war
             engine.step()
             return loss
 
-        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps, seed)
+        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps, seed, rank=data_rank())
         warm, times, losses = measure(step, batches, warmup, run_device)
         del holder
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
