@@ -1,11 +1,16 @@
 """What ``MEGATRAIN_DS=1`` changes in the real ``deepspeed`` package, right after it is imported, and why.
 
-- ``deepspeed.initialize`` -> ``initialize`` below: megatrain_ds's, for one process, printing the engine line.
-  Reached through accelerate's ``_prepare_deepspeed`` (the HF Trainer prepares through accelerate too).
+- ``deepspeed.initialize`` -> ``initialize`` below: megatrain_ds's, printing the engine line (on each rank: every
+  rank is a process of its own). Reached through accelerate's ``_prepare_deepspeed`` (the HF Trainer prepares
+  through accelerate too). With N processes (``accelerate launch --num_processes N``, the Trainer under
+  ``torchrun --nproc_per_node N``) every rank calls it with accelerate's config (``train_batch_size`` = micro x GA
+  x N, as accelerate and the Trainer fill it for DeepSpeed) over accelerate's process group, and the engines
+  train data-parallel (megatrain_ds/dp.py). accelerate shards the dataloader itself (each rank its batches).
 - ``deepspeed.DeepSpeedEngine`` -> ``megatrain_ds.MegaTrainEngine``: accelerate's ``extract_model_from_parallel``
   does ``from deepspeed import DeepSpeedEngine`` and ``isinstance`` (unwrap_model, the Trainer's saves).
 - ``deepspeed.zero.Init`` -> ``Init`` below: megatrain_ds's (builds the model whole on the CPU, never on the
-  GPU) plus DeepSpeed's process group. Reached by transformers' ``from_pretrained`` / ``from_config`` when an
+  GPU; on every rank) plus DeepSpeed's process group (the launcher's, with N processes). Reached by
+  transformers' ``from_pretrained`` / ``from_config`` when an
   ``HfDeepSpeedConfig`` says ZeRO-3 (accelerate's zero3_init_flag, ``TrainingArguments(deepspeed=...)``).
 - ``deepspeed.zero.GatheredParameters`` -> megatrain_ds's (reads and writes the host masters): transformers'
   weight loading, initialization and embedding resizing under ZeRO-3; accelerate.
@@ -25,29 +30,11 @@ the metadata), ``deepspeed.comm`` (accelerate initializes it), ``deepspeed.utils
 """
 from __future__ import annotations
 
-import os
 import sys
 
 from .switch import ENV
 
 _announced = False
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-def _require_one_process() -> None:
-    world = _world_size()
-    if world > 1:
-        raise RuntimeError(
-            f"{ENV}=1: megatrain_ds trains in one process on one GPU, but this run has {world} processes "
-            "(WORLD_SIZE: accelerate's num_processes, or the launcher's --nproc_per_node / --num_gpus). "
-            f"Launch one process, or unset {ENV} to run DeepSpeed.")
 
 
 def _announce(engine) -> None:
@@ -58,15 +45,17 @@ def _announce(engine) -> None:
     import deepspeed
     import megatrain_ds
 
+    world = megatrain_ds.comm.get_world_size()
+    where = f" (rank {megatrain_ds.comm.get_rank()} of {world})" if world > 1 else ""
     print(f"[megatrain_ds] {ENV}=1: the engine is megatrain_ds {megatrain_ds.MEGATRAIN_VERSION} "
-          f"({type(engine).__name__}), in place of DeepSpeed {deepspeed.__version__}", file=sys.stderr, flush=True)
+          f"({type(engine).__name__}), in place of DeepSpeed {deepspeed.__version__}{where}", file=sys.stderr,
+          flush=True)
 
 
 def initialize(*args, **kwargs):
-    """``deepspeed.initialize`` under the switch: megatrain_ds's, for one process; errors name what is unsupported."""
+    """``deepspeed.initialize`` under the switch: megatrain_ds's, on every rank; errors name what is unsupported."""
     import megatrain_ds
 
-    _require_one_process()
     try:
         result = megatrain_ds.initialize(*args, **kwargs)
     except (megatrain_ds.ConfigError, megatrain_ds.UnsupportedModelError, NotImplementedError) as exc:
@@ -79,10 +68,10 @@ def initialize(*args, **kwargs):
 
 def _ensure_process_group() -> None:
     """As DeepSpeed's ``zero.Init`` does: make sure a process group exists (transformers' ZeRO-3 weight loading
-    asks ``torch.distributed`` and ``deepspeed.comm`` for the rank). One process: an in-memory world of one."""
+    asks ``torch.distributed`` and ``deepspeed.comm`` for the rank). One process: an in-memory world of one;
+    under a launcher: its group (accelerate's and the Trainer's exist already and are kept)."""
     from megatrain_ds.comm import ensure_deepspeed_comm
 
-    _require_one_process()
     ensure_deepspeed_comm()
 
 

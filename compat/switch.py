@@ -12,7 +12,8 @@ With the variable unset that is one dictionary lookup: nothing is imported, Deep
 this module registers post-import hooks (compat/import_hook.py); still nothing is imported until the script (or
 accelerate, or transformers) imports ``deepspeed`` itself. Real DeepSpeed is then imported as usual (its comm,
 utils, version, lr_schedules stay real: accelerate and transformers use them) and its entry points are
-redirected to megatrain_ds (compat/deepspeed_redirect.py says which and why).
+redirected to megatrain_ds (compat/deepspeed_redirect.py says which and why); accelerate, once imported, counts
+the processes of a DeepSpeed run on a CPU-only machine as it does on GPUs (compat/accelerate_world.py).
 
 In-process use, before anything imports deepspeed::
 
@@ -32,10 +33,10 @@ def requested() -> bool:
 
 def activate() -> None:
     """Redirect DeepSpeed's entry points to megatrain_ds in this process (idempotent)."""
-    from . import deepspeed_redirect
+    from . import accelerate_world, deepspeed_redirect
     from .import_hook import after_import
 
-    for name, hook in deepspeed_redirect.HOOKS.items():
+    for name, hook in {**deepspeed_redirect.HOOKS, **accelerate_world.HOOKS}.items():
         after_import(name, hook)
 
 

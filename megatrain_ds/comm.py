@@ -3,8 +3,13 @@
 One process is a world: ``init_distributed()`` (and ``initialize``) leave ``torch.distributed`` and
 ``deepspeed.comm`` initialized with one process, as DeepSpeed does, so a script may ask for its rank at once
 (``torch.distributed.get_rank()``). With no launcher that world is an in-memory store (no MASTER_ADDR, no port).
-Several processes (``WORLD_SIZE > 1``): ``init_distributed`` joins the launcher's group, but ``initialize``
-refuses (``require_one_process``): data parallelism is not implemented yet.
+
+Several processes (``WORLD_SIZE > 1``: ``torchrun``, the ``deepspeed`` launcher, ``accelerate launch``, the HF
+Trainer under any of them) are one data-parallel run (megatrain_ds/dp.py, [Note: data parallel]):
+``init_distributed`` joins the launcher's group from its environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT``), NCCL on CUDA and gloo on CPU, as DeepSpeed's ``init_distributed`` does. A group
+the script, accelerate or the Trainer made already is kept, whatever its backend. ``get_rank`` /
+``get_world_size`` answer for that group (before it exists: from the launcher's environment).
 
 The functions below answer without DeepSpeed (before any process group exists, too); every other name is
 DeepSpeed's own ``deepspeed.comm`` (module ``__getattr__``), so ``deepspeed.comm.X`` under the alias import is
@@ -26,30 +31,52 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      verbose: bool = True, timeout=None, init_method: str | None = None, dist_init_required=None,
                      config=None, rank: int = -1, world_size: int = -1) -> None:
     """DeepSpeed's ``init_distributed``: a world of one for one process (``ensure_deepspeed_comm``); under a
-    launcher (WORLD_SIZE > 1), ``torch.distributed`` from its environment. Idempotent."""
-    world = int(os.environ.get("WORLD_SIZE", world_size if world_size > 0 else 1))
-    if world <= 1 or is_initialized():
-        if world <= 1:  # as DeepSpeed's launcher-less discovery: scripts read these right after this call
-            for key in ("RANK", "LOCAL_RANK"):
-                os.environ.setdefault(key, "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-        ensure_deepspeed_comm(dist_backend)
-        return
-    backend = dist_backend or ("nccl" if __import__("torch").cuda.is_available() else "gloo")
-    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    launcher (WORLD_SIZE > 1), ``torch.distributed`` from its environment (NCCL on CUDA, gloo on CPU, unless
+    ``dist_backend`` says otherwise). Idempotent: an existing group is kept."""
+    world = _launcher_world(world_size)
+    if world <= 1:  # as DeepSpeed's launcher-less discovery: scripts read these right after this call
+        for key in ("RANK", "LOCAL_RANK"):
+            os.environ.setdefault(key, "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    if world > 1 and not is_initialized():
+        _join_launcher_group(dist_backend, world, rank, distributed_port, timeout, init_method)
+    ensure_deepspeed_comm(dist_backend)
+
+
+def _launcher_world(world_size: int = -1) -> int:
+    """The processes a launcher started: WORLD_SIZE, else the ``world_size`` argument, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "") or (world_size if world_size > 0 else 1))
+
+
+def _join_launcher_group(backend: str | None, world: int, rank: int = -1, port: int = 29500, timeout=None,
+                         init_method: str | None = None) -> None:
+    """``torch.distributed`` over the launcher's rendezvous (env://: MASTER_ADDR, MASTER_PORT, RANK)."""
+    import torch
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    rank = int(os.environ.get("RANK", rank))
+    if rank < 0:
+        raise RuntimeError(f"WORLD_SIZE={world} but no RANK in the environment: launch with torchrun, the deepspeed "
+                           "launcher or accelerate launch (they set RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+    if backend == "nccl":  # each process on its own GPU (the engine uses cuda:LOCAL_RANK too)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group(backend=backend, init_method=init_method, rank=int(os.environ.get("RANK", rank)),
-                            world_size=world, **kwargs)
-    ensure_deepspeed_comm(backend)
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
 
 
 def ensure_deepspeed_comm(backend: str | None = None) -> None:
-    """Make ``torch.distributed`` and ``deepspeed.comm`` answer in one process, as DeepSpeed's own
-    initialize leaves them (its monitors and transformers' ZeRO-3 loading ask them for the rank): an
-    in-memory world of one, no port, no launcher; ``backend`` defaults to gloo (collectives on CPU and CUDA
-    tensors). A group that exists already (a launcher's, the script's own) is kept. Idempotent."""
+    """Make ``torch.distributed`` and ``deepspeed.comm`` answer, as DeepSpeed's own initialize leaves them (its
+    monitors and transformers' ZeRO-3 loading ask them for the rank). One process: an in-memory world of one, no
+    port, no launcher; ``backend`` defaults to gloo (collectives on CPU and CUDA tensors). Under a launcher
+    (WORLD_SIZE > 1, e.g. ``zero.Init`` entered before ``initialize``): the launcher's group. A group that exists
+    already (a launcher's, accelerate's, the script's own) is kept. Idempotent."""
     if not dist.is_initialized():
-        dist.init_process_group(backend or "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        world = _launcher_world()
+        if world > 1:
+            _join_launcher_group(backend, world)
+        else:
+            dist.init_process_group(backend or "gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         import deepspeed.comm
     except ImportError:  # deepspeed is a dependency; without it only torch.distributed is set up
@@ -60,24 +87,6 @@ def ensure_deepspeed_comm(backend: str | None = None) -> None:
         except Exception as exc:  # its accelerator probing may fail on an unusual box: torch.distributed still works
             warnings.warn(f"deepspeed.comm could not be initialized over torch.distributed ({exc}); "
                           "torch.distributed works, deepspeed.comm calls may not", stacklevel=3)
-
-
-def world_size_of_run() -> int:
-    """Processes in this run: the launcher's WORLD_SIZE or the process group's size, whichever is larger (a
-    launcher's environment counts even if the script made a group of one itself)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return max(world, dist.get_world_size()) if is_initialized() else world
-
-
-def require_one_process() -> None:
-    """``initialize`` with several processes is an error, before any process group is made: each process would
-    train its own copy of the model on its own batches, with no gradient averaging, and save over the others."""
-    world = world_size_of_run()
-    if world > 1:
-        raise NotImplementedError(
-            f"megatrain_ds trains in one process, but this run has {world} (WORLD_SIZE / the process group): data "
-            "parallelism across processes is not implemented yet. Launch one process: `python train.py`, "
-            "`deepspeed --num_gpus 1 train.py` or `torchrun --nproc_per_node 1 train.py`.")
 
 
 def get_rank(group=None) -> int:

@@ -22,8 +22,10 @@ from . import comm
 class EngineSurface:
     """DeepSpeed engine attributes beyond the training calls (a mixin of ``MegaTrainEngine``).
 
-    One process is the whole world (see comm.py), so the parallel-rank queries answer for a world of one:
-    data-parallel rank 0 of 1, model-parallel rank 0 of 1.
+    The parallel-rank queries answer for the run's processes (comm.py): every process is a data-parallel rank
+    (megatrain_ds/dp.py), so the data-parallel world is the whole world; there is no model, pipeline or sequence
+    parallelism (model-parallel rank 0 of 1, sequence-parallel size 1). Before ``torch.distributed`` exists they
+    answer from the launcher's environment (RANK, WORLD_SIZE).
     """
 
     # The loader ``initialize(training_data=...)`` built (initialize sets it, as DeepSpeed's engine keeps it).
@@ -54,7 +56,7 @@ class EngineSurface:
         overflow (the step is skipped), and for an engine without an optimizer."""
         return self.__dict__.get("_step_applied", False)
 
-    # ------------------------------------------------------------------ the world (one process)
+    # ------------------------------------------------------------------ the world (data parallel only)
     @property
     def global_rank(self) -> int:
         return comm.get_rank()
@@ -65,10 +67,20 @@ class EngineSurface:
 
     @property
     def dp_world_size(self) -> int:
+        """Data-parallel processes: all of them (no model parallelism)."""
         return comm.get_world_size()
 
     @property
+    def seq_dp_world_size(self) -> int:
+        """DeepSpeed's data x sequence parallel size (what it divides gradients by): the data-parallel size."""
+        return self.dp_world_size
+
+    @property
     def mp_world_size(self) -> int:
+        return 1
+
+    @property
+    def sequence_parallel_size(self) -> int:
         return 1
 
     @property
@@ -79,8 +91,16 @@ class EngineSurface:
 
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
+    @property
+    def seq_data_parallel_group(self):
+        """DeepSpeed's data x sequence parallel group: the data-parallel group (no sequence parallelism)."""
+        return self.data_parallel_group
+
     def get_data_parallel_rank(self) -> int:
         return comm.get_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_world_size
 
     def get_model_parallel_rank(self) -> int:
         return 0
@@ -141,6 +161,10 @@ class EngineSurface:
     # deepspeed.utils.safe_get/set_full_fp32_param, safe_get_full_grad, safe_get/set_full_optimizer_state
     # (megatrain_ds/utils.py; DeepSpeed's own functions reach these through param._z3_optimizer, zero.py).
     # Values come back as copies on the engine's device, as DeepSpeed returns them.
+    # Data parallel (dp.py): a streamed layer's state lives on its owner only, so each of these is a collective,
+    # as DeepSpeed's are under ZeRO-3 (every rank calls it for the same parameter): the owner's value comes to
+    # every rank over the engine's gloo group; a setter writes rank 0's value (GatheredParameters'
+    # ``modifier_rank=0``). Resident parameters are replicated: every rank answers from its own copy.
     _MOMENTS = ("exp_avg", "exp_avg_sq")
 
     def _home_of(self, param):
@@ -154,6 +178,40 @@ class EngineSurface:
         """The layout slot of a streamed layer's parameter: where it sits in the layer's flat buffers."""
         return next(slot for slot in self.store.layouts[home.layer].slots if slot.name == home.name)
 
+    def _data_parallel(self):
+        """The engine's ``DataParallel`` when several processes train (dp.py), else None."""
+        dp = getattr(self, "dp", None)
+        return dp if dp is not None and dp.active else None
+
+    def _held_here(self, home) -> bool:
+        """Whether this process holds ``home``'s state: resident parameters everywhere, a streamed layer's on its
+        owner only (data parallel)."""
+        return home.layer is None or self._data_parallel() is None or self.store.owned[home.layer]
+
+    def _from_owner(self, home, local: torch.Tensor | None, shape) -> torch.Tensor:
+        """Data parallel: ``local`` (the owner's value of a streamed layer's tensor) on every rank, fp32 on the
+        host; one process or a resident parameter: ``local`` itself."""
+        dp = self._data_parallel()
+        if dp is None or home.layer is None:
+            return local
+        import torch.distributed as dist
+
+        buf = (local.detach().to("cpu", torch.float32, copy=True).contiguous() if self.store.owned[home.layer]
+               else torch.empty(tuple(shape), dtype=torch.float32))
+        dist.broadcast(buf, src=dp.owner(home.layer), group=dp.cpu_group)
+        return buf
+
+    def _rank0_value(self, value: torch.Tensor) -> torch.Tensor:
+        """Data parallel: rank 0's ``value`` on every rank (fp32, host); one process: ``value``."""
+        dp = self._data_parallel()
+        if dp is None:
+            return value.detach()
+        import torch.distributed as dist
+
+        value = value.detach().to("cpu", torch.float32, copy=True).contiguous()
+        dist.broadcast(value, src=0, group=dp.cpu_group)
+        return value
+
     def full_fp32_param(self, param) -> torch.Tensor:
         """``param``'s fp32 master weights. Waits for the queued updates (a CPU-GPU sync)."""
         return self._read_master(self._home_of(param)).to(self.device)
@@ -162,13 +220,10 @@ class EngineSurface:
         """Write ``param``'s fp32 master and every copy made from it (wire copy, device copy, layer slots)."""
         self._write_master(self._home_of(param), value.detach())
 
-    def _moment(self, param, key: str) -> torch.Tensor | None:
-        """The live Adam moment ``key`` of ``param`` (a view shaped like it: host buffers, or the GPU-held ones of
-        ``gpu_optimizer_layers``); None for a parameter the optimizer does not train."""
-        if key not in self._MOMENTS:
-            raise KeyError(f"optimizer state {key!r}: megatrain_ds's AdamW keeps 'exp_avg' and 'exp_avg_sq'")
-        home = self._home_of(param)
-        self.synchronize()  # queued updates write the moments (and a speculative update is rolled back)
+    def _moment_of(self, home, key: str) -> torch.Tensor | None:
+        """The live Adam moment ``key`` of the parameter at ``home`` (a view shaped like it: host buffers, or the
+        GPU-held ones of ``gpu_optimizer_layers``); None for a parameter the optimizer does not train. The caller
+        has synchronized and, data parallel, holds the layer (``_held_here``)."""
         if self.optimizer is None:
             return None
         if home.layer is None:
@@ -183,22 +238,38 @@ class EngineSurface:
             flat = self.store.train_slice(getattr(self.store, key), i)
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
+    def _moment_home(self, param, key: str):
+        if key not in self._MOMENTS:
+            raise KeyError(f"optimizer state {key!r}: megatrain_ds's AdamW keeps 'exp_avg' and 'exp_avg_sq'")
+        home = self._home_of(param)
+        self.synchronize()  # queued updates write the moments (and a speculative update is rolled back)
+        trained = self.optimizer is not None and (home.layer is None or self._slot_of(home).trainable)
+        return home, trained  # the same answer on every rank: the layouts are every rank's
+
     def full_optimizer_state(self, param, key: str) -> torch.Tensor | None:
         """Adam's ``exp_avg`` / ``exp_avg_sq`` of ``param`` (None when it is frozen or there is no optimizer)."""
-        moment = self._moment(param, key)
-        return None if moment is None else moment.detach().to(self.device, torch.float32, copy=True)
+        home, trained = self._moment_home(param, key)
+        if not trained:
+            return None
+        moment = self._moment_of(home, key) if self._held_here(home) else None
+        moment = self._from_owner(home, moment, None if home.layer is None else self._slot_of(home).shape)
+        return moment.detach().to(self.device, torch.float32, copy=True)
 
     def set_full_optimizer_state(self, param, value: torch.Tensor, key: str) -> None:
-        moment = self._moment(param, key)
-        if moment is None:
+        home, trained = self._moment_home(param, key)
+        if not trained:
             raise ValueError(f"set_full_optimizer_state({key!r}): this parameter has no optimizer state (frozen, "
                              "or the engine has no optimizer)")
-        moment.copy_(value.detach().reshape(moment.shape))
+        value = self._rank0_value(value)
+        if self._held_here(home):
+            moment = self._moment_of(home, key)
+            moment.copy_(value.reshape(moment.shape))
 
     def full_grad(self, param) -> torch.Tensor | None:
         """``param``'s gradient accumulated since the last step, in fp32, as the optimizer will see it before
         clipping: summed over the micro-batches of the window (each loss divided by the accumulation steps, as
-        DeepSpeed does), the fp16 loss scale divided out. None before the first backward of a window (after
+        DeepSpeed does), the fp16 loss scale divided out; with several processes, the mean over the ranks (as
+        DeepSpeed averages data-parallel gradients). None before the first backward of a window (after
         ``step()`` too) and for a parameter the optimizer does not train. DeepSpeed's contract: call it between
         ``backward()`` and ``step()``."""
         home = self._home_of(param)
@@ -206,17 +277,21 @@ class EngineSurface:
             k, resident = home.resident_index, self.resident
             if resident.grad[k] is None or not resident.has_grad[k]:
                 return None
-            landing, grad = resident.sq_norm[k], resident.grad[k]
+            landing, grad = resident.sq_norm[k], resident.grad[k]  # replicated: the mean is every rank's
         else:
             i, executor, slot = home.layer, self.executor, self._slot_of(home)
-            if not slot.trainable or not executor.has_grad[i]:
+            if not slot.trainable or not executor.has_grad[i]:  # every rank's answer (each records the landings)
                 return None
-            landing, device_state = executor.sq_norm[i], executor.device_state
-            flat = device_state.grad_of(i) if device_state is not None and device_state.owns(i) else \
-                self.store.grad_of(i)
-            grad = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        if landing is not None:
+            grad = None
+            if self._held_here(home):
+                landing, device_state = executor.sq_norm[i], executor.device_state
+                flat = device_state.grad_of(i) if device_state is not None and device_state.owns(i) else \
+                    self.store.grad_of(i)
+                grad = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if grad is not None and landing is not None:
             landing.result()  # the host worker has folded the last landing into the buffer (waits for its D2H)
+        if home.layer is not None:
+            grad = self._from_owner(home, grad, slot.shape)  # data parallel: the owner's (mean) gradient
         # GPU-held gradients are accumulated on the compute stream, the current one: this copy is ordered after
         out = grad.to(self.device, torch.float32, copy=True)
         scaler = self.config_settings.loss_scaler
@@ -236,7 +311,7 @@ class EngineSurface:
     def train_batch(self, data_iter=None):
         raise NotImplementedError(
             "engine.train_batch() is DeepSpeed's pipeline-parallel engine (deepspeed.pipe.PipelineModule); "
-            "megatrain_ds streams the layers of a plain nn.Module on one GPU: loop over the batches with "
+            "megatrain_ds streams the layers of a plain nn.Module on each GPU: loop over the batches with "
             "loss = engine(batch); engine.backward(loss); engine.step()")
 
     def eval_batch(self, data_iter=None, **kwargs):
@@ -260,7 +335,7 @@ _FORWARDED = {
     "checkpoint": lambda: _real("deepspeed.checkpoint"),  # checkpoint.utils.clone_tensors_for_torch_save
 }
 
-_ONE_GPU = "megatrain_ds trains one model in one process on one GPU"
+_ONE_GPU = "megatrain_ds trains a whole model copy in each process (data parallelism only)"
 _UNSUPPORTED = {
     "init_inference": "DeepSpeed-Inference (kernel injection, tensor-parallel serving) is not part of "
                       "megatrain_ds: generate with the trained model (engine.module.generate(...)) or serve it "
@@ -314,8 +389,10 @@ def adopt_zero3_model(model: torch.nn.Module) -> None:
     A script that says ``import megatrain_ds as deepspeed`` but registers a ZeRO-3 config with transformers
     (``HfDeepSpeedConfig``: DeepSpeed-Chat's ``create_hf_model``, OpenRLHF's ``Actor``) gets its model built by
     transformers under the real ``deepspeed.zero.Init``: each parameter is then an empty tensor plus DeepSpeed's
-    partition. In one process that partition is the whole tensor; it is gathered here (one parameter at a time,
-    to the host), and DeepSpeed's attributes are removed so the engine sees a plain model.
+    partition (the whole tensor in one process, 1/N of it on each of N). It is gathered here (one parameter at a
+    time, to the host; with N processes an all-gather that every rank makes, in the same parameter order, as
+    ``initialize`` is called on every rank), and DeepSpeed's attributes are removed so the engine sees a plain
+    model.
     """
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id") and not hasattr(p, "_megatrain_home")]
     if not partitioned:

@@ -164,9 +164,8 @@ class Init:
 
     def __enter__(self):
         if self.enabled:
-            from .comm import ensure_deepspeed_comm, require_one_process
+            from .comm import ensure_deepspeed_comm
 
-            require_one_process()
             ensure_deepspeed_comm()
             self._device_ctx.__enter__()
             if self.dtype is not None:

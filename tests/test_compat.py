@@ -100,8 +100,7 @@ def test_switch_on_redirects_only_after_deepspeed_is_imported(tmp_path):
 
 @needs_switch
 def test_unsupported_setups_fail_with_a_message_naming_them(tmp_path):
-    errors = _probe("errors", switch=True, cwd=tmp_path)
-    assert errors["world_size"].startswith("RuntimeError") and "2 processes" in errors["world_size"]
+    errors = _probe("errors", switch=True, cwd=tmp_path)  # several processes are supported: test_dp_launchers.py
     assert errors["sgd_config"].startswith("ConfigError") and "'SGD'" in errors["sgd_config"]
     assert errors["sgd_client"].startswith("NotImplementedError") and "SGD" in errors["sgd_client"]
     assert errors["adagrad"].startswith("NotImplementedError") and "DeepSpeedCPUAdagrad" in errors["adagrad"]

@@ -62,7 +62,6 @@ def errors() -> dict:
 
     adam = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}}
     cases = {
-        "world_size": lambda: deepspeed.initialize(model=model(), config=adam),
         "sgd_config": lambda: deepspeed.initialize(model=model(), config={**adam, "optimizer": {"type": "SGD"}}),
         "sgd_client": lambda: deepspeed.initialize(model=model(), config={"train_micro_batch_size_per_gpu": 1},
                                                    optimizer=torch.optim.SGD(model().parameters(), lr=0.1)),
@@ -70,7 +69,7 @@ def errors() -> dict:
     }
     out = {}
     for name, call in cases.items():
-        os.environ["WORLD_SIZE"] = "2" if name == "world_size" else "1"
+        os.environ["WORLD_SIZE"] = "1"
         try:
             call()
             out[name] = None
