@@ -30,8 +30,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+def _env(gpu: bool = False) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0",
+               **({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}),
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -42,14 +43,14 @@ def _check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
 
 
-def run(out: Path, *args: str, ranks: int = 1) -> dict:
+def run(out: Path, *args: str, ranks: int = 1, gpu: bool = False) -> dict:
     """The script with ``ranks`` processes (torchrun) or one plain process; its record and final weights."""
     if ranks == 1:
         cmd = [sys.executable, str(SCRIPT)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--master_addr", "127.0.0.1", "--master_port", str(_port()), str(SCRIPT)]
-    _check(subprocess.run(cmd + ["--out", str(out), *args], env=_env(), capture_output=True, text=True,
+    _check(subprocess.run(cmd + ["--out", str(out), *args], env=_env(gpu), capture_output=True, text=True,
                           timeout=900))
     record = json.loads(out.read_text())
     record["weights"] = torch.load(str(out) + ".pt")
@@ -123,3 +124,15 @@ def test_two_nodes_simulated(runs, tmp_path):
     record["weights"] = torch.load(str(out) + ".pt")
     assert record["world"] == 2
     assert_same_training(record, runs["ga2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the nvidia-h200-x2 box)")
+@pytest.mark.parametrize("megatrain", ["{}", '{"speculative_step": false, "keep_activations": 0}'])
+def test_two_gpus_equal_one_gpu_with_ga(tmp_path, megatrain):
+    """NCCL, the real streams: 2 GPUs x GA 2 == 1 GPU with GA 4 (fp32, tied embeddings; the engine's defaults
+    place kept layers and GPU-held optimizer state after the first step, speculation on; then without them).
+    This caught a stream race: the owner's accumulate of a reduced gradient on d2h without handing it over."""
+    got = run(tmp_path / "g2.json", "--ga", "2", "--tied", "--mt", megatrain, ranks=2, gpu=True)
+    want = run(tmp_path / "g1.json", "--ga", "4", "--tied", "--mt", megatrain, gpu=True)
+    assert_same_training(got, want)
