@@ -1,6 +1,6 @@
 """Fine-tune a causal LM with the Hugging Face Trainer and a DeepSpeed config full of "auto" values.
 
-Launch it as any Trainer + DeepSpeed script (one process; CPU or one GPU; nothing is downloaded):
+Launch it as any Trainer + DeepSpeed script (one process or several; CPU or GPUs; nothing is downloaded):
     torchrun --nproc_per_node 1 examples/trainer_train.py                  # DeepSpeed ZeRO-3, CPU offload
     MEGATRAIN_DS=1 torchrun --nproc_per_node 1 examples/trainer_train.py   # the same, trained by megatrain_ds
     MEGATRAIN_DS=1 torchrun --nproc_per_node 1 examples/trainer_train.py --resume   # continue from the last checkpoint
