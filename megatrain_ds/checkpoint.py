@@ -2,37 +2,61 @@
 
     save_dir/latest                                           the tag, as text (written last)
     save_dir/zero_to_fp32.py, zero_to_torch.py                DeepSpeed's recovery scripts, copied as DS does
-    save_dir/<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt  buffers, parameter shapes, frozen parameters,
+    save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt  buffers, parameter shapes, frozen parameters,
                                                               counters, scheduler, loss scaler, client state
-    save_dir/<tag>/zero_pp_rank_0_mp_rank_00_optim_states.pt  fp32 master weights as ``fp32_flat_groups``,
+    save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt  fp32 master weights as ``fp32_flat_groups``,
                                                               Adam moments, group hyperparameters, RNG
 
-The default tag is ``global_step{N}``. The fp32 masters are written as DeepSpeed ZeRO-3 (one process)
-writes them: flat fp32 groups, each consumed in its ``param_shapes`` entry's order, so DeepSpeed's
-``zero_to_fp32`` reads a megatrain_ds checkpoint. Here each streamed layer's trainable region is one group (a
-view of the host master: ``torch.save`` writes the underlying buffer once, no second copy in RAM), then the
-resident parameters; frozen parameters go in ``frozen_param_fragments``, tied names in ``shared_params``.
+one pair of files per rank r of the run that saved (N ranks: r = 0 .. N-1). The default tag is
+``global_step<global_steps>``. The fp32 masters are written as DeepSpeed ZeRO-3 with N processes writes them: flat fp32
+groups, each consumed in its ``param_shapes`` entry's order, where rank r's group holds, for each of its
+parameters, rank r's ZeRO-3 partition (``ceil(numel / N)`` elements, zero-padded past the end), so DeepSpeed's
+``zero_to_fp32`` reads a megatrain_ds checkpoint of any rank count. Each streamed layer's trainable region is
+one group, then each trained resident parameter; frozen parameters go in ``frozen_param_fragments`` (rank r's
+partition of each, as ZeRO-3's ``ds_tensor``), tied names in ``shared_params``.
 
-Writing. A save goes to ``save_dir/.<tag>.tmp-<pid>``, every file is fsynced, the directory is renamed into
-place (a previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``), and only then is
-``latest`` replaced (through ``.latest.tmp-<pid>`` and ``os.replace``). A process killed at any moment leaves
-the previous checkpoint and ``latest`` intact; what it leaves behind is cleaned by the next save
+- One rank: the groups are views of the host master (``torch.save`` writes the underlying buffer once, no second
+  copy in RAM), the moments ``HostAdamW.host_state_dict()``'s flat buffers (the layers' moments laid out as their
+  fp32 groups, then one tensor per resident parameter). Frozen weights are copied into a scratch file (below):
+  a view of the master would put the whole master buffer into the model-states file.
+- N ranks (data parallel, dp.py): a layer's state is held by its owner rank only, so the owner scatters each
+  rank its partitions of the layer (masters, moments, frozen weights) over the gloo group, one layer at a time
+  (transient memory: one layer). Each rank collects its partitions in files of the temporary folder mapped
+  shared (page cache, not process memory; allocated up front, so a full disk fails the save instead of
+  faulting a write), ``torch.save``s them and deletes the scratch files. Its ``exp_avg``/``exp_avg_sq`` are
+  flat over all its groups (resident ones included: ``resident_exp_avg`` lists are empty), partitioned as the
+  groups. Resident parameters are replicated: each rank cuts its partitions locally.
+
+Writing. A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
+file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
+previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``) and only then replaces ``latest``
+(through ``.latest.tmp-<pid>`` and ``os.replace``); the other ranks return once it has. A process killed at any
+moment leaves the previous checkpoint and ``latest`` intact; what it leaves behind is cleaned by the next save
 (``clean_stale``) or put back when the kill landed between the two renames (``_restore_moved_aside``).
 
-Reading. ``load_checkpoint`` reads both files into a ``_Checkpoint`` (every tensor by parameter name), checks
-it against the engine (names and shapes of every parameter and buffer, the optimizer state's parameters and
-group count, the scheduler's and scaler's keys) and only then writes masters, buffers, moments, counters,
-scheduler, scaler and RNG: a checkpoint that does not fit raises ``CheckpointMismatchError`` listing every
-problem, with the engine untouched. Two sources are read, told apart by their optimizer state:
+Reading. ``load_checkpoint`` reads every rank's files (``torch.load(mmap=True)``: pages are read as they are used)
+into a ``_Checkpoint`` (every tensor by parameter name: with N > 1, a parameter's N partitions, joined when it is
+written), checks it against the engine (names and shapes of every parameter and buffer, the optimizer state's
+parameters and group count, the scheduler's and scaler's keys), the ranks agree that it fits everywhere, and
+only then does each rank write what it holds (its own layers' masters and moments, the replicated resident
+ones), buffers, counters, scheduler, scaler and RNG: a checkpoint that does not fit raises
+``CheckpointMismatchError`` listing every problem, on every rank, with the engine untouched. A checkpoint of N
+ranks loads into an engine of any M ranks; the RNG state comes back only when N == M (rank r's own). Two sources
+are read, told apart by their optimizer state:
 
-- megatrain_ds: moments as flat buffers (``HostAdamW.host_state_dict``): the streamed layers' moments laid out
-  as their fp32 groups, then one tensor per resident parameter;
-- DeepSpeed ZeRO-3 saved by one rank (its ``stage3._rigid_state_dict``): the torch optimizer's state dict,
-  one flat ``exp_avg``/``exp_avg_sq`` per sub-group, sub-group k aligned with ``fp32_flat_groups[k]`` and
-  ``param_shapes[k]``; no RNG and no ``micro_steps`` (derived from the step count).
+- megatrain_ds: moments as flat buffers (above);
+- DeepSpeed ZeRO-3 saved by N ranks (its ``stage3._rigid_state_dict``): each rank's torch optimizer state dict,
+  one flat ``exp_avg``/``exp_avg_sq`` per sub-group (rank r's partitions, as its ``fp32_flat_groups``),
+  sub-group k aligned with ``fp32_flat_groups[k]`` and ``param_shapes[k]``; no RNG and no ``micro_steps``
+  (derived from the step count).
+
+Full weights (``consolidated_state_dict``, ``save_16bit_model``, ``gather_full_masters``): with N ranks each
+layer's master comes from its owner over the gloo group, one layer at a time; collectives every rank calls, as
+DeepSpeed's. ``fp32_state_dict(path)`` reads the whole fp32 weights of a folder saved by any number of ranks.
 """
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import importlib.util
 import os
@@ -43,11 +67,15 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 BF16_OPTIM_FILE = "bf16_" + OPTIM_FILE  # DeepSpeed's name for it when bf16 is on
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
+# rank r's files (DeepSpeed's _get_ckpt_name / _get_zero_ckpt_name); the optimizer's may carry DeepSpeed's bf16_ prefix
+_RANK_FILE = re.compile(r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_"
+                        r"(?P<kind>model|optim)_states\.pt$")
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
 _RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "lr_scheduler",
              "loss_scaler", "ds_config", "ds_version", "megatrain_version", "hf_config", "buffer_names", "param_shapes",
@@ -58,9 +86,84 @@ _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")  # w
 _MAX_LISTED = 20  # problems listed in one error
 
 
+def model_file(rank: int) -> str:
+    """Rank ``rank``'s model-states file name."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def optim_file(rank: int) -> str:
+    """Rank ``rank``'s optimizer-states file name (as written; DeepSpeed's bf16 runs prefix it with ``bf16_``)."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
 class CheckpointMismatchError(RuntimeError):
-    """The checkpoint does not fit this engine (or is not a one-rank ZeRO-3 checkpoint). Raised before anything
+    """The checkpoint does not fit this engine (or is not a ZeRO-3 checkpoint this reads). Raised before anything
     was written: the engine is as it was."""
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+class _World:
+    """The ranks a checkpoint is written or read by: the engine's data-parallel group (dp.py), or one process.
+
+    Every collective here runs on the main thread over ``dp.cpu_group`` (gloo), in the same order on every rank."""
+
+    def __init__(self, engine) -> None:
+        dp = getattr(engine, "dp", None)
+        self.dp = dp if dp is not None and getattr(dp, "active", False) else None
+        self.rank, self.size = (dp.rank, dp.world) if self.dp is not None else (0, 1)
+        self.group = dp.cpu_group if self.dp is not None else None
+
+    def owner(self, i: int) -> int:
+        """The rank holding streamed layer i's host state."""
+        return self.dp.owner(i) if self.dp is not None else 0
+
+    def peer(self, rank: int) -> int:
+        """``rank`` of the group as torch.distributed names it in ``src``/``dst`` (its global rank)."""
+        return dist.get_global_rank(self.group, rank)
+
+    def gather(self, obj) -> list:
+        """``obj`` of every rank, in rank order (on every rank)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj, src: int = 0):
+        """Rank ``src``'s ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.peer(src), group=self.group)
+        return box[0]
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank when any rank failed (``error``): the rank's own error where it failed, else one that
+        names the rank that failed. Collectives after this point are reached by all ranks or by none."""
+        failed = [(r, e) for r, e in enumerate(self.gather(None if error is None else
+                                                           (type(error).__name__, str(error))))
+                  if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            r, (kind, message) = failed[0]
+            cls = {"CheckpointMismatchError": CheckpointMismatchError,
+                   "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)
+            raise cls(f"rank {r} failed to {what} ({kind}): {message}")
+
+
+def _partition(numel: int, world: int) -> int:
+    """ZeRO-3's partition of a parameter of ``numel`` elements over ``world`` ranks: ``ceil(numel / world)``."""
+    return -(-numel // world)
+
+
+def _cut(dst: torch.Tensor, flat: torch.Tensor, rank: int, world: int) -> None:
+    """``dst`` (one partition) = rank ``rank``'s ZeRO-3 partition of ``flat``, zero past its end."""
+    p = dst.numel()
+    lo = min(rank * p, flat.numel())
+    hi = min(lo + p, flat.numel())
+    dst[:hi - lo].copy_(flat[lo:hi])
+    dst[hi - lo:].zero_()
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -176,34 +279,6 @@ def _copy_recovery_scripts(save_dir: str) -> None:
         os.replace(tmp, os.path.join(save_dir, script))
 
 
-def _fp32_layout(engine):
-    """(fp32 flat groups, param_shapes per group, frozen name -> tensor), as ZeRO-3 with one process lays
-    them out: the groups are views of the host masters, in the order their parameters are listed."""
-    engine.sync_masters_to_host()
-    store, groups, shapes, frozen = engine.store, [], [], {}
-    for i, layout in enumerate(store.layouts):
-        master = store.master_of(i)
-        names = {}
-        for slot in layout.slots:
-            key = f"{engine.block_name}.{i}.{slot.name}"
-            if slot.trainable:
-                names[key] = torch.Size(slot.shape)
-            else:
-                start = layout.n_train + slot.offset
-                frozen[key] = master[start:start + slot.numel].view(slot.shape)
-        if names:
-            groups.append(master[:layout.n_train])
-            shapes.append(names)
-    by_id = {id(p): n for n, p in engine.module.named_parameters()}
-    for p, m, g in zip(engine.resident.params, engine.resident.master, engine.resident.grad):
-        if g is None:  # not trained: stored as a frozen parameter
-            frozen[by_id[id(p)]] = m.detach().cpu().view(p.shape)
-        else:
-            groups.append(m.detach().cpu().reshape(-1))
-            shapes.append({by_id[id(p)]: torch.Size(p.shape)})
-    return groups, shapes, frozen
-
-
 def _shared_params(module: torch.nn.Module) -> dict[str, str]:
     """Tied names: {name that is dropped by named_parameters(): the name that is kept}."""
     kept = {id(p): n for n, p in module.named_parameters()}
@@ -220,43 +295,302 @@ def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _scratch(folder: str, name: str, numel: int, paths: list[str]) -> torch.Tensor:
+    """A flat fp32 tensor backed by the file ``folder/name``, mapped shared: the kernel may write its pages out
+    and drop them, so filling it costs page cache rather than process memory. The file is allocated up front (a
+    full disk fails here, as an exception, not later as a fault in a mapped write). Its path goes in ``paths``:
+    the caller deletes it once what views the tensor is saved."""
+    if numel == 0:
+        return torch.empty(0, dtype=torch.float32)
+    path = os.path.join(folder, name)
+    paths.append(path)
+    with open(path, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, numel * 4)
+        except OSError as exc:  # a file system that cannot preallocate: sized only (ENOSPC is an error)
+            if exc.errno == errno.ENOSPC:
+                raise
+            f.truncate(numel * 4)
+    return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+
+
+@dataclass(slots=True)
+class _Param:
+    """One parameter as a checkpoint lists it, and where its fp32 master (and moments) are."""
+
+    name: str
+    shape: torch.Size
+    layer: int | None  # streamed layer index; None: a resident parameter
+    start: int  # layer: element offset in the layer's flat master (its moments: the same, trainable ones);
+    # resident: its index in ``engine.resident``
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _plan(engine) -> tuple[list[list[_Param]], list[_Param]]:
+    """(trained groups, frozen parameters) in the order ZeRO-3 lists them in ``param_shapes`` and
+    ``frozen_param_shapes``: each streamed layer's trainable parameters (one group per layer, in its flat
+    buffer's order), then each trained resident parameter (a group of its own); frozen ones layer by layer, then
+    the resident ones (not trained: in no optimizer group)."""
+    groups, frozen = [], []
+    for i, layout in enumerate(engine.store.layouts):
+        trained = []
+        for slot in layout.slots:
+            start = slot.offset if slot.trainable else layout.n_train + slot.offset
+            param = _Param(f"{engine.block_name}.{i}.{slot.name}", torch.Size(slot.shape), i, start)
+            (trained if slot.trainable else frozen).append(param)
+        if trained:
+            groups.append(trained)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for k, (p, grad) in enumerate(zip(engine.resident.params, engine.resident.grad)):
+        param = _Param(names[id(p)], torch.Size(p.shape), None, k)
+        if grad is None:
+            frozen.append(param)
+        else:
+            groups.append([param])
+    return groups, frozen
+
+
+def _source(engine, param: _Param, kind: str) -> torch.Tensor:
+    """``param``'s fp32 ``kind`` ("master", "exp_avg", "exp_avg_sq"), flat: a view of the host state (a
+    streamed layer this rank holds) or of the resident tensor (on the host or the device)."""
+    if param.layer is None:
+        return getattr(engine.resident, kind)[param.start].detach().reshape(-1)
+    store = engine.store
+    flat = store.master_of(param.layer) if kind == "master" else store.train_slice(getattr(store, kind), param.layer)
+    return flat[param.start:param.start + param.numel]
+
+
+class _RankState:
+    """What this rank writes: its ``fp32_flat_groups``, moments (flat over the groups) and frozen fragments.
+
+    One rank: views of the host state (nothing copied), frozen fragments copied into a scratch file (a view of
+    the master would make ``torch.save`` write the whole master buffer into the model-states file). N ranks: this
+    rank's ZeRO-3 partitions of every parameter, collected in scratch files (``_scratch``) by ``fill``."""
+
+    def __init__(self, engine, world: _World, folder: str, groups: list[list[_Param]], frozen: list[_Param],
+                 moments: bool) -> None:
+        self.engine, self.world, self.groups, self.frozen, self.moments = engine, world, groups, frozen, moments
+        self.paths: list[str] = []
+        n = world.size
+        self.sizes = [sum(_partition(p.numel, n) for p in group) for group in groups]  # per group, per rank
+        self.group_start = [sum(self.sizes[:k]) for k in range(len(groups))]
+        total = sum(self.sizes)
+        self.frozen_start, offset = [], 0
+        for p in frozen:
+            self.frozen_start.append(offset)
+            offset += _partition(p.numel, n)
+        self.frozen_buf = _scratch(folder, f".frozen-rank{world.rank}.scratch", offset, self.paths)
+        self.regions = []  # master, exp_avg, exp_avg_sq: each flat over this rank's groups
+        if n > 1:
+            buf = _scratch(folder, f".optim-rank{world.rank}.scratch", total * (3 if moments else 1), self.paths)
+            self.regions = list(buf.split(total)) if total else [buf] * (3 if moments else 1)
+
+    # one rank ------------------------------------------------------------------------------------------------
+    def _views(self) -> None:
+        engine = self.engine
+        self.fp32 = []
+        for group in self.groups:
+            first = group[0]
+            if first.layer is None:
+                self.fp32.append(engine.resident.master[first.start].detach().cpu().reshape(-1))
+            else:  # the layer's trainable region: its parameters lie in it in the group's order
+                self.fp32.append(engine.store.master_of(first.layer)[:sum(p.numel for p in group)])
+        for p, start in zip(self.frozen, self.frozen_start):
+            self.frozen_buf[start:start + p.numel].copy_(_source(engine, p, "master"))
+
+    # N ranks -------------------------------------------------------------------------------------------------
+    def _payload(self, train: list[_Param], frozen: list[_Param], rank: int, out: torch.Tensor) -> None:
+        """Rank ``rank``'s partitions of one layer (or resident group): masters, moments, then frozen weights."""
+        n, offset = self.world.size, 0
+        for kind in ("master", "exp_avg", "exp_avg_sq") if self.moments else ("master",):
+            for p in train:
+                size = _partition(p.numel, n)
+                _cut(out[offset:offset + size], _source(self.engine, p, kind), rank, n)
+                offset += size
+        for p in frozen:
+            size = _partition(p.numel, n)
+            _cut(out[offset:offset + size], _source(self.engine, p, "master"), rank, n)
+            offset += size
+
+    def _place(self, k: int | None, frozen: list[int], received: torch.Tensor) -> None:
+        """This rank's partitions of group ``k`` (None: none) and of the frozen parameters ``frozen`` (indices)
+        into its regions."""
+        offset = 0
+        if k is not None:
+            start, size = self.group_start[k], self.sizes[k]
+            for region in self.regions:
+                region[start:start + size].copy_(received[offset:offset + size])
+                offset += size
+        for j in frozen:
+            start, size = self.frozen_start[j], _partition(self.frozen[j].numel, self.world.size)
+            self.frozen_buf[start:start + size].copy_(received[offset:offset + size])
+            offset += size
+
+    def _partitions(self) -> None:
+        world, engine = self.world, self.engine
+        n_layers = len(engine.store.layouts)
+        group_of = {g[0].layer: k for k, g in enumerate(self.groups) if g[0].layer is not None}
+        frozen_of: dict[int | None, list[int]] = {}
+        for j, p in enumerate(self.frozen):
+            frozen_of.setdefault(p.layer, []).append(j)
+        kinds = 3 if self.moments else 1
+        for i in range(n_layers):  # the owner scatters each rank its partitions of layer i
+            k, fz = group_of.get(i), frozen_of.get(i, [])
+            width = (self.sizes[k] * kinds if k is not None else 0) + sum(
+                _partition(self.frozen[j].numel, world.size) for j in fz)
+            if width == 0:
+                continue
+            owner, received, chunks = world.owner(i), torch.empty(width, dtype=torch.float32), None
+            if world.rank == owner:
+                send = torch.empty(world.size, width, dtype=torch.float32)
+                train = self.groups[k] if k is not None else []
+                for rank in range(world.size):
+                    self._payload(train, [self.frozen[j] for j in fz], rank, send[rank])
+                chunks = list(send.unbind(0))
+            dist.scatter(received, chunks, src=world.peer(owner), group=world.group)
+            self._place(k, fz, received)
+        # resident parameters are replicated: this rank cuts its own partitions
+        for k, group in enumerate(self.groups):
+            if group[0].layer is None:
+                received = torch.empty(self.sizes[k] * kinds, dtype=torch.float32)
+                self._payload(group, [], world.rank, received)
+                self._place(k, [], received)
+        for j in frozen_of.get(None, []):
+            received = torch.empty(_partition(self.frozen[j].numel, world.size), dtype=torch.float32)
+            self._payload([], [self.frozen[j]], world.rank, received)
+            self._place(None, [j], received)
+        master = self.regions[0]
+        self.fp32 = [master[start:start + size] for start, size in zip(self.group_start, self.sizes)]
+
+    def fill(self) -> None:
+        """Collective with N ranks (every rank, layers in order); views with one."""
+        if self.world.size == 1:
+            self._views()
+        else:
+            self._partitions()
+        n = self.world.size
+        self.fragments = {p.name: self.frozen_buf[start:start + (p.numel if n == 1 else _partition(p.numel, n))]
+                          for p, start in zip(self.frozen, self.frozen_start)}
+
+    def optimizer_state(self) -> dict | None:
+        optimizer = self.engine.optimizer
+        if optimizer is None:
+            return None
+        state = optimizer.host_state_dict()
+        if self.world.size > 1:  # the moments flat over every group (resident ones too), partitioned as them
+            state.update(exp_avg=self.regions[1], exp_avg_sq=self.regions[2], resident_exp_avg=[],
+                         resident_exp_avg_sq=[])
+        return state
+
+    def close(self) -> None:
+        """Delete the scratch files (their pages are dropped unwritten) once the files are saved."""
+        self.fp32 = self.fragments = self.regions = self.frozen_buf = None
+        for path in self.paths:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
+    """DeepSpeed's ``save_checkpoint``. With data parallel every rank calls it (a collective, as DeepSpeed's)."""
     # ds_version: the DeepSpeed whose file format this follows and whose zero_to_fp32 reads it (the installed one;
     # megatrain_ds.__version__ is that); megatrain_version: who wrote it
     from . import MEGATRAIN_VERSION, __version__
 
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+    world = _World(engine)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    os.makedirs(save_dir, exist_ok=True)
-    clean_stale(save_dir)
-    groups, param_shapes, frozen = _fp32_layout(engine)
-    buffers = {n: b.detach().cpu() for n, b in _persistent_buffers(engine.module).items()}
-    scaler = engine.config_settings.loss_scaler
-    model_states = {
-        "module": buffers, "buffer_names": list(buffers), "param_shapes": param_shapes,
-        # None when excluded, as DeepSpeed writes it: the loader then expects no frozen weights
-        "frozen_param_shapes": None if exclude_frozen_parameters else {n: t.shape for n, t in frozen.items()},
-        "frozen_param_fragments": None if exclude_frozen_parameters else {n: t.reshape(-1) for n, t in frozen.items()},
-        "shared_params": _shared_params(engine.module),
-        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-        "dp_world_size": 1, "mp_world_size": 1,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
-        "ds_config": engine.config, "ds_version": __version__, "megatrain_version": MEGATRAIN_VERSION,
-        "hf_config": engine.module.config.to_dict() if hasattr(getattr(engine.module, "config", None), "to_dict")
-        else None, **dict(client_state or {})}
-    optim_states = {"optimizer_state_dict": {
-        "zero_stage": 3, "partition_count": 1, "fp32_flat_groups": groups,
-        "optimizer_state_dict": engine.optimizer.host_state_dict() if engine.optimizer else None},
-        "rng": _rng_state(), "ds_version": __version__}
-    tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    _save(model_states, os.path.join(tmp, MODEL_FILE))
-    _save(optim_states, os.path.join(tmp, OPTIM_FILE))
+    tags = world.gather(tag)
+    if len(set(tags)) > 1:
+        raise ValueError(f"save_checkpoint: the ranks asked for different tags {tags}; every rank must save the same "
+                         "tag (DeepSpeed's checkpoint tag validation)")
+    engine.sync_masters_to_host()
+    # rank 0 makes the one temporary folder every rank writes into (named with its pid)
+    tmp, error = None, None
+    if world.rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            clean_stale(save_dir)
+            tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except Exception as exc:  # noqa: BLE001 (every rank must learn of it, then it is raised)
+            error = exc
+    world.agree(error, "create the checkpoint's temporary folder")
+    tmp = world.broadcast(tmp)
+    try:
+        _write_rank_files(engine, world, tmp, tag, client_state, exclude_frozen_parameters,
+                          MEGATRAIN_VERSION, __version__)
+    except BaseException:
+        if world.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # every rank's files are in: rank 0 puts the folder in place and names it in latest
+    error = None
+    if world.rank == 0:
+        try:
+            _commit(save_dir, tmp, tag, save_latest)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    world.agree(error, "put the checkpoint in place")  # no rank returns before the checkpoint is complete
+    return True
+
+
+def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, exclude_frozen: bool,
+                      megatrain_version: str, ds_version: str) -> None:
+    groups, frozen = _plan(engine)
+    state, error = None, None
+    try:
+        state = _RankState(engine, world, tmp, groups, [] if exclude_frozen else frozen,
+                           moments=engine.optimizer is not None)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    world.agree(error, "allocate its checkpoint files")
+    try:
+        state.fill()  # with N ranks: the per-layer exchange (every rank reaches it: allocation succeeded everywhere)
+        error = None
+        try:
+            buffers = {n: b.detach().cpu() for n, b in _persistent_buffers(engine.module).items()}
+            scaler = engine.config_settings.loss_scaler
+            model_states = {
+                "module": buffers, "buffer_names": list(buffers), "param_shapes": [
+                    {p.name: p.shape for p in group} for group in groups],
+                # None when excluded, as DeepSpeed writes it: the loader then expects no frozen weights
+                "frozen_param_shapes": None if exclude_frozen else {p.name: p.shape for p in frozen},
+                "frozen_param_fragments": None if exclude_frozen else state.fragments,
+                "shared_params": _shared_params(engine.module),
+                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+                "dp_world_size": world.size, "mp_world_size": 1,
+                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
+                "ds_config": engine.config, "ds_version": ds_version, "megatrain_version": megatrain_version,
+                "hf_config": engine.module.config.to_dict()
+                if hasattr(getattr(engine.module, "config", None), "to_dict") else None, **dict(client_state or {})}
+            optim_states = {"optimizer_state_dict": {
+                "zero_stage": 3, "partition_count": world.size, "fp32_flat_groups": state.fp32,
+                "optimizer_state_dict": state.optimizer_state()},
+                "rng": _rng_state(), "ds_version": ds_version}
+            _save(model_states, os.path.join(tmp, model_file(world.rank)))
+            _save(optim_states, os.path.join(tmp, optim_file(world.rank)))
+            del model_states, optim_states
+            state.close()
+            _fsync_dir(tmp)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        world.agree(error, "write its checkpoint files")
+    finally:
+        state.close()
+
+
+def _commit(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
+    """Rank 0, once every file is written: the folder into place, the recovery scripts, then ``latest``."""
     _fsync_dir(tmp)
     final = os.path.join(save_dir, tag)
     old = None
@@ -276,16 +610,54 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(save_dir, "latest"))
     _fsync_dir(save_dir)
-    return True
 
 
 # ---------------------------------------------------------------------------------------------- reading
+class _Gathered:
+    """One parameter of an N-rank checkpoint: its N ZeRO-3 partitions (views of the mmapped files), joined into
+    the whole tensor only when it is used (one parameter's copy at a time). ``shape`` and ``dtype`` need no join;
+    ``reshape``/``view`` (and any other tensor attribute) join."""
+
+    __slots__ = ("shape", "pieces")
+
+    def __init__(self, shape, pieces: list[torch.Tensor]) -> None:
+        self.shape, self.pieces = torch.Size(shape), pieces
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pieces[0].dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def full(self) -> torch.Tensor:
+        return torch.cat([p.reshape(-1) for p in self.pieces])[:self.numel()].view(self.shape)
+
+    def reshape(self, *shape) -> torch.Tensor:
+        return self.full().reshape(*shape)
+
+    def view(self, *shape) -> torch.Tensor:
+        return self.full().view(*shape)
+
+    def __getattr__(self, name: str):
+        if name in _Gathered.__slots__:
+            raise AttributeError(name)
+        return getattr(self.full(), name)
+
+
+def _whole(t):
+    """A parameter's whole tensor (``_Gathered`` joined; a tensor as it is)."""
+    return t.full() if isinstance(t, _Gathered) else t
+
+
 @dataclass(slots=True)
 class _Checkpoint:
-    """A checkpoint read into memory, every tensor by parameter or buffer name (views of the loaded files)."""
+    """A checkpoint read into memory, every tensor by parameter or buffer name (views of the loaded files; with
+    N > 1 saving ranks, ``_Gathered`` partitions)."""
 
     path: str
-    masters: dict[str, torch.Tensor]  # fp32 weights, trainable and frozen
+    world: int  # ranks that saved it
+    masters: dict  # fp32 weights, trainable and frozen
     trainable: list[str]  # the names in param_shapes: parameters the saving optimizer owned
     frozen_excluded: bool  # saved with exclude_frozen_parameters: frozen weights are absent
     moments: dict | None  # name -> (exp_avg, exp_avg_sq), or None (no state yet: zeros); None: no optimizer
@@ -293,9 +665,10 @@ class _Checkpoint:
     param_groups: list[dict] | None  # hyperparameters per group, without "params"
     group_keys_shared_only: bool  # DeepSpeed's groups carry keys ours lack (bias_correction, amsgrad)
     buffers: dict[str, torch.Tensor]
-    model_states: dict  # counters, scheduler, client state
+    model_states: dict  # counters, scheduler, client state (this rank's file, else rank 0's)
     loss_scaler: dict | None  # as LossScaler fields
-    rng: dict | None
+    rng: dict | None  # this rank's (saved by as many ranks as load it), else None
+    rng_dropped: bool  # the checkpoint has RNG states, but of another number of ranks: not restored
 
 
 def _checkpoint_path(load_dir: str, tag) -> str | None:
@@ -326,84 +699,135 @@ def _checkpoint_path(load_dir: str, tag) -> str | None:
     return path
 
 
-def _split(flat: torch.Tensor, shapes: dict, what: str) -> dict[str, torch.Tensor]:
-    """Views of ``flat`` shaped by ``shapes`` (name -> shape), consumed in order; padding at the end is ignored
-    (DeepSpeed may pad a group for alignment)."""
-    need = sum(torch.Size(s).numel() for s in shapes.values())
+def _split(flat: torch.Tensor, shapes: dict, what: str, world: int = 1) -> dict:
+    """``shapes`` (name -> shape) consumed in order from one rank's ``flat`` group: each parameter's partition of
+    ``ceil(numel / world)`` elements (with one rank: a view shaped as the parameter). Padding at the end is
+    ignored (DeepSpeed may pad a group for alignment). Detached: DeepSpeed saves its fp32 partitions as tensors
+    that require grad, and a master ``copy_``-ed from one would join autograd."""
+    flat = flat.detach().reshape(-1)
+    need = sum(_partition(torch.Size(s).numel(), world) for s in shapes.values())
     if flat.numel() < need:
         raise CheckpointMismatchError(f"{what} holds {flat.numel()} elements but its param_shapes entry needs "
-                                      f"{need}: a truncated file, or not a one-rank ZeRO-3 checkpoint")
+                                      f"{need} ({world} rank(s)): a truncated file, or not a ZeRO-3 checkpoint of "
+                                      f"{world} rank(s)")
     out, offset = {}, 0
     for name, shape in shapes.items():
-        n = torch.Size(shape).numel()
-        out[name] = flat[offset:offset + n].view(shape)
+        n = _partition(torch.Size(shape).numel(), world)
+        out[name] = flat[offset:offset + n].view(shape) if world == 1 else flat[offset:offset + n]
         offset += n
     return out
 
 
-def _unflatten(model_states: dict, groups: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Parameter name -> fp32 tensor (views of the loaded groups), as zero_to_fp32 reconstructs them."""
-    shapes = model_states.get("param_shapes")
-    if shapes is None or len(shapes) != len(groups):
-        raise CheckpointMismatchError(f"{len(groups)} fp32_flat_groups but "
-                                      f"{'no' if shapes is None else len(shapes)} param_shapes groups: the two "
-                                      "files are not from one ZeRO-3 save (or it was saved without an optimizer)")
-    out = {}
-    for k, (flat, group) in enumerate(zip(groups, shapes)):
-        out.update(_split(flat.reshape(-1), group, f"fp32_flat_groups[{k}]"))
-    fragments = model_states.get("frozen_param_fragments") or {}
-    for name, shape in (model_states.get("frozen_param_shapes") or {}).items():
-        fragment = fragments[name].reshape(-1)
-        if fragment.numel() != torch.Size(shape).numel():
-            raise CheckpointMismatchError(f"frozen parameter {name}: {fragment.numel()} elements saved for shape "
-                                          f"{tuple(shape)} (a checkpoint of several ranks?)")
-        out[name] = fragment.view(shape)
+def _join(shapes: list[dict], per_rank: list[list], what: str) -> dict:
+    """name -> whole tensor (one rank: a view) or ``_Gathered`` from every rank's per-group flat tensors
+    (``per_rank[r][k]``: rank r's group k; None: no state for that group, every name of it maps to None)."""
+    world, out = len(per_rank), {}
+    for k, group in enumerate(shapes):
+        pieces = []
+        for r in range(world):
+            flat = per_rank[r][k]
+            pieces.append(None if flat is None else _split(flat, group, f"{what}[{k}] of rank {r}", world))
+        for name, shape in group.items():
+            if any(p is None for p in pieces):
+                out[name] = None
+            elif world == 1:
+                out[name] = pieces[0][name]
+            else:
+                out[name] = _Gathered(shape, [p[name] for p in pieces])
     return out
 
 
-def _moments_ours(state: dict, shapes: list[dict]) -> dict:
-    """megatrain_ds's moments by name: the streamed layers' flat buffer covers the first groups (layer by layer,
-    as ``fp32_flat_groups``), then one tensor per trained resident parameter (None entries: not trained)."""
+def _frozen(states: list[dict]) -> dict:
+    """Frozen parameters by name from every rank's ``frozen_param_fragments`` (rank r's ZeRO-3 partition each)."""
+    world, out = len(states), {}
+    for name, shape in (states[0].get("frozen_param_shapes") or {}).items():
+        numel, fragments = torch.Size(shape).numel(), []
+        for r, state in enumerate(states):
+            fragment = (state.get("frozen_param_fragments") or {}).get(name)
+            want = numel if world == 1 else _partition(numel, world)
+            if fragment is None or fragment.numel() != want:
+                raise CheckpointMismatchError(
+                    f"frozen parameter {name}: {'no' if fragment is None else fragment.numel()} elements saved by "
+                    f"rank {r} for shape {tuple(shape)}, {want} expected of each of {world} rank(s) (files of "
+                    "different saves?)")
+            fragments.append(fragment.detach().reshape(-1))
+        out[name] = fragments[0].view(shape) if world == 1 else _Gathered(shape, fragments)
+    return out
+
+
+def _unflatten(model_states: dict, groups: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameter name -> fp32 tensor (views of the loaded groups), as zero_to_fp32 reconstructs them: one rank's
+    files (``fp32_state_dict`` reads a folder of any rank count)."""
+    return {k: _whole(v) for k, v in _masters([model_states], [groups]).items()}
+
+
+def _masters(states: list[dict], groups: list[list]) -> dict:
+    shapes = states[0].get("param_shapes")
+    for r, rank_groups in enumerate(groups):
+        if shapes is None or len(shapes) != len(rank_groups):
+            raise CheckpointMismatchError(f"{len(rank_groups)} fp32_flat_groups (rank {r}) but "
+                                          f"{'no' if shapes is None else len(shapes)} param_shapes groups: the files "
+                                          "are not from one ZeRO-3 save (or it was saved without an optimizer)")
+    out = _join(shapes, groups, "fp32_flat_groups")
+    out.update(_frozen(states))
+    return out
+
+
+def _moment_groups_ours(state: dict, shapes: list[dict], world: int) -> tuple[list, list]:
+    """megatrain_ds's moments as per-group flat tensors: the flat buffers cover the first groups (one rank: the
+    streamed layers'; N ranks: every group), then one tensor per trained resident parameter (None entries: not
+    trained)."""
     flat_m, flat_v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
-    out, offset, k = {}, 0, 0
+    ms, vs, offset, k = [], [], 0, 0
     while offset < flat_m.numel() and k < len(shapes):
-        n = sum(torch.Size(s).numel() for s in shapes[k].values())
-        m = _split(flat_m[offset:offset + n], shapes[k], f"exp_avg (group {k})")
-        v = _split(flat_v[offset:offset + n], shapes[k], f"exp_avg_sq (group {k})")
-        out.update({name: (m[name], v[name]) for name in shapes[k]})
+        n = sum(_partition(torch.Size(s).numel(), world) for s in shapes[k].values())
+        ms.append(flat_m[offset:offset + n])
+        vs.append(flat_v[offset:offset + n])
         offset, k = offset + n, k + 1
     if offset != flat_m.numel():
-        raise CheckpointMismatchError(f"the layers' Adam moments hold {flat_m.numel()} elements, which do not end on "
-                                      "a parameter group of param_shapes: the files are not from one save")
+        raise CheckpointMismatchError(f"the Adam moments hold {flat_m.numel()} elements, which do not end on a "
+                                      "parameter group of param_shapes: the files are not from one save")
     resident = [(m, v) for m, v in zip(state["resident_exp_avg"], state["resident_exp_avg_sq"]) if m is not None]
     if len(resident) != len(shapes) - k:
         raise CheckpointMismatchError(f"{len(resident)} resident moment tensors for {len(shapes) - k} resident "
                                       "parameter groups: the files are not from one save")
-    for group, (m, v) in zip(shapes[k:], resident):
-        (name, shape), = group.items()
-        out[name] = (m.reshape(shape), v.reshape(shape))
-    return out
+    return ms + [m for m, _ in resident], vs + [v for _, v in resident]
 
 
-def _moments_deepspeed(inner: dict, shapes: list[dict]) -> tuple[dict, int]:
-    """DeepSpeed ZeRO-3's moments by name, and the step count. Its torch optimizer numbers the fp32 sub-groups
-    param group by param group, sub-group order within each (stage3 ``_set_fp32_optimizer_param_groups``):
-    the k-th index listed is sub-group k."""
+def _moment_groups_deepspeed(inner: dict, shapes: list[dict]) -> tuple[list, list, list[int]]:
+    """DeepSpeed ZeRO-3's moments as per-group flat tensors (None: the sub-group never stepped), and the step
+    counts. Its torch optimizer numbers the fp32 sub-groups param group by param group, sub-group order within
+    each (stage3 ``_set_fp32_optimizer_param_groups``): the k-th index listed is sub-group k."""
     order = [index for group in inner["param_groups"] for index in group["params"]]
     if len(order) != len(shapes):
         raise CheckpointMismatchError(f"DeepSpeed optimizer state lists {len(order)} sub-groups for {len(shapes)} "
-                                      "fp32_flat_groups: not a one-rank ZeRO-3 checkpoint of this layout")
-    out, steps = {}, []
-    for k, (index, group) in enumerate(zip(order, shapes)):
+                                      "fp32_flat_groups: not a ZeRO-3 checkpoint of this layout")
+    ms, vs, steps = [], [], []
+    for index in order:
         state = inner["state"].get(index) or {}
         if "exp_avg" not in state:  # the sub-group never stepped: fresh moments
-            out.update({name: None for name in group})
+            ms.append(None)
+            vs.append(None)
             continue
         steps.append(int(state["step"]))
-        m = _split(state["exp_avg"].reshape(-1), group, f"exp_avg of sub-group {k}")
-        v = _split(state["exp_avg_sq"].reshape(-1), group, f"exp_avg_sq of sub-group {k}")
-        out.update({name: (m[name], v[name]) for name in group})
-    return out, max(steps, default=0)
+        ms.append(state["exp_avg"])
+        vs.append(state["exp_avg_sq"])
+    return ms, vs, steps
+
+
+def _moments(shapes: list[dict], inners: list[dict]) -> tuple[dict, int, bool]:
+    """name -> (exp_avg, exp_avg_sq) or None, the step count, and whether the state is DeepSpeed's."""
+    world = len(inners)
+    if "state" in inners[0]:  # DeepSpeed: a torch optimizer's state dict per rank
+        parts = [_moment_groups_deepspeed(inner, shapes) for inner in inners]
+        step = max((s for _, _, steps in parts for s in steps), default=0)
+        deepspeed = True
+    else:  # megatrain_ds: HostAdamW.host_state_dict() (N ranks: flat over every group)
+        parts = [_moment_groups_ours(inner, shapes, world) for inner in inners]
+        step, deepspeed = inners[0]["step_count"], False
+    m = _join(shapes, [p[0] for p in parts], "exp_avg")
+    v = _join(shapes, [p[1] for p in parts], "exp_avg_sq")
+    return {name: None if m[name] is None or v[name] is None else (m[name], v[name]) for name in m}, step, deepspeed
 
 
 def _scaler_fields(saved) -> dict | None:
@@ -418,40 +842,104 @@ def _scaler_fields(saved) -> dict | None:
     return {ours: getattr(saved, theirs) for theirs, ours in mapping.items() if hasattr(saved, theirs)} or None
 
 
-def _read(path: str) -> _Checkpoint:
-    model_file = os.path.join(path, MODEL_FILE)
-    optim_file = next((os.path.join(path, f) for f in (OPTIM_FILE, BF16_OPTIM_FILE)
-                       if os.path.isfile(os.path.join(path, f))), None)
-    for needed, found in ((model_file, os.path.isfile(model_file)), (os.path.join(path, OPTIM_FILE), optim_file)):
-        if not found:
+def _torch_load(path: str, mmap: bool = True):
+    """A checkpoint file, memory-mapped where its format allows (pages are read as they are used)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except RuntimeError as exc:
+        if mmap and "mmap" in str(exc):  # the legacy (non-zip) format cannot be mapped
+            return torch.load(path, map_location="cpu", weights_only=False)
+        raise
+
+
+def _rank_files(path: str) -> tuple[dict[int, str], dict[int, str]]:
+    """{rank: model-states file}, {rank: optimizer-states file} of a checkpoint folder (model-parallel rank 0;
+    other model-parallel ranks are refused)."""
+    models, optims, mp = {}, {}, set()
+    for name in os.listdir(path):
+        m = _RANK_FILE.match(name)
+        if m is None:
+            continue
+        mp.add(int(m["mp"]))
+        if int(m["mp"]) == 0:
+            (models if m["kind"] == "model" else optims)[int(m["rank"])] = os.path.join(path, name)
+    if mp - {0}:
+        raise CheckpointMismatchError(f"{path} holds model-parallel ranks {sorted(mp)}: megatrain_ds loads "
+                                      "checkpoints without model (tensor) parallelism (mp_rank_00 only)")
+    return models, optims
+
+
+def _read(path: str, rank: int = 0, world: int = 1) -> _Checkpoint:
+    """Every saving rank's files of ``path``, for this ``rank`` of an engine of ``world`` ranks."""
+    models, optims = _rank_files(path)
+    for needed, found in ((os.path.join(path, MODEL_FILE), models.get(0)), (os.path.join(path, OPTIM_FILE),
+                                                                             optims.get(0))):
+        if found is None:
             raise FileNotFoundError(f"{needed} is missing (the folder holds {sorted(os.listdir(path))}): not a "
-                                    "complete one-rank ZeRO-3 checkpoint")
-    model_states = torch.load(model_file, map_location="cpu", weights_only=False)
-    optim = torch.load(optim_file, map_location="cpu", weights_only=False, mmap=True)
-    zero = optim.get("optimizer_state_dict") or {}
+                                    "complete ZeRO-3 checkpoint")
+    first = _torch_load(optims[0])
+    zero = first.get("optimizer_state_dict") or {}
     stage, partitions = zero.get("zero_stage"), zero.get("partition_count")
     ranks = max(partitions) if isinstance(partitions, (list, tuple)) else partitions
-    if stage != 3 or ranks != 1 or model_states.get("dp_world_size", 1) != 1:
+    if stage != 3 or not isinstance(ranks, int) or ranks < 1:
         raise CheckpointMismatchError(
-            f"{optim_file}: ZeRO stage {stage} saved by {ranks} rank(s); megatrain_ds loads ZeRO-3 checkpoints of "
-            "one rank. Convert others with DeepSpeed's zero_to_fp32.py and load the weights into the model.")
-    shapes = model_states.get("param_shapes")
-    masters = _unflatten(model_states, zero["fp32_flat_groups"])
-    inner = zero.get("optimizer_state_dict")
+            f"{optims[0]}: ZeRO stage {stage} saved by {ranks} rank(s); megatrain_ds loads ZeRO-3 checkpoints. "
+            "Convert others with DeepSpeed's zero_to_fp32.py and load the weights into the model.")
+    missing = [f for r in range(ranks) for f, have in ((model_file(r), r in models), (optim_file(r), r in optims))
+               if not have]
+    if missing:
+        raise FileNotFoundError(f"{path} was saved by {ranks} ranks, but {missing[:8]} are missing (the folder holds "
+                                f"{sorted(os.listdir(path))}): an incomplete ZeRO-3 checkpoint")
+    extra = sorted(r for r in set(models) | set(optims) if r >= ranks)
+    if extra:
+        raise CheckpointMismatchError(f"{path} was saved by {ranks} ranks (partition_count) but also holds files of "
+                                      f"ranks {extra}: files of different saves (DeepSpeed's zero_to_fp32 refuses "
+                                      "it too)")
+    optim_states = [first] + [_torch_load(optims[r]) for r in range(1, ranks)]
+    states = [_torch_load(models[r]) for r in range(ranks)]
+    for r, (state, optim) in enumerate(zip(states, optim_states)):
+        inner_zero = optim.get("optimizer_state_dict") or {}
+        if state.get("dp_world_size", ranks) != ranks or inner_zero.get("partition_count") != partitions:
+            raise CheckpointMismatchError(f"rank {r}'s files of {path} say {state.get('dp_world_size')} data-parallel "
+                                          f"ranks / partition count {inner_zero.get('partition_count')}, rank 0's "
+                                          f"optimizer file {partitions}: files of different saves")
+    own = states[rank] if rank < ranks else states[0]  # DeepSpeed: each rank reads its own model-states file
+    shapes = states[0].get("param_shapes")
+    masters = _masters(states, [o["optimizer_state_dict"]["fp32_flat_groups"] for o in optim_states])
+    inners = [o["optimizer_state_dict"].get("optimizer_state_dict") for o in optim_states]
     moments, step, groups, deepspeed_groups = None, 0, None, False
-    if inner is not None and "state" in inner:  # DeepSpeed: a torch optimizer's state dict
-        moments, step = _moments_deepspeed(inner, shapes)
-        groups, deepspeed_groups = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]], True
-    elif inner is not None:  # megatrain_ds: HostAdamW.host_state_dict()
-        moments, step, groups = _moments_ours(inner, shapes), inner["step_count"], inner["param_groups"]
-    buffer_names = model_states.get("buffer_names") or []
-    module = model_states.get("module") or {}
+    if inners[0] is not None:
+        if any(inner is None for inner in inners):
+            raise CheckpointMismatchError(f"{path}: some ranks saved optimizer state and some did not")
+        moments, step, deepspeed_groups = _moments(shapes, inners)
+        groups = ([{k: v for k, v in g.items() if k != "params"} for g in inners[0]["param_groups"]]
+                  if deepspeed_groups else inners[0]["param_groups"])
+    buffer_names = own.get("buffer_names") or []
+    module = own.get("module") or {}
+    saved_rng = [o.get("rng") for o in optim_states]
     return _Checkpoint(
-        path=path, masters=masters, trainable=[name for group in shapes for name in group],
-        frozen_excluded=model_states.get("frozen_param_shapes") is None, moments=moments, step=step,
+        path=path, world=ranks, masters=masters, trainable=[name for group in shapes for name in group],
+        frozen_excluded=states[0].get("frozen_param_shapes") is None, moments=moments, step=step,
         param_groups=groups, group_keys_shared_only=deepspeed_groups,
-        buffers={name: module[name] for name in buffer_names if name in module}, model_states=model_states,
-        loss_scaler=_scaler_fields(model_states.get("loss_scaler", zero.get("loss_scaler"))), rng=optim.get("rng"))
+        buffers={name: module[name].detach() for name in buffer_names if name in module}, model_states=own,
+        loss_scaler=_scaler_fields(own.get("loss_scaler", zero.get("loss_scaler"))),
+        rng=saved_rng[rank] if ranks == world else None,
+        rng_dropped=ranks != world and any(s is not None for s in saved_rng))
+
+
+def fp32_state_dict(path: str, tied: bool = True) -> dict[str, torch.Tensor]:
+    """The whole fp32 weights (trainable and frozen, by parameter name) and persistent buffers of the checkpoint
+    folder ``path`` (``save_dir/<tag>``), whatever number of ranks saved it (ours or DeepSpeed ZeRO-3's); as
+    DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``: tied names (``shared_params``) map to the tensor of
+    the name they are tied to (``tied=False`` leaves them out: safetensors refuses shared tensors). One rank's
+    tensors are views of the memory-mapped file; N ranks' are joined, one parameter at a time."""
+    ckpt = _read(path)
+    out = {name: _whole(t) for name, t in ckpt.masters.items()}
+    for name, kept in (ckpt.model_states.get("shared_params") or {}).items() if tied else ():
+        if kept in out:
+            out[name] = out[kept]
+    out.update(ckpt.buffers)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- checking
@@ -522,6 +1010,22 @@ def _validate(engine, ckpt: _Checkpoint, strict: bool, load_optimizer: bool, loa
 
 
 # ---------------------------------------------------------------------------------------------- applying
+def _owned(engine) -> list[bool]:
+    """Which streamed layers' host state this rank holds (data parallel: its own; one process: all)."""
+    store = engine.store
+    return list(getattr(store, "owned", None) or [True] * len(store.layouts))
+
+
+def _held(engine, masters: dict) -> dict:
+    """The entries of ``masters`` this rank writes: its own layers' parameters and the (replicated) resident ones."""
+    owned = _owned(engine)
+    if all(owned):
+        return masters
+    skip = {f"{engine.block_name}.{i}.{slot.name}" for i, layout in enumerate(engine.store.layouts) if not owned[i]
+            for slot in layout.slots}
+    return {name: t for name, t in masters.items() if name not in skip}
+
+
 def _write_buffers(engine, saved: dict[str, torch.Tensor]) -> None:
     """In place, so every holder of the tensor sees it; a streamed layer's buffer may also have a separate
     device copy in the executor (layer i = names under ``<block_name>.<i>.``)."""
@@ -538,15 +1042,18 @@ def _write_buffers(engine, saved: dict[str, torch.Tensor]) -> None:
 
 
 def _write_moments(engine, moments: dict) -> None:
-    """Adam moments into the host buffers (and the GPU-held layers' copies); a name without state gets zeros."""
+    """Adam moments into the host buffers of the layers this rank holds, the resident ones (and the GPU-held
+    layers' copies); a name without state gets zeros."""
     def put(dst, pair, which):
         if pair is None:
             dst.zero_()
         else:
             dst.copy_(pair[which].reshape(dst.shape))
 
-    store = engine.store
+    store, owned = engine.store, _owned(engine)
     for i, layout in enumerate(store.layouts):
+        if not owned[i]:
+            continue
         m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)
         for slot in layout.slots:
             if slot.trainable:
@@ -564,10 +1071,11 @@ def _write_moments(engine, moments: dict) -> None:
         ds.exp_avg_sq.copy_(store.exp_avg_sq[ds.train0:ds.train1])
 
 
-def _apply(engine, ckpt: _Checkpoint, load_optimizer: bool, load_scheduler: bool, module_only: bool) -> None:
+def _apply(engine, ckpt: _Checkpoint, load_optimizer: bool, load_scheduler: bool, module_only: bool,
+           world: _World) -> None:
     engine.synchronize()  # no queued optimizer task may write the masters after this
     # strictness was checked by _validate (it knows which names a frozen-excluded checkpoint may lack)
-    engine.load_master_state_dict(ckpt.masters, strict=False)
+    engine.load_master_state_dict(_held(engine, ckpt.masters), strict=False)
     _write_buffers(engine, ckpt.buffers)
     if module_only:
         return
@@ -581,6 +1089,10 @@ def _apply(engine, ckpt: _Checkpoint, load_optimizer: bool, load_scheduler: bool
             torch.set_rng_state(ckpt.rng["torch"])
             if "cuda" in ckpt.rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(ckpt.rng["cuda"])
+        elif ckpt.rng_dropped and world.rank == 0:
+            warnings.warn(f"{ckpt.path} was saved by {ckpt.world} rank(s) and is loaded by {world.size}: the random "
+                          "number generators' states were not restored (each rank's state belongs to its rank)",
+                          stacklevel=3)
     if load_scheduler and engine.lr_scheduler is not None and states.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
     settings = engine.config_settings
@@ -599,13 +1111,29 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = 
                     load_module_only: bool = False):
     """Returns ``(path, client_state)``; ``(None, None)`` with DeepSpeed's warning when no tag is given and
     ``load_dir`` has no ``latest``. A tag (given or named by ``latest``) whose files are missing raises
-    ``FileNotFoundError``; a checkpoint that does not fit raises ``CheckpointMismatchError`` before any write."""
-    path = _checkpoint_path(load_dir, tag)
+    ``FileNotFoundError``; a checkpoint that does not fit raises ``CheckpointMismatchError`` before any write.
+    With data parallel every rank calls it: rank 0 resolves the folder, every rank reads and checks it, and
+    nothing is written on any rank unless it fits on every rank."""
+    world = _World(engine)
+    path, error = None, None
+    if world.rank == 0:
+        try:
+            path = _checkpoint_path(load_dir, tag)  # may put back a moved-aside folder: one rank does
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    world.agree(error, "find the checkpoint")
+    path = world.broadcast(path)
     if path is None:
         return None, None
-    ckpt = _read(path)
-    _validate(engine, ckpt, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-    _apply(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    ckpt, error = None, None
+    try:
+        ckpt = _read(path, world.rank, world.size)
+        _validate(engine, ckpt, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                  load_module_only)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    world.agree(error, f"load {path} (nothing was loaded on any rank)")
+    _apply(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only, world)
     return path, {k: v for k, v in ckpt.model_states.items() if k not in _RESERVED}
 
 
@@ -620,19 +1148,75 @@ def _frozen_ids(engine) -> set[int]:
             if not p.requires_grad or (in_optimizer is not None and id(p) not in in_optimizer)}
 
 
+def gather_full_masters(engine, dst: int | None = None, dtype: torch.dtype | None = None) -> dict | None:
+    """Every parameter's whole fp32 master keyed like ``master_state_dict()`` (cast to ``dtype``, as a copy,
+    when given).
+
+    One process: views of the host masters (no copy unless ``dtype``). Data parallel: a collective (every rank
+    calls it): streamed layers go from their owner to rank ``dst`` (None: to every rank), one layer at a time,
+    over the gloo group; resident parameters are replicated. Ranks other than ``dst`` get None. What a rank
+    receives is its own copy (4 bytes per parameter; ``dtype`` casts each layer as it arrives)."""
+    engine.sync_masters_to_host()
+    world, store = _World(engine), engine.store
+    if dst is not None and world.rank != dst and world.size > 1:
+        out = None
+    else:
+        out = {}
+    cast = (lambda t: t.to(dtype, copy=True)) if dtype is not None else (lambda t: t)  # noqa: E731
+    for i, layout in enumerate(store.layouts):
+        if world.size == 1:
+            flat = store.master_of(i)
+        else:
+            owner = world.owner(i)
+            mine = store.master_of(i) if world.rank == owner else None
+            if dst is None:
+                flat = mine if mine is not None else torch.empty(layout.numel, dtype=torch.float32)
+                if layout.numel:
+                    dist.broadcast(flat, src=world.peer(owner), group=world.group)
+            elif owner == dst:
+                flat = mine
+            elif world.rank == owner:
+                if layout.numel:
+                    dist.send(mine, dst=world.peer(dst), group=world.group)
+                continue
+            elif world.rank == dst:
+                flat = torch.empty(layout.numel, dtype=torch.float32)
+                if layout.numel:
+                    dist.recv(flat, src=world.peer(owner), group=world.group)
+            else:
+                continue
+        if out is None:
+            continue
+        for slot in layout.slots:
+            start = slot.offset + (0 if slot.trainable else layout.n_train)
+            out[f"{engine.block_name}.{i}.{slot.name}"] = cast(flat[start:start + slot.numel].view(slot.shape))
+    if out is None:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for p, master in zip(engine.resident.params, engine.resident.master):
+        out[names[id(p)]] = cast(master.view(p.shape).cpu())
+    return out
+
+
 def consolidated_state_dict(engine, dtype: torch.dtype | None = None,
-                            exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+                            exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
     """The whole model's ``state_dict()`` on the CPU, parameters from their fp32 masters cast to ``dtype``
-    (default: the compute dtype), persistent buffers as they are; tied names each get their tensor."""
-    masters = engine.master_state_dict()  # one sync; views of the host masters
+    (default: the compute dtype), persistent buffers as they are; tied names each get their tensor. Data
+    parallel: a collective (every rank calls it); the state dict is rank 0's, other ranks get None (DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict``)."""
     dtype = dtype or engine.compute_dtype
+    masters = gather_full_masters(engine, dst=0, dtype=dtype)  # copies in dtype, one layer at a time
+    if masters is None:
+        return None
     kept = {id(p): n for n, p in engine.module.named_parameters()}  # tied names share one master
     skip = _frozen_ids(engine) if exclude_frozen_parameters else set()
-    out = {}
+    out, used = {}, set()
     for name, tensor in engine.module.state_dict(keep_vars=True).items():
         if isinstance(tensor, torch.nn.Parameter):
             if id(tensor) not in skip:
-                out[name] = masters[kept[id(tensor)]].to(dtype, copy=True)
+                value = masters[kept[id(tensor)]]
+                out[name] = value.clone() if id(value) in used else value  # a tied name: a tensor of its own
+                used.add(id(value))
         else:  # persistent buffer
             out[name] = tensor.detach().cpu().clone()
     return out
@@ -640,17 +1224,26 @@ def consolidated_state_dict(engine, dtype: torch.dtype | None = None,
 
 def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
-    """Consolidated weights in the compute dtype, written atomically; ``*.safetensors`` names use safetensors."""
-    os.makedirs(save_dir, exist_ok=True)
-    clean_stale(save_dir)  # a killed export's .<file>.tmp-<pid>
+    """Consolidated weights in the compute dtype, written atomically; ``*.safetensors`` names use safetensors.
+    Data parallel: every rank calls it (the weights are gathered to rank 0, which writes the file; every rank
+    returns once it is in place), as DeepSpeed's."""
+    world = _World(engine)
     state = consolidated_state_dict(engine, exclude_frozen_parameters=exclude_frozen_parameters)
-    final = os.path.join(save_dir, save_filename)
-    tmp = os.path.join(save_dir, f".{save_filename}.tmp-{os.getpid()}")
-    if save_filename.endswith(".safetensors"):
-        from safetensors.torch import save_file
+    error = None
+    if world.rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            clean_stale(save_dir)  # a killed export's .<file>.tmp-<pid>
+            final = os.path.join(save_dir, save_filename)
+            tmp = os.path.join(save_dir, f".{save_filename}.tmp-{os.getpid()}")
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
-    else:
-        _save(state, tmp)
-    os.replace(tmp, final)
+                save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
+            else:
+                _save(state, tmp)
+            os.replace(tmp, final)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    world.agree(error, f"write {save_filename}")
     return True
