@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from .checkpoint import MODEL_FILE, OPTIM_FILE, _unflatten
+from .checkpoint import MODEL_FILE, fp32_state_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,9 +51,9 @@ def convert(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: st
         raise SystemExit("megatrain-ds convert: the checkpoint has no Hugging Face config (the model was not a "
                          "transformers model); DeepSpeed's zero_to_fp32 still reads its weights")
     os.makedirs(out_dir, exist_ok=True)
-    optim = torch.load(os.path.join(path, OPTIM_FILE), map_location="cpu", weights_only=False, mmap=True)
-    weights = _unflatten(states, optim["optimizer_state_dict"]["fp32_flat_groups"])
-    weights.update(states["module"])  # persistent buffers
+    # whatever number of ranks saved it: each parameter joined from its partitions (checkpoint.fp32_state_dict);
+    # tied names left out (safetensors refuses shared tensors; transformers re-ties them from the config)
+    weights = fp32_state_dict(path, tied=False)
     tensors = {k: v.to(DTYPES[dtype]).contiguous() if v.is_floating_point() else v.contiguous()
                for k, v in weights.items()}
     limit, shards, current, size = _size(max_shard_size), [], {}, 0
