@@ -250,8 +250,8 @@ def test_dp_rank_cpu_sets_keep_physical_cores_whole_and_launch_env():
     assert multi_gpu.launch_env(2, bind=False, env={}, topology=topo)["OMP_NUM_THREADS"] == "8"
     assert multi_gpu.cpulist([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert multi_gpu.rank_json("out/m_g2.json", 1) == "out/m_g2.rank1.json"
-    cmd = multi_gpu.launch_cmd("/venv/bin/python", 2, ["--system", "zero3", "--json", "/tmp/x/z.json"])
-    assert multi_gpu.recorded_cmd(cmd, "/tmp/x/z.json") == ("python3 -m torch.distributed.run --standalone "
+    cmd = multi_gpu.launch_cmd("venv/bin/python", 2, ["--system", "zero3", "--json", "runs/x/z.json"])
+    assert multi_gpu.recorded_cmd(cmd, "runs/x/z.json") == ("python3 -m torch.distributed.run --standalone "
                                                            "--nproc_per_node 2 -m benchmarks.run_system --system zero3 "
                                                            "--json z.json")
 
