@@ -69,6 +69,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .adapters import is_peft_model, save_adapter
+
 MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 BF16_OPTIM_FILE = "bf16_" + OPTIM_FILE  # DeepSpeed's name for it when bf16 is on
@@ -295,23 +297,25 @@ def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _scratch(folder: str, name: str, numel: int, paths: list[str]) -> torch.Tensor:
-    """A flat fp32 tensor backed by the file ``folder/name``, mapped shared: the kernel may write its pages out
+def _scratch(folder: str, name: str, numel: int, paths: list[str], dtype: torch.dtype = torch.float32
+             ) -> torch.Tensor:
+    """A flat ``dtype`` tensor backed by the file ``folder/name``, mapped shared: the kernel may write its pages out
     and drop them, so filling it costs page cache rather than process memory. The file is allocated up front (a
     full disk fails here, as an exception, not later as a fault in a mapped write). Its path goes in ``paths``:
     the caller deletes it once what views the tensor is saved."""
     if numel == 0:
-        return torch.empty(0, dtype=torch.float32)
+        return torch.empty(0, dtype=dtype)
     path = os.path.join(folder, name)
     paths.append(path)
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
     with open(path, "wb") as f:
         try:
-            os.posix_fallocate(f.fileno(), 0, numel * 4)
+            os.posix_fallocate(f.fileno(), 0, nbytes)
         except OSError as exc:  # a file system that cannot preallocate: sized only (ENOSPC is an error)
             if exc.errno == errno.ENOSPC:
                 raise
-            f.truncate(numel * 4)
-    return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+            f.truncate(nbytes)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
 
 @dataclass(slots=True)
@@ -359,7 +363,14 @@ def _source(engine, param: _Param, kind: str) -> torch.Tensor:
     if param.layer is None:
         return getattr(engine.resident, kind)[param.start].detach().reshape(-1)
     store = engine.store
-    flat = store.master_of(param.layer) if kind == "master" else store.train_slice(getattr(store, kind), param.layer)
+    if kind == "master":  # param.start is in [trainable | frozen]; a compact store keeps the frozen part in the wire
+        layout = store.layouts[param.layer]
+        if param.start >= layout.n_train:
+            start = param.start - layout.n_train
+            return store.frozen_of(param.layer)[start:start + param.numel]
+        flat = store.master_of(param.layer)
+    else:
+        flat = store.train_slice(getattr(store, kind), param.layer)
     return flat[param.start:param.start + param.numel]
 
 
@@ -382,7 +393,10 @@ class _RankState:
         for p in frozen:
             self.frozen_start.append(offset)
             offset += _partition(p.numel, n)
-        self.frozen_buf = _scratch(folder, f".frozen-rank{world.rank}.scratch", offset, self.paths)
+        # frozen weights are kept in the compute dtype (host_state.py: a compact store; the resident ones on the
+        # device), and written so, as DeepSpeed writes its 16-bit frozen fragments; fp32 in fp32 mode
+        frozen_dtype = engine.store.wire_dtype if engine.store.compact else torch.float32
+        self.frozen_buf = _scratch(folder, f".frozen-rank{world.rank}.scratch", offset, self.paths, frozen_dtype)
         self.regions = []  # master, exp_avg, exp_avg_sq: each flat over this rank's groups
         if n > 1:
             buf = _scratch(folder, f".optim-rank{world.rank}.scratch", total * (3 if moments else 1), self.paths)
@@ -527,6 +541,13 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     try:
         _write_rank_files(engine, world, tmp, tag, client_state, exclude_frozen_parameters,
                           MEGATRAIN_VERSION, __version__)
+        if is_peft_model(engine.module):  # the adapter as peft saves it, in the same folder (adapters.py)
+            error = None
+            try:
+                save_adapter(engine, tmp, is_main_process=world.rank == 0)
+            except Exception as exc:  # noqa: BLE001 (every rank must learn of it, then it is raised)
+                error = exc
+            world.agree(error, "write the peft adapter")
     except BaseException:
         if world.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1152,7 +1173,8 @@ def gather_full_masters(engine, dst: int | None = None, dtype: torch.dtype | Non
     """Every parameter's whole fp32 master keyed like ``master_state_dict()`` (cast to ``dtype``, as a copy,
     when given).
 
-    One process: views of the host masters (no copy unless ``dtype``). Data parallel: a collective (every rank
+    One process: views of the host masters (no copy unless ``dtype``; frozen weights of a compact store are
+    their compute-dtype copy, host_state.py). Data parallel: a collective (every rank
     calls it): streamed layers go from their owner to rank ``dst`` (None: to every rank), one layer at a time,
     over the gloo group; resident parameters are replicated. Ranks other than ``dst`` get None. What a rank
     receives is its own copy (4 bytes per parameter; ``dtype`` casts each layer as it arrives)."""
@@ -1165,10 +1187,12 @@ def gather_full_masters(engine, dst: int | None = None, dtype: torch.dtype | Non
     cast = (lambda t: t.to(dtype, copy=True)) if dtype is not None else (lambda t: t)  # noqa: E731
     for i, layout in enumerate(store.layouts):
         if world.size == 1:
-            flat = store.master_of(i)
+            for slot in layout.slots:  # views (frozen weights of a compact store: their compute-dtype copy)
+                out[f"{engine.block_name}.{i}.{slot.name}"] = cast(store.param_master(i, slot.name))
+            continue
         else:
             owner = world.owner(i)
-            mine = store.master_of(i) if world.rank == owner else None
+            mine = store.full_master(i) if world.rank == owner else None
             if dst is None:
                 flat = mine if mine is not None else torch.empty(layout.numel, dtype=torch.float32)
                 if layout.numel:

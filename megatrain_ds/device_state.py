@@ -32,8 +32,10 @@ class DeviceOptimizerState:
     def __init__(self, store: HostLayerStore, lo: int, hi: int, device: torch.device,
                  moments_from_host: bool = False) -> None:
         self.store, self.lo, self.hi, self.device = store, lo, hi, device
-        self.full0 = store.offsets[lo].full
-        self.full1 = store.offsets[hi].full if hi < len(store.layouts) else store.n_full
+        # the fp32 master region of layers [lo, hi): whole layers, or their trainable regions (a compact store
+        # keeps frozen weights in the wire copy only: a load casts the trainable part and copies the frozen one)
+        self.full0 = store.offsets[lo].master
+        self.full1 = store.offsets[hi].master if hi < len(store.layouts) else store.n_master
         self.train0 = store.offsets[lo].train
         self.train1 = store.offsets[hi].train if hi < len(store.layouts) else store.n_train
         self.master = store.master[self.full0:self.full1].to(device, copy=True)
@@ -50,7 +52,7 @@ class DeviceOptimizerState:
     def nbytes(store: HostLayerStore, hi: int) -> int:
         """Device bytes the state of layers [0, hi) takes: fp32 master (all elements) + moments and gradient
         (trainable elements); of the layers this rank owns."""
-        full = store.offsets[hi].full if hi < len(store.layouts) else store.n_full
+        full = store.offsets[hi].master if hi < len(store.layouts) else store.n_master
         train = store.offsets[hi].train if hi < len(store.layouts) else store.n_train
         return 4 * full + 12 * train
 
@@ -59,8 +61,8 @@ class DeviceOptimizerState:
         return self.lo <= i < self.hi and self.store.owned[i]
 
     def master_of(self, i: int) -> torch.Tensor:
-        o = self.store.offsets[i].full - self.full0
-        return self.master[o:o + self.store.layouts[i].numel]
+        o = self.store.offsets[i].master - self.full0
+        return self.master[o:o + self.store.master_numel(i)]
 
     def _train(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         o = self.store.offsets[i].train - self.train0
@@ -78,5 +80,6 @@ class DeviceOptimizerState:
         store.master[self.full0:self.full1].copy_(self.master)
         store.exp_avg[self.train0:self.train1].copy_(self.exp_avg)
         store.exp_avg_sq[self.train0:self.train1].copy_(self.exp_avg_sq)
-        if not store.wire_is_master:
-            store.wire[self.full0:self.full1].copy_(self.master)
+        for i in range(self.lo, self.hi):
+            if store.owned[i]:
+                store.refresh_wire(i)

@@ -6,6 +6,12 @@ Bytes per parameter (trainable, bf16 compute):
     = 18 with GA > 1 (an fp32 accumulator; landings go through a small pinned ring)
 In fp32 mode the pinned master *is* the wire copy: 16 bytes with GA 1.
 
+Frozen parameters (a LoRA base, anything in no optimizer group) are never updated, so they need no fp32
+master, moments or gradient: they live in the wire copy only, in the compute dtype (bf16: **2 bytes per
+parameter**; fp32 mode: the wire is the master, 4). DeepSpeed keeps frozen parameters the same way (16-bit,
+outside its fp32 partitions). So the master buffer holds each layer's trainable region only
+(``compact``); ``master_of(i)`` is that region and ``param_master`` of a frozen parameter is its wire view.
+
 Flat buffers are allocated once, each in its own private mapping (huge pages, not inherited by fork), and
 the streamed ones pinned with ``cudaHostRegister`` (the caching host allocator behind ``pin_memory=True``
 rounds each block up to a power of two, which would cost up to 2x on a 12 GB buffer).
@@ -53,20 +59,29 @@ class HostRegion:
     reused) while it is still registered: ``release()`` unregisters first.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool = True) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool = True, defer: bool = False) -> None:
         nbytes = numel * torch.tensor([], dtype=dtype).element_size()
         self.mm = _anonymous_mapping(nbytes)
         self.tensor = torch.frombuffer(self.mm, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
         self.ptr, self.nbytes, self.registered = self.tensor.data_ptr(), nbytes, False
-        if pin and torch.cuda.is_available() and nbytes:
+        self.pending = pin and defer  # ``register(written=True)`` pins it once its contents are written
+        if pin and not defer:
+            self.register(written=False)
+
+    def register(self, written: bool) -> None:
+        """Page-lock the mapping (CUDA only). ``written``: every page was written already (faulted in)."""
+        self.pending = False
+        if not torch.cuda.is_available() or not self.nbytes or self.registered:
+            return
+        if not written:
             # Fault the pages in first, on all intra-op threads (the mapping is zero-filled already, so this
             # writes nothing new): cudaHostRegister would otherwise fault hundreds of GB in on one thread.
             self.tensor.zero_()
-            err = torch.cuda.cudart().cudaHostRegister(self.ptr, nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (CUDA error {int(err)}): "
-                                   "not enough lockable host memory?")
-            self.registered = True
+        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.nbytes / 2**30:.2f} GiB failed (CUDA error {int(err)}): "
+                               "not enough lockable host memory?")
+        self.registered = True
 
     def release(self) -> None:
         if self.registered:
@@ -77,12 +92,12 @@ class HostRegion:
         # the mapping itself is freed when the last tensor viewing it is gone
 
 
-def host_buffer(numel: int, dtype: torch.dtype, pin: bool, regions: list) -> torch.Tensor:
-    """A flat, zero-filled host tensor in its own mapping (``_anonymous_mapping``); page-locked when ``pin``.
-    Recorded in ``regions`` for release."""
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool, regions: list, defer: bool = False) -> torch.Tensor:
+    """A flat, zero-filled host tensor in its own mapping (``_anonymous_mapping``); page-locked when ``pin`` (at
+    once, or with ``defer`` by ``register`` once written). Recorded in ``regions`` for release."""
     if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system: the plain allocator, unpinned
         return torch.zeros(numel, dtype=dtype)
-    region = HostRegion(numel, dtype, pin)
+    region = HostRegion(numel, dtype, pin, defer)
     regions.append(region)
     return region.tensor
 
@@ -95,8 +110,9 @@ def _release_all(regions: list) -> None:
 
 @dataclass(slots=True)
 class LayerOffsets:
-    full: int  # start of the layer in master/wire (all params)
+    full: int  # start of the layer in the wire copy (all params)
     train: int  # start of the layer in exp_avg/exp_avg_sq/grad (trainable params only)
+    master: int = 0  # start of the layer in the fp32 master (all params, or trainable only when compact)
 
 
 class HostLayerStore:
@@ -109,21 +125,28 @@ class HostLayerStore:
         # Data parallel (dp.py): this process holds the state of the layers it owns only. A layer it does not own
         # takes no bytes (its offsets are those of the next owned layer) and has no views (``_owned``).
         self.owned = list(owned) if owned is not None else [True] * len(layouts)
+        self.wire_is_master = wire_dtype == torch.float32
+        # frozen parameters live in the wire copy only (module docstring); in fp32 mode the wire is the master
+        self.compact = not self.wire_is_master
         self.offsets: list[LayerOffsets] = []
         full = train = 0
         for layout, mine in zip(layouts, self.owned):
-            self.offsets.append(LayerOffsets(full, train))
+            self.offsets.append(LayerOffsets(full, train, train if self.compact else full))
             if mine:
                 full += layout.numel
                 train += layout.n_train
         self.n_full, self.n_train = full, train
+        self.n_master = train if self.compact else full
         self.regions: list[HostRegion] = []
-        self.wire_is_master = wire_dtype == torch.float32
-        # in fp32 mode the master is what streams to the GPU, so it is the pinned one
-        self.master = host_buffer(full, torch.float32, pin and self.wire_is_master, self.regions)
+        # In fp32 mode the master is what streams to the GPU, so it is the pinned one. The wire is pinned once
+        # ``load_layer`` has written every layer (``finish_loading``): pinning faults every page in, and until the
+        # layers are loaded the model still holds its own copy of them (peak host memory: one copy + one layer).
+        self.master = host_buffer(self.n_master, torch.float32, pin and self.wire_is_master, self.regions,
+                                  defer=True)
         self.exp_avg = host_buffer(train, torch.float32, False, self.regions)
         self.exp_avg_sq = host_buffer(train, torch.float32, False, self.regions)
-        self.wire = self.master if self.wire_is_master else host_buffer(full, wire_dtype, pin, self.regions)
+        self.wire = self.master if self.wire_is_master else host_buffer(full, wire_dtype, pin, self.regions,
+                                                                        defer=True)
         # Gradients: landed directly in their home (GA 1; in the wire dtype, or fp32 when
         # ``grad_dtype`` says so: the GPU converts before the D2H), or landed in a pinned ring and
         # accumulated into fp32 by the host worker (GA > 1).
@@ -147,10 +170,47 @@ class HostLayerStore:
         if not self.owned[i]:
             raise KeyError(f"layer {i}'s host state is held by another rank (data parallel: see dp.py)")
 
+    def master_numel(self, i: int) -> int:
+        """Elements of layer i in the fp32 master: its trainable region when compact, else the whole layer."""
+        layout = self.layouts[i]
+        return layout.n_train if self.compact else layout.numel
+
     def master_of(self, i: int) -> torch.Tensor:
+        """Layer i's fp32 master: ``[trainable | frozen]``, or its trainable region only when ``compact``."""
         self._owned(i)
-        o = self.offsets[i].full
-        return self.master[o:o + self.layouts[i].numel]
+        o = self.offsets[i].master
+        return self.master[o:o + self.master_numel(i)]
+
+    def frozen_of(self, i: int) -> torch.Tensor:
+        """Layer i's frozen region, where it is kept: in the master (fp32 mode) or the wire (compute dtype)."""
+        layout = self.layouts[i]
+        flat = self.wire_of(i) if self.compact else self.master_of(i)
+        return flat[layout.n_train:layout.numel]
+
+    def full_master(self, i: int) -> torch.Tensor:
+        """Layer i's whole ``[trainable | frozen]`` weights in fp32: a view of the master, or (compact, with frozen
+        parameters) a copy assembled from the master and the wire."""
+        layout = self.layouts[i]
+        if not self.compact or layout.n_frozen == 0:
+            return self.master_of(i)
+        return torch.cat([self.master_of(i), self.frozen_of(i).float()])
+
+    def write_full(self, i: int, flat: torch.Tensor) -> None:
+        """Set layer i's weights from a whole ``[trainable | frozen]`` flat tensor (master, frozen and wire)."""
+        n_train = self.layouts[i].n_train
+        if self.compact:
+            self.master_of(i).copy_(flat[:n_train])
+            self.wire_of(i).copy_(flat)
+        else:
+            self.master_of(i).copy_(flat)
+            if not self.wire_is_master:
+                self.wire_of(i).copy_(flat)
+
+    def refresh_wire(self, i: int) -> None:
+        """The wire copy of layer i's trainable region from its master (after the master changed)."""
+        if not self.wire_is_master:
+            n_train = self.layouts[i].n_train
+            self.wire_of(i)[:n_train].copy_(self.master_of(i)[:n_train])
 
     def wire_of(self, i: int) -> torch.Tensor:
         self._owned(i)
@@ -173,25 +233,31 @@ class HostLayerStore:
             for slot in self.layouts[i].slots:
                 release_storage(by_name[slot.name])
             return
-        master, layout = self.master_of(i), self.layouts[i]
+        layout = self.layouts[i]
         for slot in layout.slots:
-            start = slot.offset + (0 if slot.trainable else layout.n_train)
             param = by_name[slot.name]
-            master[start:start + slot.numel].copy_(param.detach().reshape(-1))
+            self.param_master(i, slot.name).view(-1).copy_(param.detach().reshape(-1))
             release_storage(param)
-        if not self.wire_is_master:
-            self.wire_of(i).copy_(master)
+        self.refresh_wire(i)
+
+    def finish_loading(self) -> None:
+        """Every layer is loaded: page-lock the buffers whose pinning waited for it (their pages are written)."""
+        for region in self.regions:
+            if region.pending:
+                region.register(written=True)
 
     def param_master(self, i: int, name: str) -> torch.Tensor:
-        """The fp32 master of one parameter of layer ``i`` (a view, shaped like the parameter)."""
+        """Where one parameter of layer ``i`` is kept (a view, shaped like the parameter): its fp32 master; for a
+        frozen parameter of a ``compact`` store, its wire copy (compute dtype)."""
         layout = self.layouts[i]
         for slot in layout.slots:
             if slot.name == name:
-                start = slot.offset + (0 if slot.trainable else layout.n_train)
-                return self.master_of(i)[start:start + slot.numel].view(slot.shape)
+                flat = self.master_of(i) if slot.trainable else self.frozen_of(i)
+                return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         raise KeyError(f"layer {i} has no parameter {name!r}")
 
     def nbytes(self) -> int:
+        """Bytes of every host buffer (the wire copy counted once when it is the master)."""
         tensors = {id(t): t for t in (self.master, self.exp_avg, self.exp_avg_sq, self.wire, self.grad)}
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         return total + self.fixed_nbytes()

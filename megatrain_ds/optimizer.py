@@ -33,7 +33,9 @@ class ResidentParams:
     The module's parameter holds the compute-dtype copy on the device. Its fp32 master, moments and
     gradient live on the host, or on the device when ``state_on_device`` (``offload_optimizer.ratio`` < 1,
     see device_state.py): the embedding is the first thing a forward needs, so its update must not queue behind
-    host work.
+    host work. A frozen parameter (in no optimizer group: a LoRA model's embeddings and head) is never updated:
+    its ``master`` is the device copy itself, in the compute dtype, with no host copy (as the streamed layers'
+    frozen weights, host_state.py).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], group_of: dict[int, int], device: torch.device,
@@ -46,8 +48,13 @@ class ResidentParams:
         # small tensors: torch's pinned allocator (its power-of-two rounding costs little here)
         pinned = (lambda t: t.pin_memory()) if pin and not state_on_device else (lambda t: t)
         for p in params:
-            master = p.detach().to(state, torch.float32, copy=True)
             trainable = id(p) in group_of  # in an optimizer group; others are never updated
+            if not trainable:
+                p.data = p.detach().to(device, compute_dtype, copy=True)
+                for kind in (self.master, self.wire, self.exp_avg, self.exp_avg_sq, self.grad, self.landing):
+                    kind.append(p.data if kind is self.master else None)
+                continue
+            master = p.detach().to(state, torch.float32, copy=True)
             self.master.append(master)
             self.wire.append(None if state_on_device else pinned(master.to(compute_dtype, copy=True)))
             self.exp_avg.append(torch.zeros_like(master) if trainable else None)
@@ -71,7 +78,7 @@ class ResidentParams:
     def device_bytes(self) -> int:
         """GPU bytes ``move_state_to_device`` takes: fp32 master (every parameter) + moments and gradient
         (trained ones)."""
-        return sum(4 * m.numel() + (12 * m.numel() if g is not None else 0) for m, g in zip(self.master, self.grad))
+        return sum(16 * m.numel() for m, g in zip(self.master, self.grad) if g is not None)
 
     def move_state_to_device(self) -> None:
         """From now on keep the fp32 master, moments and gradient on the device (between steps, nothing queued:
@@ -80,7 +87,8 @@ class ResidentParams:
             return
         dev = self.device
         move = lambda t: None if t is None else t.to(dev, copy=True)  # noqa: E731
-        self.master = [move(t) for t in self.master]
+        # a frozen parameter's master is its device copy already
+        self.master = [move(t) if g is not None else t for t, g in zip(self.master, self.grad)]
         self.exp_avg = [move(t) for t in self.exp_avg]
         self.exp_avg_sq = [move(t) for t in self.exp_avg_sq]
         self.grad = [move(t) for t in self.grad]
@@ -159,8 +167,9 @@ class ResidentParams:
         if self.on_device:
             st.wait(st.h2d, self.device_updated)  # the GPU-side update (opt stream) is done
         with st.on(st.h2d):
-            for p, master, wire in zip(self.params, self.master, self.wire):
-                p.data.copy_(master if self.on_device else wire, non_blocking=True)
+            for p, master, wire, grad in zip(self.params, self.master, self.wire, self.grad):
+                if grad is not None:  # frozen ones never change (their master is p.data)
+                    p.data.copy_(master if self.on_device else wire, non_blocking=True)
         self.wire_read = st.record(st.h2d)
         st.wait(st.compute(), self.wire_read)
         self.uploaded = True
@@ -330,8 +339,7 @@ class HostAdamW(torch.optim.Optimizer):
         with ex.timer.host_span("rollback_s"), _range(f"rollback.L{i}"):
             for group, a, b in layout.segments:
                 adamw_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef, self.adam_w_mode)
-            if not store.wire_is_master:
-                store.wire_of(i)[:layout.n_train].copy_(master[:layout.n_train])
+            store.refresh_wire(i)
 
     def _settle(self, i: int, hp, spec: Speculation):
         """Layer i was stepped speculatively: keep it (the norm task committed), or undo it and step it
@@ -567,5 +575,4 @@ class HostAdamW(torch.optim.Optimizer):
             grad = self._tmp[:layout.n_train].copy_(grad)  # the fused CPU kernel wants fp32 grads
         for group, a, b in layout.segments:
             self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], coef)
-        if not store.wire_is_master:
-            store.wire_of(i)[:layout.n_train].copy_(master[:layout.n_train])
+        store.refresh_wire(i)

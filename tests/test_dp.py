@@ -102,6 +102,36 @@ def test_two_ranks_with_ga_tied_kept_layer_and_device_state_equal_ga4(tmp_path):
     assert_same_training(got, want)
 
 
+def test_lora_bf16_two_ranks(tmp_path):
+    """PEFT LoRA in bf16 on 2 ranks (each layer's frozen base held by its owner in bf16 only, host_state.py): trains
+    as 1 process with GA 2 (to bf16 rounding: the ranks' gradients are reduced in bf16), and the checkpoint holds
+    every rank's bf16 frozen fragments and the adapter as peft saves it."""
+    peft = pytest.importorskip("peft")
+    ckpt = tmp_path / "ckpt"
+    args = ("--lora", "4", "--bf16", "--steps", "3")
+    got = run(tmp_path / "a.json", *args, "--save", str(ckpt), ranks=2)
+    want = run(tmp_path / "b.json", *args, "--ga", "2")
+    for k, loss in want["loss"].items():
+        assert abs(got["loss"][k] - loss) <= 2e-2 * abs(loss), f"micro-batch {k}"
+    lora = [n for n in want["weights"] if "lora_" in n]
+    assert lora and len(set(got["digests"])) == 1
+    for name in lora:
+        assert (got["weights"][name] - want["weights"][name]).abs().max().item() <= 2e-3, name
+    for name, w in want["weights"].items():  # the base never moves and is kept in bf16
+        if "lora_" not in name and w.dim() == 2 and "embed" not in name:
+            assert w.dtype == torch.bfloat16 and torch.equal(got["weights"][name], w), name
+    folder = ckpt / "global_step2"
+    for rank in range(2):
+        states = torch.load(folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", weights_only=False)
+        assert all(t.dtype == torch.bfloat16 for t in states["frozen_param_fragments"].values())
+    assert (folder / "adapter_model.safetensors").exists()
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    base = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    assert peft.get_peft_model_state_dict(peft.PeftModel.from_pretrained(base, str(folder)))
+
+
 def test_two_ranks_equal_real_deepspeed_zero3(runs):
     """The same script and config under real DeepSpeed ZeRO-3 (CPU offload, gloo) with 2 ranks."""
     real = run(runs["tmp"] / "ds2.json", "--engine", "deepspeed", ranks=2)

@@ -32,6 +32,8 @@ def main():
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--load", default=None, help="resume from this checkpoint folder first")
     parser.add_argument("--mt", default="{}", help="megatrain_ds's own config block (JSON)")
+    parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear layer")
+    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
     if args.engine == "deepspeed":
         import deepspeed
@@ -43,6 +45,15 @@ def main():
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                       tie_word_embeddings=args.tied)
     model = transformers.Qwen2ForCausalLM(config)
+    if args.lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():  # LoRA B starts at zero: give every adapter a gradient at step 0
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.02)
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     ds_config = {
         "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.ga,
@@ -54,9 +65,12 @@ def main():
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                               "offload_optimizer": {"device": "cpu"}},
     }
+    if args.bf16:
+        ds_config["bf16"] = {"enabled": True}
     if args.engine == "megatrain" and json.loads(args.mt):
         ds_config["megatrain"] = json.loads(args.mt)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert engine.train_batch_size() == args.micro * args.ga * world
     start = 0
@@ -88,7 +102,7 @@ def main():
             weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     else:
         weights = {n: t.clone() for n, t in engine.master_state_dict().items()}
-    digest = hashlib.sha256(b"".join(weights[n].numpy().tobytes() for n in sorted(weights))).hexdigest()
+    digest = hashlib.sha256(b"".join(weights[n].float().numpy().tobytes() for n in sorted(weights))).hexdigest()
     digests = [None] * world
     dist.all_gather_object(digests, digest)
     record["digests"] = digests
