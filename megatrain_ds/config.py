@@ -166,10 +166,12 @@ class MegatrainSettings:
     trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
     fp32_grad_landing: bool = False  # GA 1, bf16: land gradients in fp32 (GPU converts; +2 host bytes/param,
     # 2x D2H bytes) so the host optimizer skips its bf16->fp32 pass
-    stream_fp32_master: bool = True  # bf16: stream the pinned fp32 master and cast on the GPU instead of
-    # keeping a bf16 wire copy: 2x H2D bytes, but no host bf16 copy and no host cast pass in the optimizer;
+    stream_fp32_master: bool | str = "auto"  # bf16: stream the pinned fp32 master and cast on the GPU instead
+    # of keeping a bf16 wire copy: 2x H2D bytes, but no host bf16 copy and no host cast pass in the optimizer;
     # implies fp32 landing; 16 host bytes/param. Measured on 3B/16K/H200: 1.72 s/step vs 2.22 (bf16 wire,
-    # bf16 landing) and 1.88 (bf16 wire, fp32 landing). False suits H2D-bound runs (small batches).
+    # bf16 landing) and 1.88 (bf16 wire, fp32 landing). False suits H2D-bound runs (small batches). "auto":
+    # true, unless most streamed weights are frozen (LoRA): then a bf16 wire, which is also the frozen weights'
+    # only copy (2 host bytes each, host_state.py); true keeps frozen weights in fp32 (4 bytes each).
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory, not on the GPU
     gpu_optimizer_layers: int | str = -1  # leading layers whose optimizer state lives on the GPU; -1 = from
     # zero_optimization.offload_optimizer.ratio when the config sets it (fraction of optimizer state on the CPU),
@@ -179,6 +181,12 @@ class MegatrainSettings:
     # "auto" = every core of the GPU's NUMA node but one, kept for the main thread (measured: 16 threads beside a
     # busy main thread ran 5-8% slower than 15); an int = that many; "off" = leave torch's threads as they are
     gpu_memory_reserve: float = 0.1  # "auto": fraction of the GPU's memory kept free above the first step's peak
+    inference_cache: bool | str = "auto"  # no-grad forwards (generate, eval): upload every streamed layer once
+    # into a device-resident cache and reuse it until the weights change or a grad-enabled forward starts
+    # (inference.py, docs/generate.md). "auto": on CUDA, in one process, when the layers in the compute dtype
+    # take at most inference_cache_memory of the free device memory; true: always (CPU and data parallel
+    # included); false: stream every layer for every no-grad forward
+    inference_cache_memory: float = 0.5  # "auto": the fraction of free device memory the cache may take
 
     def __post_init__(self) -> None:
         if self.num_slots < 2:
@@ -199,12 +207,21 @@ class MegatrainSettings:
             parse_setting(self.host_threads)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.stream_fp32_master not in (True, False, "auto"):
+            raise ConfigError(f"megatrain.stream_fp32_master must be true, false or \"auto\", got "
+                              f"{self.stream_fp32_master!r}")
         if self.liger_kernels not in (True, False, "auto"):
             raise ConfigError(f"megatrain.liger_kernels must be true, false or \"auto\", got "
                               f"{self.liger_kernels!r}")
         if not 0.0 <= float(self.gpu_memory_reserve) < 1.0:
             raise ConfigError(f"megatrain.gpu_memory_reserve must be a fraction in [0, 1), got "
                               f"{self.gpu_memory_reserve!r}")
+        if not (isinstance(self.inference_cache, bool) or self.inference_cache == "auto"):
+            raise ConfigError(f"megatrain.inference_cache must be true, false or \"auto\", got "
+                              f"{self.inference_cache!r}")
+        f = self.inference_cache_memory
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= float(f) <= 1.0:
+            raise ConfigError(f"megatrain.inference_cache_memory must be a fraction in [0, 1], got {f!r}")
 
 
 @dataclass(kw_only=True, slots=True)

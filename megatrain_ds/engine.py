@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .activations import HostActivations
+from .adapters import save_adapter
 from .checkpoint import consolidated_state_dict, load_checkpoint, save_16bit_model, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .executor import StreamedLayers
@@ -26,7 +27,7 @@ from .dp import DataParallel
 from .host_state import HostLayerStore
 from .loss import linear_cross_entropy
 from .loss_scale import cast_inputs_half
-from .model_map import build_layout, find_block_list, shared_parameter_ids
+from .model_map import build_layout, find_block_list, plain_lm_head, shared_parameter_ids
 from .monitor import Monitor
 from .optimizer import HostAdamW, ResidentParams
 from .placement import apply_placement
@@ -68,6 +69,14 @@ def _apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str
     _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
     return model_type
+
+
+def _count(n: int) -> str:
+    """A parameter count for people: 72.7 B, 210 M, 12.3 K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return str(n)
 
 
 def _sync_initial_weights(model: nn.Module, layers: nn.ModuleList, dp, shared_ids: set) -> None:
@@ -131,10 +140,9 @@ def _fused_loss_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
     if not isinstance(decoder, nn.Module) or decoder is base:
         return None
-    config = getattr(base, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, attr, None) not in (None, 1.0):
-            return None  # head does more than a matmul: use the model's own forward
+    head_name = next((n for n, m in base.named_children() if m is head), None)
+    if head_name is None or plain_lm_head(base, head_name, base.base_model_prefix) is not None:
+        return None  # the head does more than a matmul (soft-capping, logit scales), or another loss: own forward
     return decoder, head
 
 
@@ -185,9 +193,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.dp = DataParallel(device)  # rank, world, layer ownership (dp.py); world 1: owns everything
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.compute_dtype, torch.float32)
         mt = config.megatrain
-        # what crosses PCIe: the compute dtype, or the fp32 master itself (cast on the GPU) when asked
-        wire_dtype = torch.float32 if mt.stream_fp32_master else compute_dtype
-        self.compute_dtype, self.wire_dtype = compute_dtype, wire_dtype
+        self.compute_dtype = compute_dtype
         model.train()
         # before the layer templates are made from the layers; "auto" in mixed precision only: fp32 training is
         # the exact mode (liger's kernels round differently from the model's own, below bf16's precision)
@@ -206,10 +212,17 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         layouts = [build_layout(i, layer, group_of, shared_ids) for i, layer in enumerate(layers)]
         if self.dp.active:  # every rank starts from rank 0's weights, as DeepSpeed's ZeRO-3 does
             _sync_initial_weights(model, layers, self.dp, shared_ids)
+        # What crosses PCIe: the compute dtype, or the fp32 master itself (cast on the GPU). "auto": the master,
+        # unless most streamed weights are frozen (LoRA): their compute-dtype wire copy is then their only copy.
+        stream_fp32 = mt.stream_fp32_master
+        if stream_fp32 == "auto":
+            stream_fp32 = sum(lay.n_frozen for lay in layouts) <= sum(lay.n_train for lay in layouts)
+        wire_dtype = torch.float32 if stream_fp32 else compute_dtype
+        self.wire_dtype = wire_dtype
         ga = config.gradient_accumulation_steps
         self.streams = make_streams(device)
         pin = device.type == "cuda"
-        grad_dtype = torch.float32 if (mt.fp32_grad_landing or mt.stream_fp32_master) else None
+        grad_dtype = torch.float32 if (mt.fp32_grad_landing or stream_fp32) else None
         self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype,
                                     owned=self.dp.owned_mask(len(layers)))
         # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
@@ -227,10 +240,13 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                        num_slots=mt.num_slots, compute_dtype=compute_dtype, dp=self.dp)
         if mt.trace:
             self.executor.trace = []
+        from .inference import InferenceCache  # no-grad forwards (generate) on device-resident layers
+        self.executor.inference = InferenceCache(self.executor, mt.inference_cache, mt.inference_cache_memory)
         if mt.offload_activations:
             self.executor.activations = HostActivations(self.streams, device)
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
+        self.store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
         n_device = mt.gpu_optimizer_layers
         if n_device == -1:  # from DeepSpeed's offload_optimizer.ratio (the fraction of optimizer state on the
             ratio = config.offload_optimizer_ratio  # CPU) when the config sets it, else from measured memory
@@ -292,6 +308,12 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self._last_norm = None
         # DeepSpeed's monitors (tensorboard / wandb / csv_monitor / comet blocks), when one is enabled
         self.monitor = Monitor(config.monitor) if config.monitor is not None else None
+        mem = self.host_memory()
+        if self.optimizer is not None and mem["base"] > mem["trainable"] and self.dp.rank == 0:  # LoRA-style
+            print(f"[megatrain_ds] frozen base: {_count(mem['base'])} parameters kept in {compute_dtype} only; "
+                  f"{_count(mem['trainable'])} trainable with fp32 master + AdamW; host state "
+                  f"{mem['total_bytes'] / 2**30:.2f} GiB = {mem['bytes_per_base_param']:.3f} bytes per base "
+                  "parameter" + (" (this rank's layers)" if self.dp.active else ""), flush=True)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -591,19 +613,23 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.executor.device_state.sync_to_host()
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy). Data
-        parallel: a collective (every rank calls it); the layers other ranks own come over gloo, as copies."""
+        """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy); frozen
+        parameters (no optimizer group) as they are kept, in the compute dtype when it is not fp32 (host_state.py).
+        Data parallel: a collective (every rank calls it); the layers other ranks own come over gloo, as copies."""
         self.sync_masters_to_host()
         out = {}
         prefix = self.block_name + "."
         for i, layout in enumerate(self.store.layouts):
             if self.dp.active:  # from layer i's owner, one layer at a time
                 import torch.distributed as dist
-                flat = self.store.master_of(i) if self.store.owned[i] else torch.empty(layout.numel)
+                flat = self.store.full_master(i) if self.store.owned[i] else torch.empty(layout.numel)
                 dist.broadcast(flat, src=self.dp.owner(i), group=self.dp.cpu_group)
                 for slot in layout.slots:
                     start = slot.offset + (0 if slot.trainable else layout.n_train)
-                    out[f"{prefix}{i}.{slot.name}"] = flat[start:start + slot.numel].view(slot.shape)
+                    value = flat[start:start + slot.numel].view(slot.shape)
+                    if self.store.compact and not slot.trainable:  # as one process gives it: its kept dtype
+                        value = value.to(self.store.wire_dtype)
+                    out[f"{prefix}{i}.{slot.name}"] = value
                 continue
             for slot in layout.slots:
                 out[f"{prefix}{i}.{slot.name}"] = self.store.param_master(i, slot.name)
@@ -613,6 +639,28 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         return out
 
     # ------------------------------------------------------------------ checkpoints (checkpoint.py)
+    def save_adapter(self, folder: str) -> None:
+        """A peft model's adapter, written by peft's ``save_pretrained`` from the engine's weights (adapters.py);
+        ``save_checkpoint`` also writes it into the tag folder. Data parallel: every rank calls it."""
+        save_adapter(self, folder)
+
+    def host_memory(self) -> dict:
+        """Host bytes of the engine's persistent state, and per parameter. ``base``: parameters in no optimizer
+        group (a LoRA base), kept in the compute dtype only; ``trainable``: with fp32 master and AdamW moments.
+        Resident tensors on the host count (on a CPU device that includes their compute copies)."""
+        res = self.resident
+        host = lambda t: t is not None and t.device.type == "cpu"  # noqa: E731
+        resident = sum(t.numel() * t.element_size()
+                       for ts in (res.master, res.exp_avg, res.exp_avg_sq, res.grad, res.wire, res.landing)
+                       for t in {id(x): x for x in ts if host(x)}.values())
+        trainable = self.store.n_train + sum(m.numel() for m, g in zip(res.master, res.grad) if g is not None)
+        params = self.store.n_full + sum(m.numel() for m in res.master)
+        total = self.store.nbytes() + resident
+        return {"layers_bytes": self.store.nbytes(), "resident_bytes": resident, "total_bytes": total,
+                "params": params, "trainable": trainable, "base": params - trainable,
+                "bytes_per_param": total / max(params, 1),
+                "bytes_per_base_param": total / max(params - trainable, 1)}
+
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DS's API)
                         exclude_frozen_parameters=False) -> bool:
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
@@ -662,9 +710,11 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 self.resident.master[k].copy_(state[key].reshape(self.resident.master[k].shape))
                 if self.resident.wire[k] is not None:
                     self.resident.wire[k].copy_(self.resident.master[k])
-                p.data.copy_(self.resident.master[k])
-        if not store.wire_is_master:
-            store.wire.copy_(store.master)
+                if p.data is not self.resident.master[k]:  # a frozen one's master is p.data
+                    p.data.copy_(self.resident.master[k])
+        for i in range(len(store.layouts)):
+            if store.owned[i]:
+                store.refresh_wire(i)
         ds = self.executor.device_state
         if ds is not None:
             ds.master.copy_(store.master[ds.full0:ds.full1])
@@ -687,20 +737,20 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.synchronize()  # the optimizer may be writing these bytes
         ds = self.executor.device_state
         if home.layer is None:
-            return self.resident.master[home.resident_index].detach().to("cpu", copy=True)
+            return self.resident.master[home.resident_index].detach().to("cpu", torch.float32, copy=True)
         if self.dp.active:  # a collective, as DeepSpeed's GatheredParameters: the owner's master to every rank
             import torch.distributed as dist
             owned = self.store.owned[home.layer]
             if owned and ds is not None and ds.owns(home.layer):
                 self.store.master_of(home.layer).copy_(ds.master_of(home.layer))
             slot = next(s for s in self.store.layouts[home.layer].slots if s.name == home.name)
-            value = (self.store.param_master(home.layer, home.name).clone() if owned
+            value = (self.store.param_master(home.layer, home.name).to(torch.float32, copy=True) if owned
                      else torch.empty(slot.shape, dtype=torch.float32))
             dist.broadcast(value, src=self.dp.owner(home.layer), group=self.dp.cpu_group)
             return value
         if ds is not None and ds.owns(home.layer):
             self.store.master_of(home.layer).copy_(ds.master_of(home.layer))  # this layer only
-        return self.store.param_master(home.layer, home.name).clone()
+        return self.store.param_master(home.layer, home.name).to(torch.float32, copy=True)
 
     def _write_master(self, home: ParamHome, value: torch.Tensor) -> None:
         self.synchronize()
@@ -722,10 +772,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         ds = self.executor.device_state
         if ds is not None and ds.owns(i):  # the host copy of a GPU-held layer is stale: refresh it before the
             store.master_of(i).copy_(ds.master_of(i))  # whole layer is copied back (the other weights must stay)
-        master = store.param_master(i, home.name)
+        master = store.param_master(i, home.name)  # a frozen parameter of a compact store: its wire copy
         master.copy_(value.reshape(master.shape))
-        if not store.wire_is_master:
-            store.wire_of(i).copy_(store.master_of(i))
+        store.refresh_wire(i)
         if ds is not None and ds.owns(i):
             ds.master_of(i).copy_(store.master_of(i))
         self.executor.schedule.invalidate(i)  # slots holding the old weights are stale
@@ -747,6 +796,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             if getattr(p, "_megatrain_home", None) is not None and p._megatrain_home.engine is self:
                 del p._megatrain_home
         self.synchronize()
+        self.executor.inference.release()  # its device buffers (inference.py)
         self.worker.shutdown(wait=True)
         self.opt_worker.shutdown(wait=True)
         self.store.close()

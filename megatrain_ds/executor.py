@@ -141,6 +141,10 @@ class StreamedLayers:
             self.norm_host = self.norm_host.pin_memory()
         self.final_micro = True  # set by the engine: this backward closes the accumulation window
         self.trace: list[tuple] | None = None  # (op, layer, slot) when tracing is on
+        # H2D layer loads, per direction ("forward", "backward", "cache": uploads into the inference cache)
+        self.h2d_loads = {d: [0] * len(layouts) for d in ("forward", "backward", "cache")}
+        self.inference = None  # InferenceCache (inference.py): no-grad forwards on device-resident weights
+        self._direction = "forward"
         self.timer = StepTimer(streams, enabled=False)  # the engine installs its own
         self._tick = 0
         self._anchor = torch.zeros((), requires_grad=True)
@@ -173,13 +177,13 @@ class StreamedLayers:
                                           stage)
         self.keep = keep
 
-    def _load(self, i: int, busy: Slot | None) -> Slot:
-        """Issue the H2D copy of layer i into its own buffer (a kept layer) or the least recently used slot
-        other than ``busy``."""
-        if i in self.keep:
-            slot = self.keep_slots[i]
-        else:
-            slot = min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
+    def _load(self, i: int, busy: Slot | None, slot: Slot | None = None, direction: str | None = None) -> Slot:
+        """Issue the H2D copy of layer i into ``slot`` when given (the inference cache's), else its own buffer
+        (a kept layer) or the least recently used slot other than ``busy``."""
+        if slot is None:
+            slot = self.keep_slots[i] if i in self.keep else \
+                min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
+        self.h2d_loads[direction or self._direction][i] += 1  # (the direction of the current _acquire)
         st = self.streams
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
         n = self.layouts[i].numel
@@ -190,8 +194,12 @@ class StreamedLayers:
             if owned:
                 st.wait(st.h2d, self.schedule.device_ready[i])  # its GPU-side update (opt stream) is done
             with st.on(st.h2d), self.timer.span("h2d", st.h2d), _range("h2d", i):
-                if owned:  # device master: a cast, no PCIe
-                    slot.buf[:n].copy_(self.device_state.master_of(i))
+                if owned:  # device master: a cast, no PCIe (a compact store's frozen region: from the wire)
+                    master = self.device_state.master_of(i)
+                    m = master.numel()
+                    slot.buf[:m].copy_(master)
+                    if m < n:
+                        slot.buf[m:n].copy_(wire[m:], non_blocking=True)
                 elif slot.stage is None:
                     slot.buf[:n].copy_(wire, non_blocking=True)
                 else:  # fp32 master over PCIe, cast to the compute dtype on the GPU (same stream: ordered)
@@ -210,6 +218,7 @@ class StreamedLayers:
 
     def _acquire(self, i: int, step: int) -> Slot:
         """Slot holding layer i, ready for compute; also prefetches layer i+step into another slot."""
+        self._direction = "forward" if step > 0 else "backward"  # counted by _load (h2d_loads)
         slot = self._find(i) or self._load(i, busy=None)
         self._tick += 1
         slot.last_use = self._tick
@@ -240,7 +249,10 @@ class StreamedLayers:
 
     def _log(self, op: str, i: int, slot: Slot | None) -> None:
         if self.trace is not None:
-            self.trace.append((op, i, None if slot is None else self.slots.index(slot)))
+            where = next((k for k, s in enumerate(self.slots) if s is slot), None)  # a slot's index, or
+            if where is None and slot is not None:  # a buffer of its own: a kept layer's, the inference cache's
+                where = "keep" if self.keep_slots.get(i) is slot else "cache"
+            self.trace.append((op, i, where))
 
     # --- forward / backward ------------------------------------------------------------------------
     def _template(self, i: int) -> nn.Module:
@@ -258,12 +270,15 @@ class StreamedLayers:
         """Layer ``call.index`` on streamed weights, without a graph. ``training`` (a grad-enabled call, made
         by the autograd Function): also record what the recompute must replay (RNG, buffers it mutates)."""
         i = call.index
-        slot = self._acquire(i, step=+1)
+        # no-grad: the inference cache's device-resident copy when its policy allows (None: stream as ever); a
+        # grad-enabled call frees the cache first (inference.py)
+        slot = self.inference.acquire(i, training) if self.inference is not None else None
+        slot = slot or self._acquire(i, step=+1)
         template = self._template(i)
         if training and i in self.keep:
             return self._run_forward_kept(call, hidden, slot, template)
-        if training and self.dropout[i] and template.training:
-            call.rng_state = _get_rng_state(self.device)
+        if training and template.training:  # every training forward, as torch.utils.checkpoint preserves it: random
+            call.rng_state = _get_rng_state(self.device)  # draws outside dropout modules (MoE router jitter) replay too
         if training and self.buffers[i] and self.mutated[i] != set():
             names = self.mutated[i] if self.mutated[i] is not None else self.buffers[i].keys()
             call.buffers = {n: self.buffers[i][n].clone() for n in names}

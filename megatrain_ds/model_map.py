@@ -12,6 +12,7 @@ parameters live on the meta device (no storage) and are supplied per call as vie
 """
 from __future__ import annotations
 
+import ast
 import copy
 from dataclasses import dataclass, field
 
@@ -56,12 +57,53 @@ class LayerLayout:
         return tuple((s.name, s.shape, s.trainable) for s in self.slots)
 
 
+_TAKES_TRAINABLE_INPUT = (
+    "megatrain_ds propagates gradients only through a streamed block's hidden states, so a block input that needs "
+    "a gradient of its own cannot be trained exactly")
+
+
+def refuse_known_unsupported(model: nn.Module) -> None:
+    """Refuse (UnsupportedModelError) the Hugging Face families whose blocks take a second input that needs a
+    gradient, instead of failing at the first training forward. A model with no trainable parameter (a frozen
+    reference, inference) passes: nothing needs those gradients. What is known (docs/families.md):
+
+    * encoder-decoder models (``config.is_encoder_decoder``: T5, BART, mBART, Pegasus, Marian, Whisper, ...):
+      every decoder block cross-attends to the encoder's output;
+    * T5-style stacks (t5, mt5, longt5, switch_transformers; T5EncoderModel too): the first block computes the
+      relative position bias from its own trainable table and passes it to every later block;
+    * DeBERTa / DeBERTa-v2/v3 with ``relative_attention``: the encoder's trainable relative-position embeddings go
+      into every block.
+    """
+    if not any(p.requires_grad for p in model.parameters()):
+        return
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{name} is an encoder-decoder model (config.is_encoder_decoder): each decoder block cross-attends to "
+            f"the encoder's output, an input that needs a gradient; {_TAKES_TRAINABLE_INPUT}. Decoder-only and "
+            "encoder-only models are supported (docs/families.md)")
+    if model_type in ("t5", "mt5", "longt5", "switch_transformers"):
+        raise UnsupportedModelError(
+            f"{name} ({model_type}): the first block computes the relative position bias from its trainable "
+            f"relative_attention_bias table and every later block takes that bias as an input; "
+            f"{_TAKES_TRAINABLE_INPUT} (docs/families.md)")
+    if model_type in ("deberta", "deberta-v2") and getattr(config, "relative_attention", False):
+        raise UnsupportedModelError(
+            f"{name} ({model_type}, relative_attention=True): every block takes the encoder's trainable relative "
+            f"position embeddings (encoder.rel_embeddings) as an input; {_TAKES_TRAINABLE_INPUT} "
+            "(docs/families.md)")
+
+
 def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """Return the qualified name and the ModuleList holding the model's repeated blocks.
 
     The block list is the ``nn.ModuleList`` holding the most parameters; a model whose parameters are not
-    mostly inside one list cannot be streamed layer by layer.
+    mostly inside one list cannot be streamed layer by layer. Known unsupported families are refused first
+    (``refuse_known_unsupported``).
     """
+    refuse_known_unsupported(model)
     best_name, best, best_numel = None, None, 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) >= 1:
@@ -180,3 +222,130 @@ def per_layer_attributes(template: nn.Module, layers: list[nn.Module]) -> list[l
     varying = sorted(k for k in keys if len({repr(p.get(k)) for p in per_layer}) > 1)
     subs = dict(template.named_modules())
     return [[(subs[path], name, values.get((path, name))) for path, name in varying] for values in per_layer]
+
+
+_COMPARE = {getattr(ast, op): fn for op, fn in (
+    ("Is", lambda a, b: a is b), ("IsNot", lambda a, b: a is not b), ("Eq", lambda a, b: a == b),
+    ("NotEq", lambda a, b: a != b), ("Gt", lambda a, b: a > b), ("GtE", lambda a, b: a >= b),
+    ("Lt", lambda a, b: a < b), ("LtE", lambda a, b: a <= b))}
+
+
+def plain_lm_head(model: nn.Module, head_name: str, decoder_name: str) -> str | None:
+    """None when ``type(model).forward`` is exactly ``decoder -> hidden_states -> self.<head_name>(hidden_states)
+    -> self.loss_function(logits, labels, ...)`` with Hugging Face's causal-LM loss, so the engine's fused head +
+    cross-entropy computes the model's own loss; else why not (the model's own forward then runs: always
+    correct, only without the fused loss).
+
+    Read from the forward's source: a head that does more than a matmul (Gemma 2's final soft-capping, Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``, ...), hidden states
+    changed on the way to the head, or a loss other than ``self.loss_function`` (BART-style ``ForCausalLM``s
+    compute an unshifted CrossEntropyLoss), a subclass's own forward around ``super().forward`` all read as "not
+    plain". A statement under ``if self.<attr>:`` or ``if self.<attr> <op> <constant>:`` (``is not None``, ``> 0``)
+    counts only when that test holds on this model (Gemma 2 without soft-capping, Bamba without z-loss are plain);
+    the router aux loss (under ``if output_router_logits``) is checked per call by the engine."""
+    import inspect
+    import textwrap
+
+    cls = type(model)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return f"the source of {cls.__name__}.forward is not available"
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        ForCausalLMLoss = None
+    if ForCausalLMLoss is None or getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        return f"{cls.__name__}'s loss_function is not Hugging Face's ForCausalLMLoss"
+
+    def self_attr(node):  # self.a.b -> getattr chain value; anything else -> raises
+        names = []
+        while isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id == "self"):
+            raise ValueError
+        value = model
+        for name in reversed(names):
+            value = getattr(value, name)
+        return value
+
+    def dead(test) -> bool:  # an ``if`` this model never enters
+        if any(isinstance(n, ast.Name) and "router_logits" in n.id for n in ast.walk(test)):
+            return True  # MoE aux loss: _fused_loss_applies refuses the fused loss when router logits are on
+        try:
+            if isinstance(test, ast.Compare):  # self.x <op> constant: ``is not None``, ``> 0``, ...
+                if len(test.ops) != 1 or not isinstance(test.comparators[0], ast.Constant) or \
+                        type(test.ops[0]) not in _COMPARE:
+                    return False
+                return not _COMPARE[type(test.ops[0])](self_attr(test.left), test.comparators[0].value)
+            return not self_attr(test)
+        except (ValueError, AttributeError, TypeError):
+            return False
+
+    def strip(node, methods):  # x.float() / x.contiguous() / x.to(...) -> x
+        while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in methods:
+            node = node.func.value
+        return node
+
+    assigns: dict[str, list] = {}  # name -> the statements (in branches this model runs) assigning it
+
+    def visit(body):
+        for stmt in body:
+            if isinstance(stmt, ast.If):
+                if not dead(stmt.test):
+                    visit(stmt.body)
+                visit(stmt.orelse)
+                continue
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            assigns.setdefault(n.id, []).append(stmt)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                inner = getattr(stmt, field, None)
+                if isinstance(inner, list) and not isinstance(stmt, ast.If):
+                    visit([s for s in inner if isinstance(s, ast.stmt)] +
+                          [s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body])
+
+    fn = tree.body[0]
+    visit(fn.body)
+    logits = assigns.get("logits", []) + assigns.get("lm_logits", [])
+    if len(logits) != 1 or not isinstance(logits[0], (ast.Assign, ast.AnnAssign)):
+        return f"{cls.__name__}.forward changes the logits after the head"
+    call = strip(logits[0].value, ("float", "contiguous"))
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and
+            isinstance(call.func, ast.Attribute) and call.func.attr == head_name and
+            isinstance(call.func.value, ast.Name) and call.func.value.id == "self"):
+        return f"{cls.__name__}.forward's logits are not self.{head_name}(hidden_states)"
+    arg = strip(call.args[0], ("to",))
+    arg = arg.value if isinstance(arg, ast.Subscript) else arg
+    if not (isinstance(arg, ast.Name) and arg.id == "hidden_states"):
+        return f"{cls.__name__}.forward feeds the head something other than the decoder's hidden states"
+    for stmt in assigns.get("hidden_states", []):
+        value = stmt.value
+        ok = isinstance(stmt, (ast.Assign, ast.AnnAssign)) and (
+            (isinstance(value, ast.Attribute) and value.attr == "last_hidden_state") or
+            (isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and value.slice.value == 0) or
+            (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and
+             value.func.id == "slice_logits_to_keep"))
+        if not ok:
+            return f"{cls.__name__}.forward changes the hidden states before the head"
+    decoder_calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                     and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"
+                     and n.func.attr == decoder_name]
+    if len(decoder_calls) != 1:  # (OPT calls self.model.decoder: the model's own forward runs, unfused)
+        return f"{cls.__name__}.forward does not call self.{decoder_name} once"
+    for stmt in assigns.get("loss", []):
+        value = stmt.value if not isinstance(stmt, ast.AugAssign) else None
+        if isinstance(value, ast.Constant) and value.value is None:
+            continue
+        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and
+                value.func.attr == "loss_function" and isinstance(value.func.value, ast.Name) and
+                value.func.value.id == "self"):
+            return f"{cls.__name__}.forward computes a loss other than self.loss_function(logits, labels, ...)"
+        first = value.args[0] if value.args else next((k.value for k in value.keywords if k.arg == "logits"), None)
+        if not (isinstance(first, ast.Name) and first.id in ("logits", "lm_logits")):
+            return f"{cls.__name__}.forward computes a loss other than self.loss_function(logits, labels, ...)"
+    return None

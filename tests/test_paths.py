@@ -3,7 +3,8 @@ step within 1e-5 relative, losses, and the weights after 3 optimizer steps (Adam
 
 The paths: a loss the script computes from ``.logits``, from hidden states, from attention weights; a
 sequence-classification head; a DPO step with a frozen reference engine in the same process; PEFT LoRA;
-MoE models whose router aux loss is part of the loss; ``generate()`` before training; a parameter shared by
+MoE models whose router aux loss is part of the loss (clipping firing), and whose router jitter draws random
+numbers the recompute must replay; ``generate()`` before training; a parameter shared by
 two layers; BatchNorm inside streamed layers (one statistics update per forward).
 """
 import copy
@@ -184,7 +185,7 @@ def test_peft_lora_qkvo():
     assert engine.store.n_train == n_lora > 0  # only the adapters have optimizer state
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])
 def test_moe_router_aux_loss(arch):
     """output_router_logits: the loss the model returns includes its router aux loss (coef x load balancing),
     and the router weights get that loss's gradient."""
@@ -196,16 +197,53 @@ def test_moe_router_aux_loss(arch):
     if arch == "mixtral":
         model = tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=64, num_local_experts=4,
                                                        num_experts_per_tok=2, **common))
-    else:
+    elif arch == "qwen2_moe":
         model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32,
                                                          shared_expert_intermediate_size=64, num_experts=4,
                                                          num_experts_per_tok=2, **common))
+    elif arch == "qwen3_moe":  # the first layer dense (mlp_only_layers): two layer templates, dense and sparse
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, head_dim=16,
+                                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                                         mlp_only_layers=[0], **common))
+    elif arch == "olmoe":  # q/k norms over the full projection width, clip_qkv
+        model = tf.OlmoeForCausalLM(tf.OlmoeConfig(intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                                   clip_qkv=8.0, pad_token_id=0, eos_token_id=1, **common))
+    else:  # gpt-oss: attention sinks, sliding (window 4 < 10 tokens) and full layers alternating, biased experts
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                                     head_dim=16, sliding_window=4, pad_token_id=0, eos_token_id=1,
+                                                     **common))
+        assert model.config.layer_types == ["sliding_attention", "full_attention"]
 
     def loss_fn(m, ids):
         out = m(input_ids=ids, labels=ids)
         assert out.aux_loss is not None and out.aux_loss.requires_grad
         return out.loss
-    _compare(model, loss_fn, _batches())
+    engine = _compare(model, loss_fn, _batches())
+    assert engine.get_global_grad_norm() > CLIP  # clipping fired (the last step's norm; the others' are too)
+    if arch == "qwen3_moe":
+        assert engine.executor.template_of == [0, 1]  # dense first layer, sparse second: one template each
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "phimoe"])
+def test_moe_router_jitter_noise_replayed_in_recompute(arch):
+    """Router jitter draws random numbers in training mode outside any dropout module: the backward's recompute
+    must draw the same ones (the forward's RNG state is replayed for every training forward), or the gradient is
+    that of another routing. The loss seeds the RNG so the plain copy and the engine draw the same noise."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1)
+    if arch == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**common))
+    else:  # Phi-3.5-MoE: sparsemixer routing, input jitter too
+        model = tf.PhimoeForCausalLM(tf.PhimoeConfig(input_jitter_noise=0.1, pad_token_id=0, bos_token_id=1,
+                                                     eos_token_id=2, **common))
+
+    def loss_fn(m, ids):
+        torch.manual_seed(int(ids.sum()))  # the same draws for both at each step
+        return m(input_ids=ids, labels=ids).loss
+    assert _compare(model, loss_fn, _batches())._fused is not None  # router logits off: the fused loss
 
 
 def test_generate_before_training():
