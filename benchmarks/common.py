@@ -8,6 +8,7 @@ callable, then hands both to :func:`measure`, which returns the result dict desc
 from __future__ import annotations
 
 import gc
+import json
 import os
 import socket
 import statistics
@@ -104,16 +105,46 @@ def make_batches(vocab: int, micro_batch: int, seq: int, n: int, seed: int, rank
     return [torch.randint(0, vocab, (micro_batch, seq), generator=gen) for _ in range(n)]
 
 
-def peak_host_rss_bytes() -> int:
-    """Peak resident set size of this process in bytes (VmHWM of /proc/self/status; 0 if unavailable)."""
+def peak_host_rss_bytes(pid: int | str = "self") -> int:
+    """Peak resident set size of process ``pid`` (this one by default) in bytes (VmHWM of /proc/PID/status; 0 if
+    unavailable)."""
+    return _proc_status_bytes("VmHWM", pid)
+
+
+def host_rss_bytes(pid: int | str = "self") -> int:
+    """Current resident set size of process ``pid`` in bytes (VmRSS; 0 if unavailable)."""
+    return _proc_status_bytes("VmRSS", pid)
+
+
+def _proc_status_bytes(key: str, pid: int | str) -> int:
     try:
-        with open("/proc/self/status", encoding="ascii") as fh:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+# Phases of a run (model built, engine initialized, steps done) with the host memory at their end: recorded in the
+# result under "phases", and printed (``@@h2h-phase {json}``, with --progress) so that benchmarks.h2h keeps them
+# even when the process is killed before it writes its result (the kernel's OOM killer).
+PHASE_TAG = "@@h2h-phase"
+PHASES: list[dict] = []
+_T0 = time.perf_counter()
+
+
+def report_phase(name: str, **extra) -> dict:
+    """Record the end of phase ``name``: seconds since the process started (t_s) and since the last phase
+    (phase_s), current and peak host RSS (bytes), plus ``extra``."""
+    now = time.perf_counter() - _T0
+    entry = {"phase": name, "t_s": round(now, 3), "phase_s": round(now - (PHASES[-1]["t_s"] if PHASES else 0.0), 3),
+             "rss_bytes": host_rss_bytes(), "peak_rss_bytes": peak_host_rss_bytes(), **extra}
+    PHASES.append(entry)
+    if STEP_PROGRESS is not None:  # --progress (rank 0): for the driver
+        print(f"{PHASE_TAG} {json.dumps(entry, default=str)}", flush=True)
+    return entry
 
 
 def peak_gpu_bytes(device: str) -> int:
@@ -239,18 +270,20 @@ def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Te
 
 def result_dict(system: str, config, layers: int, micro_batch: int, seq: int, device: str,
                 n_params: int = 0, warm_times: list[float] | None = None, times: list[float] | None = None,
-                losses: list[float] | None = None, status: str = "ok", error: str = "", **extra) -> dict:
+                losses: list[float] | None = None, status: str = "ok", error: str = "",
+                lora_params: int | None = None, **extra) -> dict:
     """The JSON-ready result of one run.
 
     Keys: system, model, layers, seq, micro_batch, tokens_per_step (tokens), warmup_step_times_s,
     step_times_s (measured steps, s), median_step_s (s), tokens_per_s, flops_per_token (FLOP),
-    tflops (ANCHORS formula), losses, peak_gpu_bytes, peak_host_rss_bytes (bytes), n_params (count),
-    host_bytes_per_param (bytes/param), device, status ("ok" | "oom" | "error"), error, plus ``extra``.
+    tflops (benchmarks.shapes formula: full fine-tuning, or LoRA when ``lora_params`` (adapter count) is given),
+    losses, peak_gpu_bytes, peak_host_rss_bytes (bytes), n_params (count), host_bytes_per_param (bytes/param),
+    device, status ("ok" | "oom" | "error"), error, phases (see report_phase), plus ``extra``.
     """
     tokens = micro_batch * seq
     median = statistics.median(times) if times else None
     tok_s = tokens / median if times else 0.0
-    flops = model_flops_per_token(config, seq)
+    flops = model_flops_per_token(config, seq, lora_params)
     rss = peak_host_rss_bytes()
     out = {
         "system": system, "model": getattr(config, "name_or_path", "") or "?", "layers": int(layers),
@@ -261,7 +294,7 @@ def result_dict(system: str, config, layers: int, micro_batch: int, seq: int, de
         "tflops": flops * tok_s / 1e12, "losses": list(losses or []),
         "peak_gpu_bytes": peak_gpu_bytes(device), "peak_host_rss_bytes": rss, "n_params": int(n_params),
         "host_bytes_per_param": rss / n_params if n_params else 0.0, "device": device,
-        "status": status, "error": error,
+        "status": status, "error": error, "phases": list(PHASES),
     }
     out.update(extra)
     return out

@@ -7,6 +7,21 @@
         --tokens-per-step 256 --out runs/h2h-smoke    # CPU smoke test
     python -m benchmarks.h2h --model qwen2.5-3b --gpus 2 --scaling --tokens-per-step 16384 --out runs/dp
         # data parallel: every system with 2 ranks (torchrun), plus megatrain on 1 GPU for the scaling ratio
+    python -m benchmarks.h2h --model qwen2.5-72b --lora 16 --systems megatrain,zero3 --out runs/72b-lora
+        # LoRA r16 (alpha 32) on q,k,v,o,gate,up,down: frozen bf16 base, only the adapters train
+    python -m benchmarks.h2h --model olmoe-1b-7b --systems megatrain,zero3 --liger off --out runs/moe
+        # mixture of experts, full fine-tuning, router aux loss in the loss
+
+LoRA (``--lora R``, ``--lora-targets``): megatrain and ZeRO-3 wrap the same model with peft (benchmarks.build);
+the base is frozen and built in bf16 (megatrain: never upcast; ZeRO-3: under zero.Init, partitioned as
+constructed), FLOPs by the LoRA formula of benchmarks.shapes (4 N + 6 N_lora + 6 L h s). Every result records
+trainable_params, base_params, host_bytes_per_base_param (peak RSS / base parameters) and, for megatrain,
+engine_host_bytes_per_base_param (its host state / base parameters). ``--init`` picks megatrain's model init
+(benchmarks.build: hf, or fast = layer 0's values repeated, the default from 14 B parameters: a 72B model builds
+in seconds, holding one layer until the engine copies the layers). Each run records its phases (model built,
+engine initialized, steps done: seconds and host RSS at each); a system whose process the kernel kills (host
+out of memory) is recorded as "killed (host OOM)" with the peak RSS the harness saw and the phases it reached,
+and the next system runs.
 
 Data parallel (``--gpus N``, N > 1): every system runs as N processes, one per GPU, launched by torchrun, each
 rank on its own micro-batch of ``--tokens-per-step`` tokens (per rank); megatrain_ds, DeepSpeed ZeRO-3 (N ranks)
@@ -34,18 +49,25 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 
 from tqdm import tqdm
 
 from benchmarks import multi_gpu, report
-from benchmarks.common import PROGRESS_TAG
-from benchmarks.shapes import SHAPES, make_config
+from benchmarks.build import INIT_CHOICES
+from benchmarks.common import PHASE_TAG, PROGRESS_TAG, peak_host_rss_bytes
+from benchmarks.shapes import SHAPE_NAMES, is_moe, make_config, n_params
 
 # Peak host bytes per parameter each system needs (measured: 3B on the H200 box, benchmarks/results/):
 # model build (fp32, 4 B) + state. megatrain 17.3, zero3 25.9, resident builds on the GPU.
 HOST_BYTES_PER_PARAM = {"megatrain": 18.0, "zero3": 27.0, "resident": 1.0}
+# LoRA (per base parameter; predictions, not yet measured): megatrain_ds keeps the frozen base in bf16 only
+# (2 B) + the adapters' state, and the fast init holds one layer while building; ZeRO-3 holds the bf16 partitions
+# in pinned host memory, which torch's caching host allocator rounds up to powers of two (about 2.22 B at 72B).
+LORA_HOST_BYTES_PER_PARAM = {"megatrain": 2.4, "zero3": 2.5}
 
 
 def hardware() -> dict:
@@ -72,12 +94,7 @@ def _meminfo(key: str) -> int:
 
 
 def _n_params(config) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    return n_params(config)
 
 
 # Data parallel: host bytes one more process costs beyond the model's state (libraries, CUDA context)
@@ -90,7 +107,8 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus:
     gpus = int(getattr(args, "gpus", 1) if gpus is None else gpus)
     config = make_config(args.model, layers=layers)
     # resident builds on each GPU (1 B/param of host per process); the offloading systems partition their state
-    need = HOST_BYTES_PER_PARAM[system] * _n_params(config) * (gpus if system == "resident" else 1) \
+    per_param = LORA_HOST_BYTES_PER_PARAM[system] if getattr(args, "lora", 0) else HOST_BYTES_PER_PARAM[system]
+    need = per_param * _n_params(config) * (gpus if system == "resident" else 1) \
         + (gpus - 1) * PER_PROCESS_HOST_BYTES
     have = int(args.host_mem_gib * 2**30) if getattr(args, "host_mem_gib", None) else _meminfo("MemAvailable")
     if have and need > have:
@@ -108,17 +126,58 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus:
         cmd.append("--host-only")
     if layers:
         cmd += ["--layers", str(layers)]
+    if getattr(args, "lora", 0):
+        cmd += ["--lora", str(args.lora), "--lora-targets", args.lora_targets]
+    if getattr(args, "init", "auto") != "auto":
+        cmd += ["--init", args.init]
     if gpus > 1:
         bind = getattr(args, "bind_cores", "on") == "on"
         return run_dp(system, cmd[3:], config, tokens, path, gpus, bind_cores=bind)
-    tail = _run_with_progress(cmd, f"{system} L={config.num_hidden_layers} T={tokens}")
+    if os.path.exists(path):  # a stale file from an earlier run must not stand in for a process that died
+        os.remove(path)
+    watch: dict = {}
+    tail = _run_with_progress(cmd, f"{system} L={config.num_hidden_layers} T={tokens}", watch=watch)
     if os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
     else:
-        result = {"system": system, "status": "error", "error": "".join(tail)[-2000:]}
+        host = max(int(args.host_mem_gib * 2**30) if getattr(args, "host_mem_gib", None) else 0,
+                   _meminfo("MemTotal"))
+        result = failed_run(system, args.model, config.num_hidden_layers, tokens, tail, watch, host)
     result["name"] = os.path.splitext(os.path.basename(path))[0]
     return result
+
+
+def failed_run(system: str, model: str, layers: int, tokens: int, tail: list[str], watch: dict,
+               host_mem_bytes: int) -> dict:
+    """The record of a system process that ended without writing its result: "interrupted (time limit or
+    Ctrl-C)" when the driver was interrupted; "killed (host OOM)" when the kernel killed it (SIGKILL) and its
+    OOM-kill counter rose during the run, or (counter unreadable) the process had used >= 80% of the host memory;
+    "killed (SIGKILL)" / "killed (signal NAME)" otherwise; else "error". Keeps the peak RSS the driver saw, the
+    phases the process reported, the step times it printed and the end of its output."""
+    rc = watch.get("returncode")
+    peak = int(watch.get("peak_rss_bytes") or 0)
+    status = "error"
+    if watch.get("interrupted"):
+        status = "interrupted (time limit or Ctrl-C)"
+    elif rc is not None and rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = str(-rc)
+        status = f"killed (signal {name})"
+        if -rc == signal.SIGKILL:
+            kills = watch.get("oom_kills")
+            oom = kills > 0 if kills is not None else bool(host_mem_bytes) and peak >= 0.8 * host_mem_bytes
+            status = "killed (host OOM)" if oom else "killed (SIGKILL)"
+    phases = watch.get("phases") or []
+    last = phases[-1]["phase"] if phases else "none (it ended before the model was built)"
+    return {"system": system, "model": model, "layers": layers, "tokens_per_step": tokens, "status": status,
+            "returncode": rc, "error": "".join(tail)[-2000:], "peak_host_rss_bytes": peak,
+            "peak_host_rss_bytes_seen_by": "benchmarks.h2h (VmHWM of the process, sampled every 0.5 s)",
+            "host_mem_bytes": host_mem_bytes, "oom_kills_during_run": watch.get("oom_kills"),
+            "last_phase": last, "phases": phases,
+            "step_times_s_seen": watch.get("step_times") or []}  # warm-up steps first, as the process printed them
 
 
 def run_dp(system: str, run_system_args: list[str], config, tokens: int, path: str, gpus: int,
@@ -172,30 +231,83 @@ def run_resident_bound(args, layers: int | None, tokens: int, out: str, gpus: in
     return bound
 
 
-def _run_with_progress(cmd: list[str], desc: str, env: dict | None = None) -> list[str]:
+def _oom_kills() -> int | None:
+    """The kernel's count of OOM kills so far (``oom_kill`` of /proc/vmstat; None where unreadable)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _sample_peak_rss(proc: subprocess.Popen, watch: dict, period_s: float = 0.5) -> None:
+    """Until ``proc`` ends: watch["peak_rss_bytes"] = the largest VmHWM read (what is left when it is killed)."""
+    while proc.poll() is None:
+        watch["peak_rss_bytes"] = max(watch.get("peak_rss_bytes", 0), peak_host_rss_bytes(proc.pid))
+        try:
+            proc.wait(timeout=period_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _run_with_progress(cmd: list[str], desc: str, env: dict | None = None, watch: dict | None = None) -> list[str]:
     """Run one system's process; its per-step lines drive a progress bar (the first step includes the model
-    build and warm-up). Returns the last lines of its other output (stdout and stderr) for error reports."""
+    build and warm-up). Returns the last lines of its other output (stdout and stderr) for error reports.
+    ``watch`` (a dict, filled in): returncode, phases (the process's ``@@h2h-phase`` records), peak_rss_bytes
+    (sampled) and oom_kills (the kernel's OOM kills during the run; None where unreadable)."""
     from collections import deque
 
+    watch = {} if watch is None else watch
+    watch["phases"] = []
     tail: deque[str] = deque(maxlen=200)
     bar = tqdm(desc=desc, unit="step", leave=True, bar_format="{desc}: {n_fmt}/{total_fmt} steps "
                "[{elapsed}{postfix}]")
     bar.set_postfix_str("building the model")
+    kills_before = _oom_kills()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+    sampler = threading.Thread(target=_sample_peak_rss, args=(proc, watch), daemon=True)
+    sampler.start()
     assert proc.stdout is not None
-    for line in proc.stdout:
-        if PROGRESS_TAG in line:  # anywhere: a child's partial stderr line (no newline yet) may precede it
-            head, _, rest = line.partition(PROGRESS_TAG)
-            if head.strip():
-                tail.append(head + "\n")
-            done, total, seconds = rest.split()[:3]
-            bar.total = int(total)
-            bar.n = int(done)
-            bar.set_postfix_str(f"last step {float(seconds):.2f} s", refresh=False)
-            bar.refresh()
-        else:
-            tail.append(line)
-    proc.wait()
+    watch["step_times"] = []
+    try:
+        for line in proc.stdout:
+            if PHASE_TAG in line:
+                head, _, rest = line.partition(PHASE_TAG)
+                if head.strip():
+                    tail.append(head + "\n")
+                try:
+                    phase = json.loads(rest)
+                except json.JSONDecodeError:
+                    tail.append(line)
+                    continue
+                watch["phases"].append(phase)
+                bar.set_postfix_str(f"{phase['phase']} after {phase['phase_s']:.1f} s, host RSS "
+                                    f"{phase['rss_bytes'] / 1e9:.1f} GB", refresh=True)
+            elif PROGRESS_TAG in line:  # anywhere: a child's partial stderr line (no newline yet) may precede it
+                head, _, rest = line.partition(PROGRESS_TAG)
+                if head.strip():
+                    tail.append(head + "\n")
+                done, total, seconds = rest.split()[:3]
+                bar.total = int(total)
+                bar.n = int(done)
+                watch["step_times"].append(float(seconds))
+                bar.set_postfix_str(f"last step {float(seconds):.2f} s", refresh=False)
+                bar.refresh()
+            else:
+                tail.append(line)
+    except KeyboardInterrupt:  # h2h's time limit (phase_lib's timeout --signal=INT) or Ctrl-C: the child got it too
+        watch["interrupted"] = True
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    watch["returncode"] = proc.wait()
+    sampler.join()
+    kills_after = _oom_kills()
+    watch["oom_kills"] = None if kills_before is None or kills_after is None else kills_after - kills_before
     bar.close()
     return list(tail)
 
@@ -234,11 +346,37 @@ def report_line(res: dict) -> str:
     if int(res.get("gpus", 1)) > 1:
         return multi_gpu.report_line(res)
     if res.get("status") != "ok":
-        return f"[{res.get('system')}] tokens/step={res.get('tokens_per_step')} {str(res.get('status')).upper()}: " \
-               f"{str(res.get('error', '')).strip().splitlines()[-1:] if res.get('error') else ''}"
-    return (f"[{res['system']}] L={res['layers']} tokens/step={res['tokens_per_step']} "
+        seen = f" (peak host RSS {res['peak_host_rss_bytes'] / 1e9:.1f} GB, last phase: {res['last_phase']})" \
+            if "last_phase" in res else ""
+        return f"[{res.get('system')}] tokens/step={res.get('tokens_per_step')} {str(res.get('status')).upper()}" \
+               f"{seen}: {str(res.get('error', '')).strip().splitlines()[-1:] if res.get('error') else ''}"
+    line = (f"[{res['system']}] L={res['layers']} tokens/step={res['tokens_per_step']} "
             f"{res['tokens_per_s']:,.0f} tokens/s {res['tflops']:.1f} TFLOPS "
             f"peak GPU {res['peak_gpu_bytes'] / 1e9:.1f} GB host {res['peak_host_rss_bytes'] / 1e9:.1f} GB")
+    settings = res.get("settings") or {}
+    if settings.get("build_s") is not None:
+        line += f" build {settings['build_s']:.1f} s"
+        if settings.get("initialize_s") is not None:
+            line += f" + initialize {settings['initialize_s']:.1f} s"
+    if settings.get("lora"):
+        line += (f" | LoRA r{settings['lora']['r']}: trainable {report.count(res['trainable_params'])}, base "
+                 f"{report.count(res['base_params'])}, host {res['host_bytes_per_base_param']:.2f} B/base param")
+        if res.get("engine_host_bytes_per_base_param") is not None:
+            line += f" (engine state {res['engine_host_bytes_per_base_param']:.2f})"
+    return line
+
+
+def breakdown_line(res: dict) -> str:
+    """The median step's time breakdown of a run that has one (megatrain_ds), one line; "" otherwise."""
+    b = res.get("breakdown") or {}
+    if res.get("status") != "ok" or not b:
+        return ""
+    parts = [f"{k[:-2]} {b[k]:.3f}" for k in ("step_s", "forward_s", "backward_s", "compute_s", "h2d_s", "d2h_s",
+                                               "cpu_optimizer_s", "wait_for_optimizer_s", "gpu_idle_s")
+             if isinstance(b.get(k), (int, float))]
+    idle = f", GPU idle {100 * b['gpu_idle_s'] / b['step_s']:.0f}%" if b.get("gpu_idle_s") and b.get("step_s") \
+        else ""
+    return f"    [{res['system']}] breakdown (s, median step): " + ", ".join(parts) + idle
 
 
 def plot(results: list[dict], path: str, depth_sweep: bool) -> None:
@@ -273,7 +411,7 @@ def plot(results: list[dict], path: str, depth_sweep: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="megatrain,zero3,resident")
-    p.add_argument("--model", default="qwen2.5-3b", choices=list(SHAPES))
+    p.add_argument("--model", default="qwen2.5-3b", choices=SHAPE_NAMES)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--tokens-per-step", type=int, default=16384)
     p.add_argument("--best-batch", action="store_true", help="search each system's fastest batch that fits")
@@ -312,8 +450,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-mem-gib", type=float, default=None, metavar="G",
                    help="host memory to check each system's need against (default: MemAvailable; a VM whose "
                         "memory grows as it is used reads too little there at first)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA of rank R (alpha 2R, dropout 0) for megatrain and zero3: the base frozen in bf16, only "
+                        "the adapters train (benchmarks.build); 0: full fine-tuning")
+    p.add_argument("--lora-targets", default="default",
+                   help="with --lora: default (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), all-linear "
+                        "(peft's choice), or a comma-separated list of module names")
+    p.add_argument("--init", default="auto", choices=INIT_CHOICES,
+                   help="megatrain's model init: hf (the model's own), fast (layer 0 values repeated, built on the "
+                        "CPU), auto (fast from 14 B parameters); ZeRO-3 always builds under zero.Init with "
+                        "transformers' init")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.lora < 0:
+        p.error("--lora must be >= 0")
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
     if args.scaling and args.gpus < 2:
@@ -324,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--host-only and --gpu-optimizer-fraction > 0 contradict each other")
     if args.liger == "on" and args.device != "cuda":
         p.error("--liger on: liger-kernel runs on CUDA only")
+    if args.liger == "auto" and is_moe(make_config(args.model)):  # the fair rule: one loss kernel for all
+        args.liger = "off"
+        print("--liger auto -> off for a mixture-of-experts model: megatrain_ds runs its own loss (full logits + "
+              "router aux loss), so every system gets the model's own kernels and loss", file=sys.stderr)
     os.environ["H2H_CLIP"] = repr(args.clip)  # read by benchmarks.systems / megatrain_system in each child
     if args.megatrain_options is not None:
         try:
@@ -338,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(HOST_BYTES_PER_PARAM)
     if unknown:
         p.error(f"unknown system(s) {sorted(unknown)}; choose from {sorted(HOST_BYTES_PER_PARAM)}")
+    if args.lora and set(systems) - set(LORA_HOST_BYTES_PER_PARAM):
+        p.error(f"--lora: systems {sorted(LORA_HOST_BYTES_PER_PARAM)} only (got {systems})")
     depths = [int(d) for d in args.depth_sweep.split(",")] if args.depth_sweep else [args.layers]
     results = []
     results_path = os.path.join(args.out, "results.json")
@@ -360,11 +516,18 @@ def main(argv: list[str] | None = None) -> int:
                 tag = f"{system}_L{layers or 'default'}_{args.tokens_per_step}"
                 res = run_one(system, args, layers, args.tokens_per_step, os.path.join(args.out, tag + ".json"))
                 tqdm.write(report_line(res))
+                if breakdown_line(res):
+                    tqdm.write(breakdown_line(res))
                 results.append(res)
                 write_results()
+                if str(res.get("status")).startswith("interrupted"):  # recorded; the rest is not run
+                    tqdm.write(f"interrupted: {results_path} holds the runs so far")
+                    return 130
     ok = [r for r in results if r.get("status") == "ok"]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(report.throughput_table(ok) + "\n\n" + report.breakdown_table(ok) + "\n")
+        if any("base_params" in r or "last_phase" in r for r in results):
+            f.write("\n" + report.memory_table(results) + "\n")
         if args.best_batch:
             f.write("\n" + best_vs_best_table([r for r in ok if r.get("best_batch")]) + "\n")
         f.write("\nSettings:\n\n" + report.settings_lines(results) + "\n")

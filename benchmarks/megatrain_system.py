@@ -19,12 +19,12 @@ import os
 import statistics
 
 import torch
-from transformers import AutoModelForCausalLM
 
 import megatrain_ds
+from benchmarks import build
 from benchmarks.common import (LIGER_KERNELS, OPTIMIZER, cleanup, count_params, data_rank, h2h_clip, is_oom,
-                               liger_importable, make_batches, measure, micro_batch_for, reset_memory_stats,
-                               result_dict, settings_dict)
+                               liger_importable, make_batches, measure, micro_batch_for, report_phase,
+                               reset_memory_stats, result_dict, settings_dict)
 
 ENGINE_RECOMPUTE = ("megatrain_ds recompute of each streamed layer in its backward, except the kept layers "
                     "(keep_activations; count in kept_layers)")
@@ -71,12 +71,17 @@ def megatrain_ds_config(micro_batch: int, device: str, liger: bool = False, gpu_
     }
 
 
-def megatrain_settings(ds_config: dict, seq: int, steps: int, warmup: int, device: str) -> dict:
-    """The recorded settings of a ``megatrain`` run, read from its config (recorded whole, with the options)."""
+def megatrain_settings(ds_config: dict, seq: int, steps: int, warmup: int, device: str, model_config=None,
+                       lora: int = 0) -> dict:
+    """The recorded settings of a ``megatrain`` run, read from its config (recorded whole, with the options).
+    ``model_config``: a config with ``output_router_logits`` (MoE) runs the model's own loss (the engine's fused
+    loss does not apply); ``lora`` > 0: the precision line says the base is frozen."""
     block = ds_config.get("megatrain", {})
     cuda = device.startswith("cuda")
     kernels = [k for k in LIGER_KERNELS[:3] if cuda and block.get("liger_kernels")]
-    if not block.get("fused_loss", True):
+    if getattr(model_config, "output_router_logits", False):
+        loss = "the model's own loss (full logits) + router aux loss"
+    elif not block.get("fused_loss", True):
         loss = "the model's own loss (full logits)"
     elif block.get("use_liger", True) and cuda and liger_importable():
         loss = "liger fused linear cross-entropy (no logits)"
@@ -85,8 +90,13 @@ def megatrain_settings(ds_config: dict, seq: int, steps: int, warmup: int, devic
         loss = "megatrain_ds chunked linear cross-entropy (torch, no whole logits)"
     recompute = ENGINE_RECOMPUTE + ("; saved inputs in pinned host memory" if block.get("offload_activations")
                                     else "")
+    bf16 = ds_config["bf16"]["enabled"]
+    precision = "fp32 master, bf16 compute" if bf16 else "fp32"
+    if lora:
+        precision = (("frozen base built in bf16; adapters bf16 with fp32 masters, bf16 compute" if bf16 else
+                      "frozen base fp32; adapters fp32 (cpu)"))
     return settings_dict(
-        precision="fp32 master, bf16 compute" if ds_config["bf16"]["enabled"] else "fp32",
+        precision=precision,
         optimizer="megatrain_ds host AdamW", opt_params=ds_config["optimizer"]["params"],
         clip=ds_config["gradient_clipping"], warmup=warmup, steps=steps, seq=seq,
         micro_batch=ds_config["train_micro_batch_size_per_gpu"], kernels=kernels, loss_kernel=loss,
@@ -129,25 +139,51 @@ def _engine_facts(engine) -> dict:
     return facts
 
 
+def engine_host_state_bytes(engine) -> int:
+    """The engine's host state (bytes): its layer store (``store.nbytes()``) + the resident parameters' host
+    tensors (masters, moments, gradients, wire copies). A tensor on the device is not host memory (a frozen
+    resident parameter's master is its device copy; state placed on the GPU), nor is one tensor counted twice."""
+    seen: dict[int, torch.Tensor] = {}
+    resident = engine.resident
+    for ts in (resident.master, resident.exp_avg, resident.exp_avg_sq, resident.grad, resident.wire):
+        for t in ts:
+            if t is not None and t.device.type == "cpu":
+                seen[id(t)] = t
+    return engine.store.nbytes() + sum(t.numel() * t.element_size() for t in seen.values())
+
+
 def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, warmup: int = 2,
                   device: str = "cuda", seed: int = 0, init_device: str | None = None, liger: bool = False,
-                  gpu_optimizer_fraction: float = 0.0, host_only: bool = False) -> dict:
+                  gpu_optimizer_fraction: float = 0.0, host_only: bool = False, lora: int = 0,
+                  lora_targets: str = "default", init: str = "auto") -> dict:
     """Train ``warmup + steps`` steps on megatrain_ds; result dict as the baselines, plus the breakdown.
-    ``liger``, ``gpu_optimizer_fraction``, ``host_only``: see :func:`megatrain_ds_config`."""
+    ``liger``, ``gpu_optimizer_fraction``, ``host_only``: see :func:`megatrain_ds_config`.
+
+    ``init``: benchmarks.build (``hf``: the model's own init on ``init_device``, as before; ``fast``: layer 0's
+    values repeated, the layers built on the CPU and the rest on ``init_device``; ``auto``: fast from 14 B
+    parameters). Full fine-tuning trains an fp32 model
+    (``.float()``, unchanged). ``lora`` R > 0: peft LoRA rank R on ``lora_targets`` (benchmarks.build.apply_lora),
+    the base frozen and built in the compute dtype (bf16 on CUDA; fp32 on the CPU, where the engine computes in
+    fp32), never upcast; FLOPs by the LoRA formula (benchmarks.shapes)."""
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
     init_device = init_device or device
     ds_config = megatrain_ds_config(micro_batch, device, liger, gpu_optimizer_fraction, host_only)
-    settings = megatrain_settings(ds_config, seq, steps, warmup, device)
-    n_params = 0
+    settings = megatrain_settings(ds_config, seq, steps, warmup, device, config, lora)
+    n_params, counts = 0, {}
     try:
-        torch.manual_seed(seed)
-        with torch.device(init_device):
-            model = AutoModelForCausalLM.from_config(config)
-        model = model.float()
-        n_params = count_params(model)
+        init = build.resolve_init(init, config)
+        dtype = torch.bfloat16 if lora and ds_config["bf16"]["enabled"] else torch.float32
+        model = build.build_model(config, dtype, init, seed, device=init_device)
+        settings.update(init=build.init_description(init), model_dtype=str(dtype).replace("torch.", ""))
+        if lora:
+            model = build.apply_lora(model, lora, lora_targets)
+            settings["lora"] = build.lora_settings(lora, lora_targets, model)
+        n_params, counts = count_params(model), build.param_counts(model)
+        settings["build_s"] = report_phase("model built")["phase_s"]
         engine, _, _, _ = megatrain_ds.initialize(model=model, model_parameters=model.parameters(),
                                                   config=ds_config)
+        settings["initialize_s"] = report_phase("engine initialized")["phase_s"]
         cleanup()
         reset_memory_stats(device)
         breakdowns = []
@@ -162,12 +198,10 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
 
         batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps + 1, seed, rank=data_rank())
         warm, times, losses = measure(step, batches, warmup, device)
+        report_phase("steps done")
         # measure() times each step; the breakdown of step k is read at the start of step k+1
         breakdown = _median_breakdown(breakdowns[warmup:]) if len(breakdowns) > warmup else {}
-        host_state = engine.store.nbytes() + sum(
-            t.numel() * t.element_size() for ts in (engine.resident.master, engine.resident.exp_avg,
-                                                    engine.resident.exp_avg_sq, engine.resident.grad,
-                                                    engine.resident.wire) for t in ts if t is not None)
+        host_state = engine_host_state_bytes(engine)
         settings.update(_engine_facts(engine))
         engine.destroy()
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed
@@ -175,9 +209,23 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
             raise
         cleanup()
         return result_dict("megatrain", config, layers, micro_batch, seq, device, n_params,
-                           status="oom", error=str(exc)[:4000], ds_config=ds_config, settings=settings)
+                           status="oom", error=str(exc)[:4000], ds_config=ds_config, settings=settings,
+                           lora_params=counts.get("adapter_params") if lora else None, **counts)
     # the last batch only served to close the last measured step's breakdown
-    return result_dict("megatrain", config, layers, micro_batch, seq, device, n_params, warm, times[:-1],
-                       losses[:-1], breakdown=breakdown, engine_host_state_bytes=host_state,
-                       engine_host_bytes_per_param=host_state / n_params, ds_config=ds_config,
-                       precision=settings["precision"], settings=settings)
+    res = result_dict("megatrain", config, layers, micro_batch, seq, device, n_params, warm, times[:-1],
+                      losses[:-1], breakdown=breakdown, engine_host_state_bytes=host_state,
+                      engine_host_bytes_per_param=host_state / n_params, ds_config=ds_config,
+                      precision=settings["precision"], settings=settings,
+                      lora_params=counts["adapter_params"] if lora else None, **counts)
+    return with_base_param_ratios(res)
+
+
+def with_base_param_ratios(res: dict) -> dict:
+    """Adds host_bytes_per_base_param (peak RSS / base parameters) and, where the engine's host state is known,
+    engine_host_bytes_per_base_param: per parameter of the base model (adapters left out), the LoRA figure."""
+    base = res.get("base_params") or 0
+    if base:
+        res["host_bytes_per_base_param"] = res["peak_host_rss_bytes"] / base
+        if res.get("engine_host_state_bytes") is not None:
+            res["engine_host_bytes_per_base_param"] = res["engine_host_state_bytes"] / base
+    return res

@@ -90,6 +90,37 @@ def breakdown_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def count(n) -> str:
+    """A parameter count, short: 72.71 B, 210.5 M, 5,120."""
+    if not isinstance(n, (int, float)):
+        return "–"
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{int(n):,}"
+
+
+def memory_table(rows: list[dict]) -> str:
+    """Parameters and host memory per run (LoRA: per parameter of the frozen base), with each run's build and
+    initialize times and, for a process killed before it wrote its result, the peak RSS the driver saw."""
+    out = ["| run | status | trainable | base params | peak host RSS GB | host B/base param | engine host state GB "
+           "| engine B/base param | build s | initialize s | last phase |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "–"
+
+    for r in rows:
+        s = r.get("settings") or {}
+        state = r.get("engine_host_state_bytes")
+        phases = r.get("phases") or []
+        last = r.get("last_phase") or (phases[-1]["phase"] if phases else "–")
+        out.append(
+            f"| {r.get('name', r.get('system'))} | {r.get('status')} | "
+            f"{count(r.get('trainable_params'))} | {count(r.get('base_params'))} | "
+            f"{num((r.get('peak_host_rss_bytes') or 0) / 1e9, '.1f')} | {num(r.get('host_bytes_per_base_param'), '.2f')} | "
+            f"{num(state / 1e9 if state else None, '.1f')} | {num(r.get('engine_host_bytes_per_base_param'), '.2f')} | "
+            f"{num(s.get('build_s'), '.1f')} | {num(s.get('initialize_s'), '.1f')} | {last} |")
+    return "\n".join(out)
+
+
 def settings_line(row: dict) -> str:
     """One compact line of a run's recorded "settings" ("no settings recorded" for older result files)."""
     s = row.get("settings")
@@ -104,6 +135,13 @@ def settings_line(row: dict) -> str:
              f"clip {s['clip']:g}", f"warmup {s['warmup']} + {s['steps']} steps",
              f"{s['micro_batch']} × {s['seq']} tokens", f"kernels: {kernels}", f"loss: {s['loss_kernel']}",
              f"checkpointing: {s['gradient_checkpointing']}"]
+    if s.get("lora"):
+        lora = s["lora"]
+        targets = lora["targets"] if isinstance(lora["targets"], str) else ",".join(lora["targets"])
+        parts.append(f"LoRA r {lora['r']} alpha {lora['alpha']} dropout {lora['dropout']:g} on {targets} "
+                     f"(adapters {lora.get('adapter_dtype')})")
+    if s.get("init"):
+        parts.append(f"init: {s['init']}")
     ratio = s.get("offload_optimizer_ratio")
     if ratio is None:
         parts.append("optimizer state on the GPU")
@@ -148,6 +186,9 @@ def main(argv: list[str]) -> int:
         print(throughput_table(rows))
         print()
         print(breakdown_table(rows))
+        if any("base_params" in r or "last_phase" in r for r in rows):
+            print()
+            print(memory_table(rows))
     print()
     print(settings_lines(rows))
     if args.depth_plot:

@@ -3,7 +3,8 @@
 Usage:
     python -m benchmarks.run_system --system {resident,zero3,megatrain} --model NAME [--layers N] \
         --tokens-per-step T [--seq 1024] --steps S [--warmup 2] --device cuda|cpu --json OUT.json \
-        [--liger auto|on|off] [--gpu-optimizer-fraction F] [--host-only]
+        [--liger auto|on|off] [--gpu-optimizer-fraction F] [--host-only] [--lora R [--lora-targets T]] \
+        [--init auto|fast|hf]
 
 A driver runs each system in its own subprocess so that memory peaks and allocator state do not leak
 between systems. For zero3 the DeepSpeed config is also written to ``OUT.ds_config.json``. Exit code 0
@@ -26,7 +27,8 @@ import warnings
 
 from benchmarks import common
 from benchmarks.multi_gpu import bind_rank, dist_env, rank_json
-from benchmarks.shapes import SHAPES, make_config
+from benchmarks.build import INIT_CHOICES
+from benchmarks.shapes import SHAPE_NAMES, make_config
 from benchmarks.systems import run_resident, run_zero3
 
 SYSTEMS = {
@@ -37,7 +39,7 @@ SYSTEMS = {
 # ---------------------------------------------------------------------------------------------
 # megatrain system: provided by benchmarks/megatrain_system.py (written alongside megatrain_ds).
 # It must define run_megatrain(config, tokens_per_step, seq, steps, warmup, device, seed, liger=,
-# gpu_optimizer_fraction=, host_only=) -> dict with the same keys as the baselines (see
+# gpu_optimizer_fraction=, host_only=, lora=, lora_targets=, init=) -> dict with the same keys as the baselines (see
 # benchmarks.common.result_dict). A missing or broken module only disables "megatrain"; the baselines keep working.
 # ---------------------------------------------------------------------------------------------
 MEGATRAIN_IMPORT_ERROR: str = ""
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (tokens are counts of tokens; seq is tokens per sequence)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--system", required=True, choices=sorted(set(SYSTEMS) | {"megatrain"}))
-    parser.add_argument("--model", required=True, choices=list(SHAPES))
+    parser.add_argument("--model", required=True, choices=SHAPE_NAMES)
     parser.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     parser.add_argument("--tokens-per-step", type=int, required=True, help="tokens per optimizer step")
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
@@ -78,6 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "and megatrain)")
     parser.add_argument("--host-only", action="store_true",
                         help="megatrain: gpu_optimizer_layers 0 (all optimizer state on the host)")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="zero3 and megatrain: peft LoRA of rank R (alpha 2R, dropout 0), the base frozen; 0: "
+                             "full fine-tuning")
+    parser.add_argument("--lora-targets", default="default",
+                        help="with --lora: default (q,k,v,o,gate,up,down), all-linear, or a comma-separated list")
+    parser.add_argument("--init", default="auto", choices=INIT_CHOICES,
+                        help="megatrain's model init (benchmarks.build): hf, fast (layer 0 values repeated), auto "
+                             "(fast from 14 B parameters); zero3 always uses transformers' init under zero.Init")
     parser.add_argument("--json", required=True, help="path of the result JSON")
     parser.add_argument("--progress", action="store_true",
                         help="print '@@h2h-step DONE TOTAL SECONDS' after each step (read by benchmarks.h2h)")
@@ -92,6 +102,10 @@ def system_kwargs(args: argparse.Namespace) -> dict:
         kwargs["gpu_optimizer_fraction"] = args.gpu_optimizer_fraction
     if args.system == "megatrain":
         kwargs["host_only"] = args.host_only
+    if args.system in ("zero3", "megatrain"):
+        kwargs.update(lora=args.lora, lora_targets=args.lora_targets, init=args.init)
+    elif args.lora:
+        raise ValueError(f"--lora: the {args.system} system has no LoRA path (zero3 and megatrain have)")
     return kwargs
 
 
@@ -110,7 +124,9 @@ def summary_line(res: dict) -> str:
         return (f"[{res.get('system')}] {res.get('model')} L={res.get('layers')} tokens/step={res.get('tokens_per_step')}"
                 f" status={res.get('status')}: {str(res.get('error', '')).splitlines()[:1]}")
     losses = res["losses"]
-    return (f"[{res['system']}] {res['model']} L={res['layers']} tokens/step={res['tokens_per_step']} "
+    settings = res.get("settings") or {}
+    build = f"build={settings['build_s']:.1f}s " if settings.get("build_s") is not None else ""
+    return (f"[{res['system']}] {res['model']} L={res['layers']} tokens/step={res['tokens_per_step']} {build}"
             f"median_step={res['median_step_s']:.4f}s tokens/s={res['tokens_per_s']:,.0f} "
             f"TFLOPS={res['tflops']:.3f} peak_gpu={res['peak_gpu_bytes'] / 1e9:.2f}GB "
             f"host_rss={res['peak_host_rss_bytes'] / 1e9:.2f}GB "
@@ -143,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - reported in the JSON for the driver
         res = {"system": args.system, "model": args.model, "layers": config.num_hidden_layers,
                "tokens_per_step": args.tokens_per_step, "device": args.device, "status": "error",
-               "error": traceback.format_exc()}
+               "error": traceback.format_exc(), "phases": list(common.PHASES)}
         sys.stderr.write(f"[rank {rank}] " * (world > 1) + res["error"])
     res["process_wall_s"] = time.perf_counter() - t0  # build + warm-up + measured steps (s)
     recorded = sys.argv[1:] if argv is None else list(argv)

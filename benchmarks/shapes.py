@@ -1,16 +1,31 @@
-"""Random-init Qwen2.5 model shapes and the model-FLOPs formula shared by every benchmark.
+"""Random-init model shapes (dense Qwen2.5, and two mixture-of-experts families) and the model-FLOPs formulas
+shared by every benchmark.
 
-Shapes are built as ``transformers.Qwen2Config`` objects; nothing is downloaded. The FLOPs
-formula follows the project anchors: flops/token = 6 * N_matmul + 6 * L * h * s, where N_matmul
-counts the weight matrices of every nn.Linear in the decoder layers (q, k, v, o, gate, up, down;
-biases excluded) plus vocab * hidden for the LM head. Recompute is not counted.
+Shapes are built as ``transformers`` config objects (``Qwen2Config``, ``OlmoeConfig``, ``Qwen2MoeConfig``);
+nothing is downloaded. The FLOPs formulas (FLOP per trained token; s = tokens per sequence, L = decoder layers,
+h = hidden size; recompute is never counted):
+
+- Full fine-tuning, dense (the project anchors, unchanged): ``6 * N_matmul + 6 * L * h * s``, where N_matmul
+  counts the weight matrices of every nn.Linear in the decoder layers (q, k, v, o, gate, up, down; biases
+  excluded) plus vocab * hidden for the LM head.
+- Full fine-tuning, mixture of experts: ``6 * N_active + 6 * L * h * s``, where N_active counts the weights one
+  token is multiplied with: per layer q, k, v, o, the router (experts * h: every token scores every expert),
+  top-k experts' gate/up/down (k * 3 * h * moe_intermediate), the shared expert (3 * h * shared_intermediate)
+  and its sigmoid gate (h) where the family has one (Qwen2-MoE), a dense MLP (3 * h * intermediate) in the
+  layers that are not sparse; plus vocab * hidden for the LM head. For a dense model N_active = N_matmul.
+- LoRA (frozen base, adapters trained): ``4 * N_active + 6 * N_lora + 6 * L * h * s``. The frozen base
+  weights do a forward (2 FLOP per weight) and an input-gradient backward (2), no weight gradient; every
+  adapter matrix (lora_A: in x r, lora_B: r x out) does forward, input gradient and weight gradient (6).
+  N_lora = sum over the adapted linears of r * (in + out). The attention core (Q K^T and A V) holds no
+  weights, so its backward is input gradients only in both cases and costs twice its forward either way:
+  the term stays 6 * L * h * s (causal), as for full fine-tuning. The LM head is frozen (4 * vocab * h).
 """
 from __future__ import annotations
 
 import torch.nn as nn
-from transformers import Qwen2Config
+from transformers import OlmoeConfig, PretrainedConfig, Qwen2Config, Qwen2MoeConfig
 
-# name -> (hidden, layers, intermediate, heads, kv_heads, vocab, tied embeddings)
+# Dense Qwen2.5: name -> (hidden, layers, intermediate, heads, kv_heads, vocab, tied embeddings)
 SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "tiny": (64, 2, 128, 4, 2, 256, True),
     "qwen2.5-1.5b": (1536, 28, 8960, 12, 2, 151936, True),
@@ -21,11 +36,46 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "qwen2.5-72b": (8192, 80, 29568, 64, 8, 152064, False),
 }
 
+# Mixture of experts: name -> (model_type, config kwargs). Untied embeddings, as the released models.
+# Parameters (all / active per token): olmoe-1b-7b 6.92 B / 1.28 B; qwen1.5-moe-a2.7b 14.3 B / 2.7 B.
+MOE_SHAPES: dict[str, tuple[str, dict]] = {
+    "tiny-moe": ("qwen2_moe", dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+    "tiny-olmoe": ("olmoe", dict(hidden_size=64, num_hidden_layers=2, intermediate_size=32, num_attention_heads=4,
+                                 num_key_value_heads=4, vocab_size=256, num_experts=4, num_experts_per_tok=2,
+                                 eos_token_id=None)),
+    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=1024,
+                                  num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, num_experts=64,
+                                  num_experts_per_tok=8)),
+    "qwen1.5-moe-a2.7b": ("qwen2_moe", dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=5632,
+                                            num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+                                            num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                                            shared_expert_intermediate_size=5632)),
+}
+MOE_CONFIGS = {"olmoe": OlmoeConfig, "qwen2_moe": Qwen2MoeConfig}
+SHAPE_NAMES: list[str] = [*SHAPES, *MOE_SHAPES]
 
-def make_config(name: str, layers: int | None = None) -> Qwen2Config:
-    """Return a Qwen2Config for shape ``name``; ``layers`` (count) overrides the depth if given."""
+# The linears peft's LoRA adapts by default in the harness (h2h --lora R); "all-linear" is peft's own choice
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_config(name: str, layers: int | None = None) -> PretrainedConfig:
+    """The config of shape ``name`` (Qwen2Config, OlmoeConfig or Qwen2MoeConfig); ``layers`` (count) overrides the
+    depth if given. MoE configs have ``output_router_logits=True``: the router's load-balancing loss (times the
+    family's ``router_aux_loss_coef``: OLMoE 0.01, Qwen2-MoE 0.001) is part of the training loss of every system."""
+    if name in MOE_SHAPES:
+        model_type, kwargs = MOE_SHAPES[name]
+        kwargs = dict(kwargs)
+        if layers is not None:
+            kwargs["num_hidden_layers"] = int(layers)
+        config = MOE_CONFIGS[model_type](**kwargs, max_position_embeddings=32768, use_cache=False,
+                                         output_router_logits=True, attn_implementation="sdpa")
+        config._attn_implementation = "sdpa"
+        config.name_or_path = name
+        return config
     if name not in SHAPES:
-        raise KeyError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        raise KeyError(f"unknown shape {name!r}; known: {', '.join(SHAPE_NAMES)}")
     hidden, depth, inter, heads, kv_heads, vocab, tied = SHAPES[name]
     config = Qwen2Config(
         hidden_size=hidden,
@@ -44,58 +94,157 @@ def make_config(name: str, layers: int | None = None) -> Qwen2Config:
     return config
 
 
-def matmul_params(config: Qwen2Config) -> int:
-    """Analytic N_matmul (parameter count): decoder nn.Linear weights + vocab * hidden for the LM head."""
+def is_moe(config) -> bool:
+    return int(getattr(config, "num_experts", 0) or 0) > 0
+
+
+def _attention_params(config) -> int:
     h = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q = h * config.num_attention_heads * head_dim
     kv = 2 * h * config.num_key_value_heads * head_dim
     o = config.num_attention_heads * head_dim * h
-    mlp = 3 * h * config.intermediate_size
-    return config.num_hidden_layers * (q + kv + o + mlp) + config.vocab_size * h
+    return q + kv + o
+
+
+def _sparse_layer(config, i: int) -> bool:
+    """Layer ``i`` holds experts (Qwen2-MoE can interleave dense layers: decoder_sparse_step, mlp_only_layers)."""
+    if not is_moe(config):
+        return False
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return i not in (getattr(config, "mlp_only_layers", None) or []) and (i + 1) % step == 0
+
+
+def _mlp_params(config, i: int, active: bool) -> int:
+    """Matmul weights of layer ``i``'s MLP block: all of them, or those one token multiplies with (``active``)."""
+    h = config.hidden_size
+    if not _sparse_layer(config, i):
+        return 3 * h * config.intermediate_size
+    experts = int(config.num_experts)
+    used = int(config.num_experts_per_tok) if active else experts
+    expert_inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    out = experts * h + used * 3 * h * expert_inter  # router + experts
+    shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    if shared:
+        out += 3 * h * shared + h  # shared expert + its sigmoid gate (Linear(h, 1))
+    return out
+
+
+def matmul_params(config) -> int:
+    """Analytic matmul weights (count): every decoder-layer linear / expert / router weight + vocab * hidden for
+    the LM head. Dense: the anchors' N_matmul. MoE: all experts (see :func:`active_matmul_params` for FLOPs)."""
+    layers = sum(_attention_params(config) + _mlp_params(config, i, active=False)
+                 for i in range(config.num_hidden_layers))
+    return layers + config.vocab_size * config.hidden_size
+
+
+def active_matmul_params(config) -> int:
+    """Analytic N_active (count): the matmul weights one token is multiplied with (top-k experts only); equals
+    :func:`matmul_params` for a dense model."""
+    layers = sum(_attention_params(config) + _mlp_params(config, i, active=True)
+                 for i in range(config.num_hidden_layers))
+    return layers + config.vocab_size * config.hidden_size
+
+
+def lora_params(config, r: int, targets=LORA_TARGETS) -> int:
+    """Analytic N_lora (count) for rank ``r`` adapters on the linears named ``targets`` of a dense Qwen2 layer:
+    r * (in + out) per adapted linear, every layer."""
+    h, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    return config.num_hidden_layers * sum(r * sum(dims[t]) for t in targets)
+
+
+def _matmul_counts(model: nn.Module) -> tuple[float, float]:
+    """(all, active) matmul weights counted from a built model's decoder layers + vocab * hidden; adapters
+    (peft ``lora_*`` modules) left out. nn.Linear weights; 3-D expert weights (a ``*Experts`` module: all, and
+    the top-k share of them); router weights (a ``*Router`` module). ZeRO-3 partitioned weights count by
+    ``ds_shape``."""
+    config = model.config
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    total = active = 0.0
+    for name, module in base.model.layers.named_modules():
+        if "lora_" in name:
+            continue
+        kind = type(module).__name__
+        if isinstance(module, nn.Linear) or kind.endswith("Router"):
+            shape = getattr(module.weight, "ds_shape", None) or module.weight.shape
+            n = int(shape[0]) * int(shape[1])
+            total, active = total + n, active + n
+        elif kind.endswith("Experts"):
+            share = int(config.num_experts_per_tok) / int(config.num_experts)
+            for p in module.parameters(recurse=False):
+                n = 1
+                for d in (getattr(p, "ds_shape", None) or p.shape):
+                    n *= int(d)
+                total, active = total + n, active + n * share
+    head = config.vocab_size * config.hidden_size
+    return total + head, active + head
 
 
 def count_matmul_params(model: nn.Module) -> int:
-    """N_matmul counted from a built model: nn.Linear weights inside model.model.layers + vocab * hidden.
-
-    Works on ZeRO-3 partitioned models too (uses ``ds_shape`` when a weight is partitioned).
-    """
-    total = 0
-    for module in model.model.layers.modules():
-        if isinstance(module, nn.Linear):
-            w = module.weight
-            shape = getattr(w, "ds_shape", None) or w.shape
-            total += int(shape[0]) * int(shape[1])
-    config = model.config
-    return total + config.vocab_size * config.hidden_size
+    """N_matmul counted from a built model (all experts of an MoE); see :func:`_matmul_counts`. Works on ZeRO-3
+    partitioned and peft-wrapped models."""
+    return int(round(_matmul_counts(model)[0]))
 
 
-def model_flops_per_token(config: Qwen2Config, seq: int) -> float:
-    """Model FLOPs per trained token (FLOP/token): 6 * N_matmul + 6 * L * h * seq."""
-    return 6.0 * matmul_params(config) + 6.0 * config.num_hidden_layers * config.hidden_size * seq
+def count_active_matmul_params(model: nn.Module) -> int:
+    """N_active counted from a built model (top-k experts); see :func:`_matmul_counts`."""
+    return int(round(_matmul_counts(model)[1]))
 
 
-def tflops(config: Qwen2Config, seq: int, tokens_per_s: float) -> float:
+def model_flops_per_token(config, seq: int, lora_params: int | None = None) -> float:
+    """Model FLOPs per trained token (FLOP/token), see the module docstring: full fine-tuning
+    6 * N_active + 6 * L * h * seq (dense: N_active = N_matmul); LoRA (``lora_params`` = N_lora, the trainable
+    adapter count) 4 * N_active + 6 * N_lora + 6 * L * h * seq."""
+    attention = 6.0 * config.num_hidden_layers * config.hidden_size * seq
+    if lora_params is None:
+        return 6.0 * active_matmul_params(config) + attention
+    return 4.0 * active_matmul_params(config) + 6.0 * int(lora_params) + attention
+
+
+def tflops(config, seq: int, tokens_per_s: float, lora_params: int | None = None) -> float:
     """Model TFLOPS (1e12 FLOP/s) at ``tokens_per_s`` tokens per second."""
-    return model_flops_per_token(config, seq) * tokens_per_s / 1e12
+    return model_flops_per_token(config, seq, lora_params) * tokens_per_s / 1e12
 
 
-def self_check(names: tuple[str, ...] = ("tiny",), layers: int = 2) -> None:
-    """Build each shape (depth ``layers``) on the meta device and assert analytic == counted N_matmul."""
+def meta_model(config) -> nn.Module:
+    """The model of ``config`` built on the meta device (no storage): for counting."""
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def n_params(config) -> int:
+    """Parameters (count) of the model of ``config`` (tied weights once)."""
+    return sum(p.numel() for p in meta_model(config).parameters())
+
+
+def layer_params(config, i: int = 0) -> int:
+    """Parameters (count) of decoder layer ``i`` of ``config`` (built on the meta device)."""
+    return sum(p.numel() for p in meta_model(config).model.layers[i].parameters())
+
+
+def self_check(names: tuple[str, ...] = ("tiny", "tiny-moe", "tiny-olmoe"), layers: int = 2) -> None:
+    """Build each shape (depth ``layers``) on the meta device and assert analytic == counted N_matmul and
+    N_active."""
     for name in names:
         config = make_config(name, layers=layers)
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(config)
+        model = meta_model(config)
         counted, analytic = count_matmul_params(model), matmul_params(config)
         assert counted == analytic, f"{name}: counted {counted} != analytic {analytic}"
+        counted, analytic = count_active_matmul_params(model), active_matmul_params(config)
+        assert counted == analytic, f"{name}: counted active {counted} != analytic {analytic}"
 
 
 if __name__ == "__main__":
-    self_check(tuple(SHAPES))
-    for shape_name in SHAPES:
+    self_check(tuple(SHAPE_NAMES))
+    for shape_name in SHAPE_NAMES:
         cfg = make_config(shape_name)
-        print(f"{shape_name:14s} N_matmul={matmul_params(cfg) / 1e6:11.3f} M  "
-              f"flops/token@1024={model_flops_per_token(cfg, 1024) / 1e9:10.4f} GFLOP")
+        print(f"{shape_name:18s} N_matmul={matmul_params(cfg) / 1e6:11.3f} M  N_active="
+              f"{active_matmul_params(cfg) / 1e6:11.3f} M  flops/token@1024="
+              f"{model_flops_per_token(cfg, 1024) / 1e9:10.4f} GFLOP")

@@ -1,7 +1,7 @@
 """Baseline training systems measured against megatrain_ds.
 
 Each ``run_<system>(config, tokens_per_step, seq, steps, warmup, device, seed, ...) -> dict`` builds a
-random-init model from ``config`` (a transformers.Qwen2Config, see benchmarks.shapes), trains it on
+random-init model from ``config`` (a transformers config of benchmarks.shapes: dense Qwen2 or MoE), trains it on
 seeded random token ids (labels = input_ids) for ``warmup + steps`` optimizer steps of one micro-batch
 each, and returns :func:`benchmarks.common.result_dict` (times in s, memory in bytes) with the run's
 settings under "settings". A CUDA out-of-memory error is caught and reported as status "oom" rather than raised.
@@ -20,10 +20,12 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks import build
 from benchmarks.common import (HF_CHECKPOINTING, LIGER_KERNELS, OPTIMIZER, apply_hf_liger, cleanup, count_params,
                                data_rank, enable_hf_checkpointing, h2h_clip, is_oom, make_batches, measure,
-                               micro_batch_for, reset_memory_stats, result_dict, set_single_process_env,
-                               settings_dict)
+                               micro_batch_for, report_phase, reset_memory_stats, result_dict,
+                               set_single_process_env, settings_dict)
+from benchmarks.shapes import layer_params
 
 HF_LOSS = "HF ForCausalLMLoss (full logits, torch cross-entropy)"
 LIGER_LOSS = "liger fused linear cross-entropy (no logits)"
@@ -71,11 +73,14 @@ def run_resident(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, 
     use_amp = device.startswith("cuda")
     device_type = "cuda" if use_amp else "cpu"
     settings = resident_settings(micro_batch, seq, steps, warmup, device, liger)
+    if getattr(config, "output_router_logits", False):
+        settings["loss_kernel"] += " + router aux loss"
     clip = settings["clip"]
     reset_memory_stats(device)
     n_params = 0
     try:
         model, optimizer = _build_resident(config, device, seed, liger)
+        settings["build_s"] = report_phase("model built")["phase_s"]
         n_params = count_params(model)
         train_model = _data_parallel(model, device)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -143,7 +148,7 @@ def zero3_ds_config(config, micro_batch: int, device: str = "cuda", gpu_optimize
     sub_group_size = int(1e9)
     if gpu_optimizer_fraction > 0:
         offload_optimizer["ratio"] = round(1.0 - gpu_optimizer_fraction, 6)
-        sub_group_size = _layer_params(config)
+        sub_group_size = _layer_params(config) if config.model_type == "qwen2" else layer_params(config)
     params = dict(OPTIMIZER, betas=list(OPTIMIZER["betas"]))
     return {
         "train_micro_batch_size_per_gpu": int(micro_batch),
@@ -177,17 +182,27 @@ def _layer_params(config) -> int:
     return (h + 1) * q + 2 * (h + 1) * kv + q * h + 3 * h * inter + 2 * h
 
 
-def zero3_settings(ds_config: dict, seq: int, steps: int, warmup: int, liger: bool = False) -> dict:
-    """The recorded settings of a ``zero3`` run, read from its DeepSpeed config (which is recorded whole)."""
+def zero3_settings(ds_config: dict, seq: int, steps: int, warmup: int, liger: bool = False, lora: int = 0,
+                   model_config=None) -> dict:
+    """The recorded settings of a ``zero3`` run, read from its DeepSpeed config (which is recorded whole).
+    ``lora`` > 0: the precision line says the base is frozen; ``model_config`` with ``output_router_logits``: the
+    loss includes the router aux loss."""
     zero = ds_config["zero_optimization"]
     ratio = float(zero["offload_optimizer"].get("ratio", 1.0))
     bf16 = ds_config["bf16"]["enabled"]
+    precision = "bf16 params and compute, fp32 master (DeepSpeed bf16)" if bf16 else "fp32 (cpu)"
+    if lora:
+        precision = ("frozen base bf16 (zero.Init, partitioned in pinned host memory); adapters bf16 with fp32 "
+                     "masters (DeepSpeed bf16)" if bf16 else "frozen base fp32; adapters fp32 (cpu)")
+    loss = LIGER_LOSS if liger else HF_LOSS
+    if getattr(model_config, "output_router_logits", False):
+        loss += " + router aux loss"
     return settings_dict(
-        precision="bf16 params and compute, fp32 master (DeepSpeed bf16)" if bf16 else "fp32 (cpu)",
+        precision=precision,
         optimizer="DeepSpeedCPUAdam (AdamW)" + (" + torch AdamW for the GPU sub-groups" if ratio < 1 else ""),
         opt_params=ds_config["optimizer"]["params"], clip=ds_config["gradient_clipping"], warmup=warmup,
         steps=steps, seq=seq, micro_batch=ds_config["train_micro_batch_size_per_gpu"],
-        kernels=list(LIGER_KERNELS) if liger else [], loss_kernel=LIGER_LOSS if liger else HF_LOSS,
+        kernels=list(LIGER_KERNELS) if liger else [], loss_kernel=loss,
         gradient_checkpointing=HF_CHECKPOINTING, offload_optimizer_ratio=ratio, ds_config=ds_config)
 
 
@@ -202,15 +217,24 @@ def _gpu_optimizer_share(engine) -> float | None:
     return sum(int(n) for i, n in enumerate(sizes) if placement.get(i) != "cpu") / total if total else None
 
 
-def _build_zero3(config, ds_config: dict, seed: int, liger: bool = False):
-    """ZeRO-3 engine around a model constructed under deepspeed.zero.Init (never whole on the GPU).
+ZERO3_INIT = "hf under deepspeed.zero.Init (each module gathered to the GPU, initialized there, partitioned again)"
 
-    HfDeepSpeedConfig makes transformers' from_config build inside zero.Init and run its weight init
-    on gathered parameters; the returned holder must stay referenced while the model is built.
+
+def _build_zero3(config, ds_config: dict, seed: int, liger: bool = False, lora: int = 0,
+                 lora_targets: str = "default"):
+    """ZeRO-3 engine around a model constructed under deepspeed.zero.Init (never whole on the GPU or the host).
+
+    HfDeepSpeedConfig makes transformers' from_config build inside zero.Init (in the config's dtype: bf16 when
+    ``bf16.enabled``; each parameter is partitioned into pinned host memory as its module is constructed) and run
+    its weight init on gathered parameters; the returned holder must stay referenced while the model is built.
     ``liger``: liger-kernel is patched into the built (partitioned) model before deepspeed.initialize, as HF
     Trainer does. Its instance patching only rebinds forwards (RMSNorm, MLP, the causal LM's) and never touches
     parameter data; the fused-loss forward reads ``lm_head.weight`` outside the head's own forward, which ZeRO-3
     gathers as an external parameter (DeepSpeed marks every module as in-forward during the engine's forward).
+    ``lora`` R > 0: peft LoRA (benchmarks.build.apply_lora) on the zero.Init-built model, as HF does for ZeRO-3
+    LoRA: the adapters are made unpartitioned, and deepspeed.initialize converts them to ZeRO-3 parameters; only
+    they go to the optimizer. Liger and checkpointing are applied to the base model before the wrap (HF Trainer
+    patches the base model of a PeftModel).
     """
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
@@ -223,31 +247,52 @@ def _build_zero3(config, ds_config: dict, seed: int, liger: bool = False):
     if liger:
         apply_hf_liger(model)
     enable_hf_checkpointing(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    return engine, holder
+    params = model.parameters()
+    if lora:
+        model = build.apply_lora(model, lora, lora_targets)
+        params = [p for p in model.parameters() if p.requires_grad]
+    counts = build.param_counts(model)
+    timings = {"build_s": report_phase("model built")["phase_s"]}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    timings["initialize_s"] = report_phase("engine initialized")["phase_s"]
+    return engine, holder, counts, timings
+
+
+def _partition_bytes(module: torch.nn.Module) -> int:
+    """Bytes of this rank's ZeRO-3 parameter partitions (``ds_tensor``; host memory with offload_param cpu)."""
+    return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in module.parameters()
+               if getattr(p, "ds_tensor", None) is not None)
 
 
 def run_zero3(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, warmup: int = 2,
-              device: str = "cuda", seed: int = 0, liger: bool = False, gpu_optimizer_fraction: float = 0.0) -> dict:
+              device: str = "cuda", seed: int = 0, liger: bool = False, gpu_optimizer_fraction: float = 0.0,
+              lora: int = 0, lora_targets: str = "default", init: str = "auto") -> dict:
     """DeepSpeed ZeRO-3 with CPU offload of params and optimizer, one process, one device.
 
     ``tokens_per_step`` (tokens) is rounded down to a multiple of ``seq``; one micro-batch per step,
     gradient accumulation 1. The DeepSpeed config used is returned under "ds_config" (and in "settings").
     ``gpu_optimizer_fraction``: see :func:`zero3_ds_config`; the share DeepSpeed really placed on the GPU is
-    recorded as settings["gpu_optimizer_share"].
+    recorded as settings["gpu_optimizer_share"]. ``lora`` R > 0: see :func:`_build_zero3`; FLOPs by the LoRA
+    formula. ``init`` is not used: the model is always initialized by transformers under zero.Init (recorded as
+    settings["init"]; the run's build time is settings["build_s"]).
     """
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
     ds_config = zero3_ds_config(config, micro_batch, device, gpu_optimizer_fraction)
-    settings = zero3_settings(ds_config, seq, steps, warmup, liger)
+    settings = zero3_settings(ds_config, seq, steps, warmup, liger, lora, config)
+    settings["init"] = ZERO3_INIT
     set_single_process_env()
     reset_memory_stats(device)
-    n_params = 0
+    n_params, counts = 0, {}
     try:
-        engine, holder = _build_zero3(config, ds_config, seed, liger)
+        engine, holder, counts, timings = _build_zero3(config, ds_config, seed, liger, lora, lora_targets)
+        settings.update(timings)
+        if lora:
+            settings["lora"] = build.lora_settings(lora, lora_targets, engine.module)
         n_params = count_params(engine.module)
         settings["gpu_optimizer_share"] = _gpu_optimizer_share(engine) if gpu_optimizer_fraction > 0 else 0.0
         settings["dp_world_size"] = int(getattr(engine, "dp_world_size", 1))  # ranks DeepSpeed partitions over
+        partition_bytes = _partition_bytes(engine.module)
         run_device = str(engine.device) if device.startswith("cuda") else "cpu"
 
         def step(input_ids: torch.Tensor) -> torch.Tensor:
@@ -258,12 +303,20 @@ def run_zero3(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, war
 
         batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps, seed, rank=data_rank())
         warm, times, losses = measure(step, batches, warmup, run_device)
+        report_phase("steps done")
         del holder
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
         if not is_oom(exc):
             raise
         cleanup()
         return result_dict("zero3", config, layers, micro_batch, seq, device, n_params,
-                           status="oom", error=str(exc)[:4000], ds_config=ds_config, settings=settings)
-    return result_dict("zero3", config, layers, micro_batch, seq, device, n_params, warm, times, losses,
-                       ds_config=ds_config, precision=settings["precision"], settings=settings)
+                           status="oom", error=str(exc)[:4000], ds_config=ds_config, settings=settings,
+                           lora_params=counts.get("adapter_params") if lora else None, **counts)
+    res = result_dict("zero3", config, layers, micro_batch, seq, device, n_params, warm, times, losses,
+                      ds_config=ds_config, precision=settings["precision"], settings=settings,
+                      zero3_param_partition_bytes=partition_bytes,
+                      lora_params=counts["adapter_params"] if lora else None, **counts)
+    base = res.get("base_params") or 0
+    if base:
+        res["host_bytes_per_base_param"] = res["peak_host_rss_bytes"] / base
+    return res

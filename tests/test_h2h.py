@@ -298,3 +298,196 @@ def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
     assert s["ratio"] == runs[("megatrain", 2)]["tokens_per_s"] / runs[("megatrain", 1)]["tokens_per_s"]
     md = (out / "results.md").read_text()
     assert "scaling megatrain_Ldefault_128_g2" in md and "megatrain ×2" in md and "Launch commands" in md
+
+
+# --- LoRA, fast init, mixture of experts, killed processes (issue 15) ---------------------------------------------
+
+def _h2h(tmp_path, name, *args):
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "benchmarks.h2h", "--device", "cpu", "--seq", "64", "--tokens-per-step", "128",
+           "--steps", "1", "--warmup", "1", "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    return {r["system"]: r for r in data["results"]}, out, proc
+
+
+def test_h2h_lora_megatrain_and_zero3(tmp_path):
+    """--lora 4 on the tiny shape: both systems train only the adapters of the same peft model; FLOPs by the LoRA
+    formula (hand-counted below); per base parameter host numbers, phases and build times recorded. megatrain
+    with --init fast (layer 0's values repeated, the layers sharing its storage until the engine copies them)."""
+    runs, out, proc = _h2h(tmp_path, "lora", "--model", "tiny", "--lora", "4", "--init", "fast",
+                           "--systems", "megatrain,zero3")
+    assert set(runs) == {"megatrain", "zero3"}
+    # tiny: h 64, 2 layers, inter 128, 4 heads, 2 KV heads (head_dim 16), vocab 256 (tied)
+    n_matmul = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 256 * 64              # 90,112
+    n_lora = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))                 # 8,192
+    n_base = 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 256 * 64 + 64
+    for system, r in runs.items():
+        assert r["status"] == "ok", r.get("error")
+        assert r["trainable_params"] == r["adapter_params"] == n_lora == 8192
+        assert r["base_params"] == r["frozen_params"] == n_base
+        assert r["flops_per_token"] == 4 * n_matmul + 6 * n_lora + 6 * 2 * 64 * 64 == 458_752
+        assert r["host_bytes_per_base_param"] == r["peak_host_rss_bytes"] / n_base > 0
+        s = r["settings"]
+        assert s["lora"]["r"] == 4 and s["lora"]["alpha"] == 8 and s["lora"]["dropout"] == 0.0
+        assert s["lora"]["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        assert s["build_s"] > 0 and s["initialize_s"] > 0
+        assert [p["phase"] for p in r["phases"]] == ["model built", "engine initialized", "steps done"]
+        assert all(p["peak_rss_bytes"] > 0 for p in r["phases"])
+    mega = runs["megatrain"]
+    assert mega["engine_host_bytes_per_base_param"] == mega["engine_host_state_bytes"] / n_base > 0
+    assert mega["settings"]["init"].startswith("layer 0 values repeated")
+    assert "zero.Init" in runs["zero3"]["settings"]["init"] and runs["zero3"]["zero3_param_partition_bytes"] > 0
+    md = (out / "results.md").read_text()
+    assert "host B/base param" in md and "LoRA r 4 alpha 8" in md
+    assert "LoRA r4: trainable 8,192" in proc.stdout and "breakdown (s, median step)" in proc.stdout
+
+
+def test_moe_megatrain_router_aux_loss_and_active_flops(monkeypatch):
+    """tiny-moe through run_megatrain (in this process: the subprocess path is the LoRA test's): FLOPs count the
+    active matmul weights; the loss is the model's own, router aux loss included."""
+    from benchmarks.megatrain_system import run_megatrain
+    from benchmarks.shapes import make_config
+
+    monkeypatch.delenv("MEGATRAIN_OPTIONS", raising=False)
+    r = run_megatrain(make_config("tiny-moe"), 128, seq=64, steps=1, warmup=1, device="cpu")
+    assert r["status"] == "ok", r.get("error")
+    # tiny-moe (Qwen2-MoE): h 64, 2 layers, 4 experts top-2 of inter 32, shared expert 64, vocab 256 (untied)
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64
+    active = 4 * 64 + 2 * 3 * 64 * 32 + 3 * 64 * 64 + 64     # router, top-2 experts, shared expert, its gate
+    assert r["flops_per_token"] == 6 * (2 * (attention + active) + 256 * 64) + 6 * 2 * 64 * 64 == 593_664
+    assert r["settings"]["loss_kernel"] == "the model's own loss (full logits) + router aux loss"
+    assert r["trainable_params"] == r["base_params"] == r["n_params"]
+    assert r["host_bytes_per_base_param"] > 0 and r["engine_host_bytes_per_base_param"] > 0
+
+
+def test_shapes_flops_formulas_and_moe_configs():
+    import transformers
+
+    from benchmarks import shapes
+
+    shapes.self_check(("tiny", "tiny-moe", "tiny-olmoe"))  # analytic == counted from a meta model, all and active
+    dense = shapes.make_config("qwen2.5-3b")
+    assert shapes.model_flops_per_token(dense, 1024) == 6 * shapes.matmul_params(dense) + 6 * 36 * 2048 * 1024
+    assert abs(shapes.model_flops_per_token(dense, 1024) / 1e9 - 18.9672) < 1e-4  # the anchors' number, unchanged
+    big = shapes.make_config("qwen2.5-72b")
+    n_lora = shapes.lora_params(big, 16)
+    assert n_lora == 80 * 16 * ((8192 + 8192) * 2 + (8192 + 1024) * 2 + (8192 + 29568) * 3) == 210_534_400
+    assert shapes.model_flops_per_token(big, 1024, n_lora) == \
+        4 * shapes.matmul_params(big) + 6 * n_lora + 6 * 80 * 8192 * 1024
+    olmoe = shapes.make_config("olmoe-1b-7b")
+    assert isinstance(olmoe, transformers.OlmoeConfig) and olmoe.output_router_logits
+    assert olmoe.router_aux_loss_coef == 0.01
+    per_layer = 4 * 2048 * 2048 + 64 * 2048 + 8 * 3 * 2048 * 1024
+    assert shapes.active_matmul_params(olmoe) == 16 * per_layer + 50304 * 2048
+    qmoe = shapes.make_config("qwen1.5-moe-a2.7b", layers=4)
+    assert isinstance(qmoe, transformers.Qwen2MoeConfig) and qmoe.num_hidden_layers == 4
+    assert qmoe.router_aux_loss_coef == 0.001 and qmoe.output_router_logits
+
+
+def test_fast_init_shares_layer_0_and_keeps_buffers_and_ties():
+    import torch
+
+    from benchmarks.build import apply_lora, build_model, param_counts, resolve_init
+    from benchmarks.shapes import make_config
+
+    assert resolve_init("auto", make_config("tiny")) == "hf"
+    assert resolve_init("auto", make_config("qwen2.5-14b")) == "fast"
+    for name in ("tiny", "tiny-olmoe"):
+        fast = build_model(make_config(name, layers=3), torch.bfloat16, "fast", seed=0)
+        hf = build_model(make_config(name, layers=3), torch.bfloat16, "hf", seed=0)
+        first, third = dict(fast.model.layers[0].named_parameters()), dict(fast.model.layers[2].named_parameters())
+        for key, p in first.items():
+            assert third[key] is not p and third[key].data_ptr() == p.data_ptr()  # own parameter, shared storage
+            assert p.dtype == torch.bfloat16 and p.device.type == "cpu"
+        assert 0.015 < first["self_attn.q_proj.weight"].float().std() < 0.025  # the model's normal(0, 0.02)
+        assert torch.equal(first["input_layernorm.weight"], torch.ones(64, dtype=torch.bfloat16))
+        for key, buf in hf.named_buffers():  # rotary inv_freq computed for real, not left uninitialized
+            assert torch.equal(dict(fast.named_buffers())[key], buf), key
+        assert [(n, p.shape) for n, p in fast.named_parameters()] == [(n, p.shape) for n, p in hf.named_parameters()]
+    tied = build_model(make_config("tiny"), torch.float32, "fast", seed=0)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    lora = apply_lora(tied, 4)
+    counts = param_counts(lora)
+    assert counts["trainable_params"] == counts["adapter_params"] == 8192
+    assert counts["base_params"] == counts["frozen_params"]
+
+
+def test_a_killed_system_is_recorded_with_its_peak_rss_and_phases(tmp_path):
+    """A process the kernel kills leaves no result file: the driver records what it saw (its VmHWM, sampled; the
+    phases it printed) as "killed (host OOM)" when the OOM killer did it, and goes on with the next system."""
+    from benchmarks import h2h
+
+    child = ("import json, os, signal, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); "
+             "print('@@h2h-phase ' + json.dumps({'phase': 'model built', 't_s': 1.0, 'phase_s': 1.0, "
+             "'rss_bytes': 1, 'peak_rss_bytes': 1}), flush=True); time.sleep(1.2); os.kill(os.getpid(), signal.SIGKILL)")
+    watch: dict = {}
+    tail = h2h._run_with_progress([sys.executable, "-c", child], "killed", watch=watch)
+    assert watch["returncode"] == -9 and [p["phase"] for p in watch["phases"]] == ["model built"]
+    assert watch["peak_rss_bytes"] >= 64 << 20  # sampled while it ran
+    rec = h2h.failed_run("zero3", "tiny", 2, 128, tail, watch, host_mem_bytes=1 << 50)
+    assert rec["status"] == ("killed (SIGKILL)" if not watch["oom_kills"] else "killed (host OOM)")
+    assert rec["last_phase"] == "model built" and rec["peak_host_rss_bytes"] == watch["peak_rss_bytes"]
+    oom = h2h.failed_run("zero3", "tiny", 2, 128, [], dict(watch, oom_kills=1), host_mem_bytes=1 << 50)
+    assert oom["status"] == "killed (host OOM)"
+    unreadable = dict(watch, oom_kills=None, peak_rss_bytes=90)
+    assert h2h.failed_run("zero3", "tiny", 2, 128, [], unreadable, 100)["status"] == "killed (host OOM)"
+    assert h2h.failed_run("zero3", "tiny", 2, 128, [], dict(watch, returncode=1), 100)["status"] == "error"
+    assert "KILLED (HOST OOM) (peak host RSS" in h2h.report_line(oom)
+
+
+def test_h2h_goes_on_after_a_killed_system(tmp_path, monkeypatch):
+    from benchmarks import h2h
+
+    def fake(cmd, desc, env=None, watch=None):
+        path = cmd[cmd.index("--json") + 1]
+        system = cmd[cmd.index("--system") + 1]
+        if system == "zero3":  # killed by the kernel: no result file
+            watch.update(returncode=-9, oom_kills=1, peak_rss_bytes=7 * 10**9,
+                         phases=[{"phase": "model built", "t_s": 5.0, "phase_s": 5.0, "rss_bytes": 6 * 10**9,
+                                  "peak_rss_bytes": 6 * 10**9}])
+            return ["Killed\n"]
+        watch.update(returncode=0, oom_kills=0, peak_rss_bytes=1, phases=[])
+        with open(path, "w") as f:
+            json.dump(_rank_result(0, 0.5, 10**9, world_size=1, system=system, lora_params=None), f)
+        return []
+
+    monkeypatch.setattr(h2h, "_run_with_progress", fake)
+    assert h2h.main(["--model", "tiny", "--device", "cpu", "--systems", "zero3,megatrain", "--lora", "4",
+                     "--host-mem-gib", "1000", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [(r["system"], r["status"]) for r in runs] == [("zero3", "killed (host OOM)"), ("megatrain", "ok")]
+    assert runs[0]["peak_host_rss_bytes"] == 7 * 10**9 and runs[0]["last_phase"] == "model built"
+    md = (tmp_path / "results.md").read_text()
+    assert "killed (host OOM)" in md and "| model built |" in md
+
+
+def test_lora_is_refused_for_the_whole_on_gpu_system(tmp_path):
+    import pytest
+
+    from benchmarks import h2h
+
+    with pytest.raises(SystemExit):
+        h2h.main(["--model", "tiny", "--device", "cpu", "--systems", "resident", "--lora", "4", "--out", str(tmp_path)])
+
+
+def test_a_time_limit_records_the_run_so_far():
+    """phase_lib's `timeout --signal=INT` interrupts the driver and the system's process (one process group): the
+    driver records the phases and step times the process printed before it stopped."""
+    script = (
+        "import json, os, signal, sys, threading\n"
+        "from benchmarks import h2h\n"
+        "child = ('import json, time; print(\"@@h2h-phase \" + json.dumps({\"phase\": \"model built\", \"t_s\": 1, '\n"
+        "         '\"phase_s\": 1, \"rss_bytes\": 1, \"peak_rss_bytes\": 1}), flush=True); '\n"
+        "         'print(\"@@h2h-step 1 4 0.5\", flush=True); time.sleep(60)')\n"
+        "threading.Timer(1.5, lambda: os.killpg(0, signal.SIGINT)).start()\n"
+        "watch = {}\n"
+        "tail = h2h._run_with_progress([sys.executable, '-c', child], 'slow', watch=watch)\n"
+        "print(json.dumps(h2h.failed_run('zero3', 'tiny', 2, 128, tail, watch, 1 << 40)))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["status"] == "interrupted (time limit or Ctrl-C)", proc.stderr[-2000:]
+    assert rec["step_times_s_seen"] == [0.5] and rec["last_phase"] == "model built"
