@@ -78,6 +78,9 @@ def _gemma2(attn_cap: float | None = 2.0, final_cap: float | None = 1.0):
     cfg = tf.Gemma2Config(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=attn_cap,
                           final_logit_softcapping=final_cap, query_pre_attn_scalar=16,
                           **_decoder_common(num_hidden_layers=3))
+    # eager attention, as Hugging Face advises for Gemma 2 training: SDPA drops the attention soft-cap (some
+    # transformers versions pick SDPA by default: then the cap changes nothing, in the engine or in plain PyTorch)
+    cfg._attn_implementation = "eager"
     assert cfg.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     model = _build(tf.Gemma2ForCausalLM, cfg)
     with torch.no_grad():

@@ -31,8 +31,11 @@ def _lora(seed: int = 0):
 
 
 def _config(clip: float = 0.0) -> dict:
+    # placement pinned: on CUDA "auto" would move state to the GPU after the first step (a resumed run's first step
+    # would then run where the uninterrupted run's did not, and the GPU's AdamW rounds differently from the host's)
     return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "gradient_clipping": clip,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "megatrain": {"gpu_optimizer_layers": 0, "keep_activations": 0}}
 
 
 def _batches(n: int = STEPS, seed: int = 1):
@@ -140,12 +143,18 @@ def test_layers_with_optimizer_state_on_the_device():
     """gpu_optimizer_layers with a compact store: the device holds the adapters' fp32 master and moments, a load
     casts them and copies the frozen bf16 base from the wire; the numbers equal the all-host run's."""
     def run(megatrain: dict):
-        cfg = dict(_config(clip=1.0), megatrain=megatrain)
+        cfg = _config(clip=1.0)
+        cfg["megatrain"].update(megatrain)
         engine, *_ = megatrain_ds.initialize(model=_lora(), config=cfg)
         return _train(engine, _batches(4)), _adapters(engine), engine
 
     host, held = run({}), run({"gpu_optimizer_layers": 2})
     assert held[2].executor.device_state.master.numel() < held[2].store.n_train  # 2 of 3 layers' adapters only
-    assert host[0] == held[0]
-    for name, value in host[1].items():
-        assert torch.equal(value, held[1][name]), name
+    if held[2].device.type == "cpu":  # the same AdamW kernel on the same device: bit for bit
+        assert host[0] == held[0]
+        for name, value in host[1].items():
+            assert torch.equal(value, held[1][name]), name
+    else:  # CUDA: the GPU's fused AdamW rounds differently from the host's (fp32), then bf16 wire copies
+        assert host[0] == pytest.approx(held[0], rel=1e-3)
+        for name, value in host[1].items():
+            assert (value - held[1][name]).abs().max() <= 1e-5, name
