@@ -33,7 +33,7 @@ from torch.func import functional_call
 
 from .host_state import HostLayerStore
 from .schedule import LayerSchedule
-from .model_map import LayerLayout, has_active_dropout, make_template, per_layer_attributes
+from .model_map import LayerLayout, make_template, per_layer_attributes
 from .timing import StepTimer
 
 
@@ -113,7 +113,6 @@ class StreamedLayers:
         # copy, its gradient accumulated into ``param.grad``): name in layer -> the model's parameter.
         self.shared = [{name: p for name, p in layer.named_parameters(remove_duplicate=False)
                         if name in layout.shared} for layer, layout in zip(layers, layouts)]
-        self.dropout = [has_active_dropout(layer) for layer in layers]
         self.arg_names = [_positional_names(layer) for layer in layers]
         self._last_call: LayerCall | None = None
         self.in_engine_backward = False  # set by engine.backward(): other backwards are refused (see below)

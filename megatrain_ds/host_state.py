@@ -195,17 +195,6 @@ class HostLayerStore:
             return self.master_of(i)
         return torch.cat([self.master_of(i), self.frozen_of(i).float()])
 
-    def write_full(self, i: int, flat: torch.Tensor) -> None:
-        """Set layer i's weights from a whole ``[trainable | frozen]`` flat tensor (master, frozen and wire)."""
-        n_train = self.layouts[i].n_train
-        if self.compact:
-            self.master_of(i).copy_(flat[:n_train])
-            self.wire_of(i).copy_(flat)
-        else:
-            self.master_of(i).copy_(flat)
-            if not self.wire_is_master:
-                self.wire_of(i).copy_(flat)
-
     def refresh_wire(self, i: int) -> None:
         """The wire copy of layer i's trainable region from its master (after the master changed)."""
         if not self.wire_is_master:

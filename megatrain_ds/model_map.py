@@ -185,19 +185,6 @@ def make_template(layer: nn.Module, device: torch.device) -> nn.Module:
     return template
 
 
-def has_active_dropout(module: nn.Module) -> bool:
-    """True when a forward of ``module`` in training mode consumes random numbers (so recompute must
-    replay the RNG state)."""
-    for sub in module.modules():
-        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
-            return True
-        for attr in ("attention_dropout", "dropout"):
-            value = getattr(sub, attr, None)
-            if isinstance(value, float) and value > 0:
-                return True
-    return False
-
-
 _SCALARS = (int, float, str, bool, type(None))
 
 

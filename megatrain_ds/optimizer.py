@@ -76,8 +76,8 @@ class ResidentParams:
         self.on_final_landing = None  # worker thread, after a final gradient landed: (index, sq-norm)
 
     def device_bytes(self) -> int:
-        """GPU bytes ``move_state_to_device`` takes: fp32 master (every parameter) + moments and gradient
-        (trained ones)."""
+        """GPU bytes ``move_state_to_device`` takes: fp32 master, moments and gradient of the trained parameters
+        (16 bytes each; a frozen one is on the device already, as its compute-dtype copy)."""
         return sum(16 * m.numel() for m, g in zip(self.master, self.grad) if g is not None)
 
     def move_state_to_device(self) -> None:
