@@ -97,6 +97,9 @@ def _n_params(config) -> int:
     return n_params(config)
 
 
+# megatrain with its NVMe tier (--ds-config with offload_optimizer.device nvme): fp32 master + fp32 gradient stay in
+# RAM (8), the Adam moments of as many layers as needed go to disk
+NVME_HOST_BYTES_PER_PARAM = 8.0
 # Data parallel: host bytes one more process costs beyond the model's state (libraries, CUDA context)
 PER_PROCESS_HOST_BYTES = 3 * 2**30
 
@@ -108,6 +111,8 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus:
     config = make_config(args.model, layers=layers)
     # resident builds on each GPU (1 B/param of host per process); the offloading systems partition their state
     per_param = LORA_HOST_BYTES_PER_PARAM[system] if getattr(args, "lora", 0) else HOST_BYTES_PER_PARAM[system]
+    if system == "megatrain" and '"nvme"' in (getattr(args, "ds_config", None) or ""):
+        per_param = NVME_HOST_BYTES_PER_PARAM  # the moments may go to disk; the engine's own check (plan.py) decides
     need = per_param * _n_params(config) * (gpus if system == "resident" else 1) \
         + (gpus - 1) * PER_PROCESS_HOST_BYTES
     have = int(args.host_mem_gib * 2**30) if getattr(args, "host_mem_gib", None) else _meminfo("MemAvailable")
@@ -124,6 +129,8 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus:
            "--liger", args.liger, "--gpu-optimizer-fraction", repr(args.gpu_optimizer_fraction)]
     if args.host_only:
         cmd.append("--host-only")
+    if getattr(args, "closing_step", "full") != "full" and system == "megatrain":
+        cmd += ["--closing-step", args.closing_step]
     if layers:
         cmd += ["--layers", str(layers)]
     if getattr(args, "lora", 0):
@@ -425,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--megatrain-options", default=None, metavar="JSON",
                    help='extra keys for megatrain_ds\'s "megatrain" config block, e.g. \'{"gpu_optimizer_layers": "auto"}\'')
+    p.add_argument("--ds-config", default=None, metavar="JSON",
+                   help="DeepSpeed config keys merged into megatrain_ds's config, block by block, e.g. the NVMe tier: "
+                        '\'{"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}\'')
     p.add_argument("--clip", type=float, default=1.0,
                    help="gradient_clipping for every system (ANCHORS: 1.0); a large value never clips")
     p.add_argument("--liger", default="auto", choices=["auto", "on", "off"],
@@ -460,8 +470,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="megatrain's model init: hf (the model's own), fast (layer 0 values repeated, built on the "
                         "CPU), auto (fast from 14 B parameters); ZeRO-3 always builds under zero.Init with "
                         "transformers' init")
+    p.add_argument("--closing-step", default="full", choices=["full", "tiny"],
+                   help="megatrain: close the last measured step's breakdown with one more (untimed) training step "
+                        "(full) or an 8-token no-grad forward (tiny: long context, where a step takes minutes)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.tokens_per_step < args.seq:  # at least one sequence: "--seq 524288" alone is one 512K-token step
+        args.tokens_per_step = args.seq
     if args.lora < 0:
         p.error("--lora must be >= 0")
     if args.gpus < 1:
@@ -487,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(options, dict):
             p.error("--megatrain-options must be a JSON object")
         os.environ["MEGATRAIN_OPTIONS"] = json.dumps(options)  # read by benchmarks.megatrain_system
+    if args.ds_config:
+        os.environ["MEGATRAIN_DS_CONFIG"] = json.dumps(json.loads(args.ds_config))  # (megatrain_ds_config)
     os.makedirs(args.out, exist_ok=True)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(HOST_BYTES_PER_PARAM)

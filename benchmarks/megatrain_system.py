@@ -23,8 +23,8 @@ import torch
 import megatrain_ds
 from benchmarks import build
 from benchmarks.common import (LIGER_KERNELS, OPTIMIZER, cleanup, count_params, data_rank, h2h_clip, is_oom,
-                               liger_importable, make_batches, measure, micro_batch_for, report_phase,
-                               reset_memory_stats, result_dict, settings_dict)
+                               liger_importable, make_batches, measure, micro_batch_for, peak_gpu_bytes,
+                               report_phase, reset_memory_stats, result_dict, settings_dict)
 
 ENGINE_RECOMPUTE = ("megatrain_ds recompute of each streamed layer in its backward, except the kept layers "
                     "(keep_activations; count in kept_layers)")
@@ -58,7 +58,7 @@ def megatrain_ds_config(micro_batch: int, device: str, liger: bool = False, gpu_
     if host_only:
         block["gpu_optimizer_layers"] = 0
     block.update(options)
-    return {
+    return _merge({
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": dict(OPTIMIZER, betas=list(OPTIMIZER["betas"]))},
@@ -68,7 +68,18 @@ def megatrain_ds_config(micro_batch: int, device: str, liger: bool = False, gpu_
                               "offload_optimizer": offload_optimizer},
         "wall_clock_breakdown": True,
         "megatrain": block,
-    }
+    }, json.loads(os.environ.get("MEGATRAIN_DS_CONFIG", "{}")))
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    """``base`` with MEGATRAIN_DS_CONFIG (h2h --ds-config JSON) merged in, nested blocks key by key (e.g. the NVMe
+    tier: '{"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "aio": {...}}')."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
 
 
 def megatrain_settings(ds_config: dict, seq: int, steps: int, warmup: int, device: str, model_config=None,
@@ -123,6 +134,17 @@ def _engine_facts(engine) -> dict:
     facts["gpu_optimizer_layers_used"] = int(hi - lo) if state is not None else 0
     facts["kept_layers"] = len(getattr(getattr(engine, "executor", None), "keep", ()))  # no recompute for these
     facts["resident_state_on_gpu"] = bool(getattr(getattr(engine, "resident", None), "on_device", False))
+    facts["tiled_modules"] = list(getattr(engine, "tiled_modules", []))  # megatrain.tiled_mlp (tiling.py)
+    store = getattr(engine, "store", None)
+    tier = getattr(store, "tier", None)  # the NVMe tier (nvme.py): which layers, how, how many bytes moved
+    if tier is not None:
+        facts["nvme"] = {"disk_from_layer": store.disk_from, "disk_layers": len(tier.n_train),
+                         "file_bytes": tier.file_bytes, "backend": tier.backend, "staging_buffers": len(tier.buffers),
+                         "staging_bytes": tier.staging_bytes(), "read_bytes_total": tier.read_bytes,
+                         "written_bytes_total": tier.written_bytes}
+    plan = getattr(engine, "capacity", None)  # plan.py's prediction at initialize (host / disk / GPU)
+    if plan is not None and hasattr(plan, "to_dict"):
+        facts["plan_at_initialize"] = plan.to_dict()
     placement = getattr(engine, "placement", None)  # the host optimizer's threads and cores (per rank under DP)
     if placement is not None and hasattr(placement, "describe"):
         facts["host_placement"] = placement.describe()
@@ -155,7 +177,7 @@ def engine_host_state_bytes(engine) -> int:
 def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, warmup: int = 2,
                   device: str = "cuda", seed: int = 0, init_device: str | None = None, liger: bool = False,
                   gpu_optimizer_fraction: float = 0.0, host_only: bool = False, lora: int = 0,
-                  lora_targets: str = "default", init: str = "auto") -> dict:
+                  lora_targets: str = "default", init: str = "auto", closing_step: str = "full") -> dict:
     """Train ``warmup + steps`` steps on megatrain_ds; result dict as the baselines, plus the breakdown.
     ``liger``, ``gpu_optimizer_fraction``, ``host_only``: see :func:`megatrain_ds_config`.
 
@@ -164,7 +186,14 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
     parameters). Full fine-tuning trains an fp32 model
     (``.float()``, unchanged). ``lora`` R > 0: peft LoRA rank R on ``lora_targets`` (benchmarks.build.apply_lora),
     the base frozen and built in the compute dtype (bf16 on CUDA; fp32 on the CPU, where the engine computes in
-    fp32), never upcast; FLOPs by the LoRA formula (benchmarks.shapes)."""
+    fp32), never upcast; FLOPs by the LoRA formula (benchmarks.shapes).
+
+    ``closing_step``: the engine's breakdown of a step is read at the start of the next forward, so the last
+    measured step needs one more. "full" (default, as every earlier result): one more training step, not
+    timed; "tiny": a no-grad forward of 8 tokens of one sequence (long context: a second 512K step would
+    double the run), with the peak GPU memory read before it."""
+    if closing_step not in ("full", "tiny"):
+        raise ValueError(f"closing_step must be 'full' or 'tiny', got {closing_step!r}")
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
     init_device = init_device or device
@@ -196,8 +225,18 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
                 breakdowns.append(dict(engine.last_step_breakdown()))
             return loss
 
-        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps + 1, seed, rank=data_rank())
+        extra_batch = 1 if closing_step == "full" else 0
+        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps + extra_batch, seed,
+                               rank=data_rank())
         warm, times, losses = measure(step, batches, warmup, device)
+        peak_gpu = peak_gpu_bytes(device)  # the training steps' peak (before any closing forward)
+        peak_reserved = int(torch.cuda.max_memory_reserved()) if device.startswith("cuda") else 0  # + cache
+        if closing_step == "tiny":  # opens the next step's window: closes the last measured step's breakdown
+            with torch.no_grad():
+                engine(input_ids=batches[-1][:1, :8].to(device))
+            if engine.last_step_breakdown():
+                breakdowns.append(dict(engine.last_step_breakdown()))
+            times, losses = times + [None], losses + [None]  # (sliced off below, as the full closing step's)
         report_phase("steps done")
         # measure() times each step; the breakdown of step k is read at the start of step k+1
         breakdown = _median_breakdown(breakdowns[warmup:]) if len(breakdowns) > warmup else {}
@@ -215,6 +254,7 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
     res = result_dict("megatrain", config, layers, micro_batch, seq, device, n_params, warm, times[:-1],
                       losses[:-1], breakdown=breakdown, engine_host_state_bytes=host_state,
                       engine_host_bytes_per_param=host_state / n_params, ds_config=ds_config,
+                      peak_gpu_bytes=peak_gpu, peak_gpu_reserved_bytes=peak_reserved,
                       precision=settings["precision"], settings=settings,
                       lora_params=counts["adapter_params"] if lora else None, **counts)
     return with_base_param_ratios(res)

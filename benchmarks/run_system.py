@@ -4,7 +4,7 @@ Usage:
     python -m benchmarks.run_system --system {resident,zero3,megatrain} --model NAME [--layers N] \
         --tokens-per-step T [--seq 1024] --steps S [--warmup 2] --device cuda|cpu --json OUT.json \
         [--liger auto|on|off] [--gpu-optimizer-fraction F] [--host-only] [--lora R [--lora-targets T]] \
-        [--init auto|fast|hf]
+        [--init auto|fast|hf] [--closing-step full|tiny]
 
 A driver runs each system in its own subprocess so that memory peaks and allocator state do not leak
 between systems. For zero3 the DeepSpeed config is also written to ``OUT.ds_config.json``. Exit code 0
@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init", default="auto", choices=INIT_CHOICES,
                         help="megatrain's model init (benchmarks.build): hf, fast (layer 0 values repeated), auto "
                              "(fast from 14 B parameters); zero3 always uses transformers' init under zero.Init")
+    parser.add_argument("--closing-step", default="full", choices=["full", "tiny"],
+                        help="megatrain: what closes the last measured step's breakdown: one more training step "
+                             "(full, untimed) or an 8-token no-grad forward (tiny: long context)")
     parser.add_argument("--json", required=True, help="path of the result JSON")
     parser.add_argument("--progress", action="store_true",
                         help="print '@@h2h-step DONE TOTAL SECONDS' after each step (read by benchmarks.h2h)")
@@ -102,6 +105,8 @@ def system_kwargs(args: argparse.Namespace) -> dict:
         kwargs["gpu_optimizer_fraction"] = args.gpu_optimizer_fraction
     if args.system == "megatrain":
         kwargs["host_only"] = args.host_only
+        if args.closing_step != "full":
+            kwargs["closing_step"] = args.closing_step
     if args.system in ("zero3", "megatrain"):
         kwargs.update(lora=args.lora, lora_targets=args.lora_targets, init=args.init)
     elif args.lora:

@@ -7,7 +7,11 @@ h = hidden size; recompute is never counted):
 
 - Full fine-tuning, dense (the project anchors, unchanged): ``6 * N_matmul + 6 * L * h * s``, where N_matmul
   counts the weight matrices of every nn.Linear in the decoder layers (q, k, v, o, gate, up, down; biases
-  excluded) plus vocab * hidden for the LM head.
+  excluded) plus vocab * hidden for the LM head. ``6 * L * h * s`` is the attention core with the causal mask
+  already counted: per token and layer, Q K^T and A V over all s keys would be 2 * s * h FLOP each in the forward
+  (4 * s * h), the causal mask halves that (2 * s * h), and the backward costs twice the forward (6 * s * h in
+  all). At long context it dominates: Qwen2.5-3B at s = 524288 (512K) has 6 L h s = 2.3e11 FLOP/token against
+  6 N_matmul = 1.9e10 (no sliding window: these shapes attend over the whole sequence).
 - Full fine-tuning, mixture of experts: ``6 * N_active + 6 * L * h * s``, where N_active counts the weights one
   token is multiplied with: per layer q, k, v, o, the router (experts * h: every token scores every expert),
   top-k experts' gate/up/down (k * 3 * h * moe_intermediate), the shared expert (3 * h * shared_intermediate)

@@ -369,8 +369,8 @@ def _source(engine, param: _Param, kind: str) -> torch.Tensor:
             start = param.start - layout.n_train
             return store.frozen_of(param.layer)[start:start + param.numel]
         flat = store.master_of(param.layer)
-    else:
-        flat = store.train_slice(getattr(store, kind), param.layer)
+    else:  # RAM views, or copies of a layer on the NVMe tier
+        flat = store.read_moments(param.layer)[("exp_avg", "exp_avg_sq").index(kind)]
     return flat[param.start:param.start + param.numel]
 
 
@@ -384,6 +384,7 @@ class _RankState:
     def __init__(self, engine, world: _World, folder: str, groups: list[list[_Param]], frozen: list[_Param],
                  moments: bool) -> None:
         self.engine, self.world, self.groups, self.frozen, self.moments = engine, world, groups, frozen, moments
+        self.folder = folder
         self.paths: list[str] = []
         n = world.size
         self.sizes = [sum(_partition(p.numel, n) for p in group) for group in groups]  # per group, per rank
@@ -411,7 +412,11 @@ class _RankState:
             if first.layer is None:
                 self.fp32.append(engine.resident.master[first.start].detach().cpu().reshape(-1))
             else:  # the layer's trainable region: its parameters lie in it in the group's order
-                self.fp32.append(engine.store.master_of(first.layer)[:sum(p.numel for p in group)])
+                master = engine.store.master_of(first.layer)[:sum(p.numel for p in group)]
+                if master.dtype != torch.float32:  # bf16-master mode: written as fp32 groups, as DeepSpeed's
+                    master = _scratch(self.folder, f".master{first.layer}-rank{self.world.rank}.scratch",
+                                      master.numel(), self.paths).copy_(master)
+                self.fp32.append(master)
         for p, start in zip(self.frozen, self.frozen_start):
             self.frozen_buf[start:start + p.numel].copy_(_source(engine, p, "master"))
 
@@ -497,7 +502,22 @@ class _RankState:
         if self.world.size > 1:  # the moments flat over every group (resident ones too), partitioned as them
             state.update(exp_avg=self.regions[1], exp_avg_sq=self.regions[2], resident_exp_avg=[],
                          resident_exp_avg_sq=[])
+        elif self.engine.store.tier is not None:  # some layers' moments are on the NVMe tier: the same flat buffers,
+            state.update(zip(("exp_avg", "exp_avg_sq"), self._flat_moments()))  # assembled in a scratch file
         return state
+
+    def _flat_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One rank with an NVMe tier: the streamed layers' moments flat (as ``store.exp_avg`` would be without the
+        tier), assembled layer by layer in a scratch file (page cache, not process memory)."""
+        store = self.engine.store
+        flat = _scratch(self.folder, f".moments-rank{self.world.rank}.scratch", 2 * store.n_train, self.paths)
+        m_all, v_all = flat[:store.n_train], flat[store.n_train:]
+        for i, layout in enumerate(store.layouts):
+            if layout.n_train:
+                m, v = store.read_moments(i)
+                store.train_slice(m_all, i).copy_(m)
+                store.train_slice(v_all, i).copy_(v)
+        return m_all, v_all
 
     def close(self) -> None:
         """Delete the scratch files (their pages are dropped unwritten) once the files are saved."""
@@ -1075,12 +1095,15 @@ def _write_moments(engine, moments: dict) -> None:
     for i, layout in enumerate(store.layouts):
         if not owned[i]:
             continue
-        m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)
+        disk = store.on_disk(i)  # NVMe tier: assembled here, then written to disk
+        m, v = (torch.empty(layout.n_train), torch.empty(layout.n_train)) if disk else store.read_moments(i)
         for slot in layout.slots:
             if slot.trainable:
                 pair = moments.get(f"{engine.block_name}.{i}.{slot.name}")
                 put(m[slot.offset:slot.offset + slot.numel], pair, 0)
                 put(v[slot.offset:slot.offset + slot.numel], pair, 1)
+        if disk:
+            store.write_moments(i, m, v)
     res, names = engine.resident, {id(p): n for n, p in engine.module.named_parameters()}
     for k, p in enumerate(res.params):
         if res.exp_avg[k] is not None:

@@ -2,10 +2,15 @@
 
     megatrain-ds convert CHECKPOINT_DIR OUT_DIR [--tag TAG] [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
     megatrain-ds bench [benchmarks.h2h options]      (from the repository root)
+    megatrain-ds plan MODEL [--config ds_config.json | --tokens-per-step N --seq S] [--gpus N] [--nvme-path P]
+                      [--host-budget GiB] [--gpu-memory GiB] [--json]
 
 ``convert`` turns a megatrain_ds checkpoint (``save_checkpoint``'s layout; ``latest`` picks the tag) into a
 Hugging Face model folder: ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards and
 ``model.safetensors.index.json``) and ``config.json``, loadable with ``from_pretrained``.
+
+``plan`` predicts, before anything is built, the host RAM, disk and GPU bytes a run takes and the largest
+micro-batch that fits this machine (plan.py, docs/plan.md).
 """
 from __future__ import annotations
 
@@ -93,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
     sub.add_parser("bench", help="the head-to-head harness (python -m benchmarks.h2h), run from the repo root",
                    add_help=False)
+    from .plan import add_arguments as add_plan_arguments
+    add_plan_arguments(sub.add_parser("plan", help="predict host RAM, disk and GPU memory before anything is built "
+                                                   "(no GPU needed)"))
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         try:
@@ -102,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                              "in benchmarks/, next to the package)") from None
         return h2h_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from .plan import run as run_plan
+        return run_plan(args)
     files = convert(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size)
     print(f"wrote {len(files)} safetensors file(s) and config.json to {args.out_dir}")
     return 0

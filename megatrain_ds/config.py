@@ -173,6 +173,11 @@ class MegatrainSettings:
     # true, unless most streamed weights are frozen (LoRA): then a bf16 wire, which is also the frozen weights'
     # only copy (2 host bytes each, host_state.py); true keeps frozen weights in fp32 (4 bytes each).
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory, not on the GPU
+    tiled_mlp: bool | int | str = "auto"  # each decoder layer's dense MLP (and RMSNorms without liger's) in row
+    # chunks, only its input saved, each chunk recomputed in the backward (tiling.py: long context, where the
+    # [tokens, intermediate] tensors dominate). "auto": when a call's tokens x intermediate size x dtype bytes
+    # exceed 4 GiB (tiling.AUTO_THRESHOLD_BYTES), in chunks of ~512 MiB; true: always; false: never; an int: rows
+    # (tokens) per chunk
     gpu_optimizer_layers: int | str = -1  # leading layers whose optimizer state lives on the GPU; -1 = from
     # zero_optimization.offload_optimizer.ratio when the config sets it (fraction of optimizer state on the CPU),
     # else "auto"; "auto" = after the first step, the resident parameters' state (embeddings, head) and then as
@@ -187,6 +192,14 @@ class MegatrainSettings:
     # take at most inference_cache_memory of the free device memory; true: always (CPU and data parallel
     # included); false: stream every layer for every no-grad forward
     inference_cache_memory: float = 0.5  # "auto": the fraction of free device memory the cache may take
+    nvme_layers: int | str = "auto"  # with zero_optimization.offload_optimizer.device=nvme: how many trailing
+    # streamed layers keep their Adam moments on disk (nvme.py); "auto": the fewest that let the host state fit in
+    # host_memory_budget (0 when everything fits in RAM)
+    host_memory_budget: float | str = "auto"  # GiB of host RAM the engine's state may take when placing layers on
+    # the NVMe tier; "auto": the memory available at initialize (plus what the model's own weights free) less a
+    # margin (plan.py, host_budget_bytes)
+    nvme_backend: str = "auto"  # the NVMe tier's I/O: "aio" (DeepSpeed's async I/O op; libaio), "threads" (a
+    # thread pool over an O_DIRECT file), "auto" (aio when it builds and loads, else threads)
 
     def __post_init__(self) -> None:
         if self.num_slots < 2:
@@ -202,6 +215,11 @@ class MegatrainSettings:
         k = self.keep_activations
         if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
             raise ConfigError(f"megatrain.keep_activations must be a layer count >= 0 or \"auto\", got {k!r}")
+        from .tiling import validate_setting
+        try:
+            validate_setting(self.tiled_mlp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         from .placement import parse_setting
         try:
             parse_setting(self.host_threads)
@@ -222,6 +240,15 @@ class MegatrainSettings:
         f = self.inference_cache_memory
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= float(f) <= 1.0:
             raise ConfigError(f"megatrain.inference_cache_memory must be a fraction in [0, 1], got {f!r}")
+        n = self.nvme_layers
+        if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)):
+            raise ConfigError(f"megatrain.nvme_layers must be a layer count >= 0 or \"auto\", got {n!r}")
+        b = self.host_memory_budget
+        if not (b == "auto" or (isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0)):
+            raise ConfigError(f"megatrain.host_memory_budget must be a number of GiB > 0 or \"auto\", got {b!r}")
+        if self.nvme_backend not in ("auto", "aio", "threads"):
+            raise ConfigError(f"megatrain.nvme_backend must be \"auto\", \"aio\" or \"threads\", got "
+                              f"{self.nvme_backend!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -244,6 +271,9 @@ class TrainConfig:
     dataloader_drop_last: bool = False  # initialize(training_data=...): drop the last partial batch
     zero_stage: int = 0
     offload_optimizer_ratio: float | None = None  # zero_optimization.offload_optimizer.ratio; None: not set
+    nvme: Any = None  # nvme.NvmeSettings when zero_optimization.offload_optimizer.device is nvme (the NVMe tier)
+    bf16_masters: bool = False  # bf16.bf16_master_weights_and_grads: the streamed layers' master weights in bf16
+    # (opt-in capacity over precision: 12 host bytes per parameter instead of 16; host_state.py)
     megatrain: MegatrainSettings = field(default_factory=MegatrainSettings)
     monitor: Any = None  # DeepSpeed's monitor config when a tensorboard/wandb/csv_monitor/comet block is enabled
     not_acted_on: list[str] = field(default_factory=list)  # accepted settings megatrain_ds ignores, each
@@ -381,9 +411,9 @@ def _precision(cfg: dict, notes: list[str]) -> tuple[str, LossScaler | None, boo
         notes.append("fp16.auto_cast without fp16.enabled: inputs are not cast to half (DeepSpeed would cast "
                      "floating-point inputs to half on an fp32 model)")
     if bf16["enabled"]:
-        if bf16.get("bf16_master_weights_and_grads") or bf16.get("bf16_optimizer_states"):
-            notes.append("bf16.bf16_master_weights_and_grads / bf16_optimizer_states: master weights and Adam "
-                         "moments stay fp32 on the host")
+        if bf16.get("bf16_optimizer_states"):
+            notes.append("bf16.bf16_optimizer_states: the Adam moments stay fp32 (bf16_master_weights_and_grads "
+                         "alone selects bf16 masters)")
         if bf16.get("check_grad_overflow") is False:
             notes.append("bf16.check_grad_overflow=false: a step with non-finite gradients is still skipped "
                          "(as DeepSpeed's ZeRO-3 does)")
@@ -412,6 +442,35 @@ ZERO_KEYS_USED = {"stage", "offload_param", "offload_optimizer", "stage3_gather_
                   "gather_16bit_weights_on_model_save"}
 
 
+def _nvme(cfg: dict, block: dict, notes: list[str]):
+    """The NVMe tier's settings (nvme.NvmeSettings) from ``offload_optimizer`` (device nvme) and the ``aio`` block
+    (DeepSpeed's own parse); None when the optimizer state is not sent to NVMe."""
+    from .nvme import NvmeSettings
+    opt = block.get("offload_optimizer") or {}
+    param = block.get("offload_param") or {}
+    aio_block = cfg.get("aio")
+    if aio_block is not None and not isinstance(aio_block, dict):
+        raise ConfigError(f"'aio' must be a dict of DeepSpeed's async I/O settings, got {aio_block!r}")
+    from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT, get_aio_config
+    unknown = sorted(set(aio_block or {}) - set(AIO_DEFAULT_DICT))
+    if unknown:
+        notes.append("aio keys DeepSpeed does not read: {', '.join(unknown)} (it reads "
+                     f"{', '.join(sorted(AIO_DEFAULT_DICT))})")
+    if param.get("device") == "nvme":
+        notes.append("zero_optimization.offload_param.device=nvme: the fp32 masters stay in host memory (they "
+                     "stream to the GPU or refresh its copy every step); the Adam moments go to NVMe when "
+                     "offload_optimizer.device is nvme")
+    if opt.get("device") != "nvme":
+        if aio_block:
+            notes.append("aio: no state is on NVMe (offload_optimizer.device is not nvme)")
+        return None
+    if (aio_block or {}).get("use_gds"):
+        notes.append("aio.use_gds: GPUDirect Storage is not used (moments are read into host buffers)")
+    return NvmeSettings(nvme_path=str(opt.get("nvme_path") or ""), buffer_count=int(opt.get("buffer_count", 4)),
+                        pipeline_read=bool(opt.get("pipeline_read", False)),
+                        pipeline_write=bool(opt.get("pipeline_write", False)), aio=get_aio_config(cfg))
+
+
 def _zero(cfg: dict, notes: list[str]) -> tuple[int, float]:
     block = cfg.get("zero_optimization", {}) or {}
     # DeepSpeed's own config model: unknown keys and bad types are rejected as DeepSpeed rejects them
@@ -421,11 +480,6 @@ def _zero(cfg: dict, notes: list[str]) -> tuple[int, float]:
     ratio = None if ratio is None else _num(ratio, "zero_optimization.offload_optimizer.ratio")
     if ratio is not None and not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio}")
-    for key in ("offload_param", "offload_optimizer"):
-        device = (block.get(key) or {}).get("device", "none")
-        if device == "nvme":
-            notes.append(f"zero_optimization.{key}.device=nvme: megatrain_ds keeps state in host memory "
-                         "(no NVMe tier yet)")
     unused = sorted(set(block) - ZERO_KEYS_USED)
     if unused:
         notes.append("zero_optimization keys with no effect on megatrain_ds (it streams layers instead of "
@@ -550,7 +604,10 @@ def parse_config(config, world_size: int = 1, *, warn: bool = True) -> TrainConf
     _check_keys(mt, set(MegatrainSettings.__dataclass_fields__), "megatrain")
     clip = _num(cfg.get("gradient_clipping", ds_default("GRADIENT_CLIPPING_DEFAULT")), "gradient_clipping")
     zero_stage, ratio = _zero(cfg, notes)
+    nvme = _nvme(cfg, cfg.get("zero_optimization", {}) or {}, notes)
     dtype, scaler, auto_cast = _precision(cfg, notes)
+    bf16_masters = dtype == "bf16" and _bool((cfg.get("bf16") or {}).get("bf16_master_weights_and_grads", False),
+                                             "bf16.bf16_master_weights_and_grads")
     settings = TrainConfig(
         train_batch_size=tb, micro_batch_size=mb, gradient_accumulation_steps=ga, optimizer=_optimizer(cfg, notes),
         scheduler=sched, compute_dtype=dtype, loss_scaler=scaler, fp16_auto_cast=auto_cast,
@@ -559,7 +616,8 @@ def parse_config(config, world_size: int = 1, *, warn: bool = True) -> TrainConf
                                    "wall_clock_breakdown"),
         dataloader_drop_last=_bool(cfg.get("dataloader_drop_last", ds_default("DATALOADER_DROP_LAST_DEFAULT")),
                                    "dataloader_drop_last"),
-        zero_stage=zero_stage, offload_optimizer_ratio=ratio, megatrain=MegatrainSettings(**mt),
+        zero_stage=zero_stage, offload_optimizer_ratio=ratio, nvme=nvme, bf16_masters=bf16_masters,
+        megatrain=MegatrainSettings(**mt),
         monitor=monitor_config(cfg), not_acted_on=notes, raw=cfg)
     if warn:
         warn_not_acted_on(notes)

@@ -113,6 +113,32 @@ def _sync_initial_weights(model: nn.Module, layers: nn.ModuleList, dp, shared_id
             exchange(buf, None)
 
 
+def _check_capacity(config: TrainConfig, layouts, model, layers, shared_ids, group_of, device, dp):
+    """plan.py's check of what ``initialize`` is about to allocate (host RAM, the NVMe tier's disk, the GPU's
+    persistent buffers): ``CapacityError`` with the numbers, before any buffer exists, instead of an allocation
+    failure mid-build or mid-step. The model's own host weights count as free (the engine's copies replace them)."""
+    from . import plan
+    layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
+    resident = [(p.numel(), id(p) in group_of) for p in model.parameters() if id(p) not in layer_ids]
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", dp.world) or 1)) if dp.active else 1
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters() if p.device.type == "cpu"}
+    return plan.check_capacity(layouts, resident, config, device, world=local,
+                               freed_bytes=local * sum(storages.values()),
+                               model_name=getattr(getattr(model, "config", None), "name_or_path", "") or
+                               type(model).__name__)
+
+
+def _nvme_layers(config: TrainConfig, layouts, owned, wire_dtype, ga, grad_dtype, model, layers) -> int:
+    """How many trailing streamed layers keep their Adam moments on the NVMe tier: ``megatrain.nvme_layers``, or
+    ("auto") the fewest that let the host state fit in the budget (plan.py decides, as ``megatrain-ds plan``)."""
+    setting = config.megatrain.nvme_layers
+    if setting != "auto":
+        return min(int(setting), len(layouts))
+    from . import plan
+    return plan.engine_nvme_layers(config, layouts, owned, wire_dtype, ga, grad_dtype, model, layers)
+
+
 def _param_groups(model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
     """User's ``model_parameters`` (None, params, or dicts) -> torch-style groups of trainable params."""
     if model_parameters is None:
@@ -215,6 +241,11 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         # What crosses PCIe: the compute dtype, or the fp32 master itself (cast on the GPU). "auto": the master,
         # unless most streamed weights are frozen (LoRA): their compute-dtype wire copy is then their only copy.
         stream_fp32 = mt.stream_fp32_master
+        if config.bf16_masters:  # opt-in bf16-master mode: no fp32 master to stream, none on the GPU either
+            if stream_fp32 is True or (isinstance(mt.gpu_optimizer_layers, int) and mt.gpu_optimizer_layers > 0):
+                raise ConfigError("bf16.bf16_master_weights_and_grads keeps bf16 master weights: it excludes "
+                                  "megatrain.stream_fp32_master=true and megatrain.gpu_optimizer_layers > 0")
+            stream_fp32 = False
         if stream_fp32 == "auto":
             stream_fp32 = sum(lay.n_frozen for lay in layouts) <= sum(lay.n_train for lay in layouts)
         wire_dtype = torch.float32 if stream_fp32 else compute_dtype
@@ -223,8 +254,27 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.streams = make_streams(device)
         pin = device.type == "cuda"
         grad_dtype = torch.float32 if (mt.fp32_grad_landing or stream_fp32) else None
+        owned = self.dp.owned_mask(len(layers))
+        self.capacity = _check_capacity(config, layouts, model, layers, shared_ids, group_of, device, self.dp) \
+            if settings is not None else None  # refused here, before any buffer, when the state cannot fit
+        n_disk = _nvme_layers(config, layouts, owned, wire_dtype, ga, grad_dtype, model, layers) \
+            if config.nvme is not None and settings is not None else 0
         self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype,
-                                    owned=self.dp.owned_mask(len(layers)))
+                                    owned=owned, disk_from=len(layers) - n_disk, nvme=config.nvme, rank=self.dp.rank,
+                                    nvme_backend=mt.nvme_backend,
+                                    master_dtype=compute_dtype if config.bf16_masters else torch.float32)
+        self.precision_mode = "bf16 masters" if config.bf16_masters else "fp32 masters"  # named in the step line
+        if config.bf16_masters and self.dp.rank == 0:
+            print("[megatrain_ds] bf16 master weights (bf16.bf16_master_weights_and_grads): the streamed layers' "
+                  "masters are bf16 (12 host bytes per parameter instead of 16); updates below bf16's resolution "
+                  "round away. Speculative steps and GPU-held optimizer state are off in this mode.", flush=True)
+        if self.store.tier is not None and self.dp.rank == 0:
+            tier = self.store.tier
+            print(f"[megatrain_ds] NVMe tier: the Adam moments of layers {self.store.disk_from}..{len(layers) - 1} "
+                  f"({n_disk} of {len(layers)}) live in {tier.path} ({tier.file_bytes / 2**30:.2f} GiB, "
+                  f"{tier.backend}, {len(tier.buffers)} staging buffers of {tier.region_bytes / 2**20:.0f} MiB, "
+                  f"pipeline_read={config.nvme.pipeline_read}, pipeline_write={config.nvme.pipeline_write})",
+                  flush=True)
         # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
         # Its threads are placed (placement.py) on CUDA only: on the CPU the main thread computes the model itself
         # (data parallel: each local rank within its own share of the host's cores)
@@ -238,6 +288,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                              initializer=apply_placement, initargs=(self.placement,))
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
                                        num_slots=mt.num_slots, compute_dtype=compute_dtype, dp=self.dp)
+        from .tiling import apply_tiling  # long context: the templates' MLPs (and non-liger RMSNorms) in row chunks
+        self.tiled_modules = apply_tiling(self.executor.templates, mt.tiled_mlp)  # "template:path" of each
         if mt.trace:
             self.executor.trace = []
         from .inference import InferenceCache  # no-grad forwards (generate) on device-resident layers
@@ -256,8 +308,11 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self._auto_device_state = n_device == "auto" and settings is not None
         self._auto_keep = mt.keep_activations == "auto"
         self._auto_placed = ""  # what "auto" put on the GPU (named in an out-of-memory error)
+        if config.bf16_masters:  # the GPU-held state keeps fp32 masters: not in bf16-master mode
+            self._auto_device_state = False
         if n_device == "auto":
             n_device = 0
+        n_device = min(n_device, self.store.disk_from)  # GPU-held layers lead; NVMe layers trail
         if n_device > 0:
             self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n_device, len(layers)), device)
         if mt.keep_activations != "auto":
@@ -291,14 +346,19 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
             self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
                                 config.loss_scaler, optimizer_worker=self.opt_worker, dp=self.dp)
-            self.optimizer.policy = SpeculationPolicy(mt.speculative_step, mt.speculation_backoff)
+            # a speculative step is undone exactly only on fp32 masters (bf16 rounding would not come back)
+            self.optimizer.policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters,
+                                                      mt.speculation_backoff)
         self.lr_scheduler = None
         # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
         self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
         if self.optimizer is not None:
             policy = self.optimizer.policy
+            tier = self.store.tier
             self.timer.counters = lambda: {"speculated_steps": policy.speculated,
-                                           "rolled_back_steps": policy.rolled_back}
+                                           "rolled_back_steps": policy.rolled_back,
+                                           **({"nvme_read_bytes": tier.read_bytes,
+                                               "nvme_written_bytes": tier.written_bytes} if tier else {})}
         self.executor.timer = self.timer
         self.micro_steps = 0
         self.global_steps = 0
@@ -448,7 +508,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             spp = self.config_settings.steps_per_print
             if spp != float("inf") and self.global_steps % spp == 0:  # DeepSpeed's progress line
                 print(f"[megatrain_ds] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
-                      f"mom={self.get_mom()}", flush=True)
+                      f"mom={self.get_mom()}, {self.precision_mode}", flush=True)
                 if self.config_settings.wall_clock_breakdown:
                     print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)
         self._end_step_surface(self.is_gradient_accumulation_boundary())  # tput_timer.stop, was_step_applied
@@ -496,7 +556,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             placed.append(f"{n} of {len(self.store.layouts)} layers kept without recompute "
                           f"({n * per_layer / 2**30:.1f} GiB)")
         if auto_state and self.optimizer is not None and self.executor.device_state is None:
-            n_layers = len(self.store.layouts)
+            n_layers = min(len(self.store.layouts), self.store.disk_from)  # not the NVMe tier's (they trail)
             n = 0
             while n < n_layers and DeviceOptimizerState.nbytes(self.store, n + 1) <= budget:
                 n += 1
@@ -515,6 +575,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             raise RuntimeError("layer optimizer state is already on the device "
                                f"(layers [0, {self.executor.device_state.hi}))")
         self.synchronize()  # every queued update has been applied to the host buffers
+        if n > self.store.disk_from:
+            raise ValueError(f"move_layer_state_to_device({n}): layers from {self.store.disk_from} on keep their "
+                             "moments on the NVMe tier")
         self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n, len(self.store.layouts)),
                                                           self.device, moments_from_host=True)
 
@@ -657,6 +720,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         params = self.store.n_full + sum(m.numel() for m in res.master)
         total = self.store.nbytes() + resident
         return {"layers_bytes": self.store.nbytes(), "resident_bytes": resident, "total_bytes": total,
+                "disk_bytes": self.store.disk_nbytes(),
                 "params": params, "trainable": trainable, "base": params - trainable,
                 "bytes_per_param": total / max(params, 1),
                 "bytes_per_base_param": total / max(params - trainable, 1)}

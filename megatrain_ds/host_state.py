@@ -12,6 +12,13 @@ parameter**; fp32 mode: the wire is the master, 4). DeepSpeed keeps frozen param
 outside its fp32 partitions). So the master buffer holds each layer's trainable region only
 (``compact``); ``master_of(i)`` is that region and ``param_master`` of a frozen parameter is its wire view.
 
+Opt-in bf16-master mode (DeepSpeed's ``bf16.bf16_master_weights_and_grads``; what the official MegaTrain code
+does): the master is the bf16 wire copy itself, 2 bytes: 12 bytes per trained parameter with GA 1 (14 with GA > 1),
+at the cost of updates smaller than bf16's resolution rounding away. fp32 masters stay the default.
+
+NVMe tier (nvme.py, ``offload_optimizer.device: nvme``): the Adam moments of a suffix of the layers live in a
+swap file; their 8 bytes per parameter leave RAM (``disk_from``; ``acquire_moments``/``release_moments``).
+
 Flat buffers are allocated once, each in its own private mapping (huge pages, not inherited by fork), and
 the streamed ones pinned with ``cudaHostRegister`` (the caching host allocator behind ``pin_memory=True``
 rounds each block up to a power of two, which would cost up to 2x on a 12 GB buffer).
@@ -119,13 +126,20 @@ class HostLayerStore:
     """fp32 master, Adam moments, wire copy and gradients for every streamed layer."""
 
     def __init__(self, layouts: list[LayerLayout], wire_dtype: torch.dtype, grad_accum_fp32: bool,
-                 pin: bool, grad_dtype: torch.dtype | None = None, owned: list[bool] | None = None) -> None:
+                 pin: bool, grad_dtype: torch.dtype | None = None, owned: list[bool] | None = None,
+                 disk_from: int | None = None, nvme=None, rank: int = 0, nvme_backend: str = "auto",
+                 master_dtype: torch.dtype = torch.float32) -> None:
         self.layouts = layouts
         self.wire_dtype = wire_dtype
+        # bf16-master mode (opt-in, DeepSpeed's bf16.bf16_master_weights_and_grads): the master *is* the bf16 wire
+        # copy, as fp32 mode's master is its fp32 one; the optimizer updates it through an fp32 copy of one layer
+        if master_dtype not in (torch.float32, wire_dtype):
+            raise ValueError(f"master dtype {master_dtype} must be fp32 or the wire dtype {wire_dtype}")
+        self.master_dtype = master_dtype
         # Data parallel (dp.py): this process holds the state of the layers it owns only. A layer it does not own
         # takes no bytes (its offsets are those of the next owned layer) and has no views (``_owned``).
         self.owned = list(owned) if owned is not None else [True] * len(layouts)
-        self.wire_is_master = wire_dtype == torch.float32
+        self.wire_is_master = wire_dtype == master_dtype
         # frozen parameters live in the wire copy only (module docstring); in fp32 mode the wire is the master
         self.compact = not self.wire_is_master
         self.offsets: list[LayerOffsets] = []
@@ -137,14 +151,26 @@ class HostLayerStore:
                 train += layout.n_train
         self.n_full, self.n_train = full, train
         self.n_master = train if self.compact else full
+        # NVMe tier (nvme.py): the Adam moments of the owned layers from ``disk_from`` on live in a swap file; the
+        # RAM moments buffers hold the layers before it, at the same offsets (a suffix is cut off)
+        n_layers = len(layouts)
+        self.disk_from = n_layers if disk_from is None else max(0, min(int(disk_from), n_layers))
+        ram_train = self.offsets[self.disk_from].train if self.disk_from < n_layers else train
+        disk = {i: layouts[i].n_train for i in range(self.disk_from, n_layers)
+                if self.owned[i] and layouts[i].n_train}
+        self.tier = None
+        self._read_copy = None  # (layer, exp_avg, exp_avg_sq): read_moments' last copy of a disk layer
+        if disk:
+            from .nvme import NvmeMoments
+            self.tier = NvmeMoments(disk, nvme, rank=rank, backend=nvme_backend)
         self.regions: list[HostRegion] = []
         # In fp32 mode the master is what streams to the GPU, so it is the pinned one. The wire is pinned once
         # ``load_layer`` has written every layer (``finish_loading``): pinning faults every page in, and until the
         # layers are loaded the model still holds its own copy of them (peak host memory: one copy + one layer).
-        self.master = host_buffer(self.n_master, torch.float32, pin and self.wire_is_master, self.regions,
+        self.master = host_buffer(self.n_master, master_dtype, pin and self.wire_is_master, self.regions,
                                   defer=True)
-        self.exp_avg = host_buffer(train, torch.float32, False, self.regions)
-        self.exp_avg_sq = host_buffer(train, torch.float32, False, self.regions)
+        self.exp_avg = host_buffer(ram_train, torch.float32, False, self.regions)
+        self.exp_avg_sq = host_buffer(ram_train, torch.float32, False, self.regions)
         self.wire = self.master if self.wire_is_master else host_buffer(full, wire_dtype, pin, self.regions,
                                                                         defer=True)
         # Gradients: landed directly in their home (GA 1; in the wire dtype, or fp32 when
@@ -164,6 +190,8 @@ class HostLayerStore:
                 self.ring.put(slabs[k * self.max_train:(k + 1) * self.max_train])
             self.scratch = torch.empty(self.max_train, dtype=torch.float32)  # fp32 view of a landed slab
         weakref.finalize(self, _release_all, self.regions)
+        if self.tier is not None:
+            weakref.finalize(self, self.tier.close)
 
     # views ---------------------------------------------------------------------------------------
     def _owned(self, i: int) -> None:
@@ -191,6 +219,8 @@ class HostLayerStore:
         """Layer i's whole ``[trainable | frozen]`` weights in fp32: a view of the master, or (compact, with frozen
         parameters) a copy assembled from the master and the wire."""
         layout = self.layouts[i]
+        if self.master_dtype != torch.float32:  # bf16-master mode: an fp32 copy
+            return self.master_of(i).float()
         if not self.compact or layout.n_frozen == 0:
             return self.master_of(i)
         return torch.cat([self.master_of(i), self.frozen_of(i).float()])
@@ -213,6 +243,47 @@ class HostLayerStore:
 
     def grad_of(self, i: int) -> torch.Tensor:
         return self.train_slice(self.grad, i)
+
+    # Adam moments: in RAM (views) or, for a layer on disk, through the NVMe tier ----------------------------
+    def on_disk(self, i: int) -> bool:
+        return self.tier is not None and i in self.tier.n_train
+
+    def acquire_moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (exp_avg, exp_avg_sq) to update in place; pair with ``release_moments``. RAM: views."""
+        if self.on_disk(i):
+            self._read_copy = None
+            return self.tier.acquire(i)
+        return self.train_slice(self.exp_avg, i), self.train_slice(self.exp_avg_sq, i)
+
+    def release_moments(self, i: int, dirty: bool = True) -> None:
+        if self.on_disk(i):
+            self.tier.release(i, dirty)
+
+    def read_moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's moments to read: views (RAM) or copies (disk). Not while the optimizer runs."""
+        if self.on_disk(i):  # the last layer read is kept (a checkpoint reads a layer once per parameter)
+            if self._read_copy is None or self._read_copy[0] != i:
+                self._read_copy = (i, *self.tier.read(i))
+            return self._read_copy[1], self._read_copy[2]
+        return self.train_slice(self.exp_avg, i), self.train_slice(self.exp_avg_sq, i)
+
+    def write_moments(self, i: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Overwrite layer i's moments (flat, its trainable elements) wherever they live."""
+        if self.on_disk(i):
+            self.tier.write(i, exp_avg, exp_avg_sq)
+            self._read_copy = None
+        else:
+            self.train_slice(self.exp_avg, i).copy_(exp_avg.reshape(-1))
+            self.train_slice(self.exp_avg_sq, i).copy_(exp_avg_sq.reshape(-1))
+
+    def expect_moments(self, order) -> None:
+        """The optimizer will update these layers next, in this order: read the disk ones ahead."""
+        if self.tier is not None:
+            self.tier.expect(order)
+
+    def disk_nbytes(self) -> int:
+        """Bytes of the NVMe tier's swap file (0 without one)."""
+        return 0 if self.tier is None else self.tier.file_bytes
 
     def load_layer(self, i: int, layer: torch.nn.Module) -> None:
         """Copy ``layer``'s weights into the master (and wire) and release the module's own storage (a layer
@@ -252,13 +323,18 @@ class HostLayerStore:
         return total + self.fixed_nbytes()
 
     def fixed_nbytes(self) -> int:
-        """Bytes that do not grow with the model: the landing ring and its scratch (a few layers' worth)."""
+        """Bytes that do not grow with the model: the landing ring and its scratch (a few layers' worth), the NVMe
+        tier's staging buffers."""
+        staging = 0 if self.tier is None else self.tier.staging_bytes()
         if self.ring is None:
-            return 0
-        return 4 * self.max_train * torch.tensor([], dtype=self.wire_dtype).element_size() + self.scratch.numel() * 4
+            return staging
+        return staging + 4 * self.max_train * torch.tensor([], dtype=self.wire_dtype).element_size() + \
+            self.scratch.numel() * 4
 
     def close(self) -> None:
         _release_all(self.regions)
+        if self.tier is not None:
+            self.tier.close()
 
 
 def release_storage(param: torch.Tensor) -> None:

@@ -14,10 +14,12 @@ it and mutate its ``param_groups``; hyperparameters are snapshotted when a step 
 from __future__ import annotations
 
 import math
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .host_state import _release_all, host_buffer
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
 
@@ -45,8 +47,14 @@ class ResidentParams:
         self.on_device = state_on_device
         state = device if state_on_device else torch.device("cpu")
         self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.wire, self.landing = [], [], [], [], [], []
-        # small tensors: torch's pinned allocator (its power-of-two rounding costs little here)
-        pinned = (lambda t: t.pin_memory()) if pin and not state_on_device else (lambda t: t)
+        # pinned in mappings of their own (host_state.HostRegion): torch's pinned allocator would round each up to a
+        # power of two (a 7B model's 1.1 GB embedding wire and landing copies would take 2 GB each)
+        self.regions: list = []
+
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            if not pin or state_on_device:
+                return t
+            return host_buffer(t.numel(), t.dtype, True, self.regions).view(t.shape).copy_(t)
         for p in params:
             trainable = id(p) in group_of  # in an optimizer group; others are never updated
             if not trainable:
@@ -63,6 +71,7 @@ class ResidentParams:
             landing = trainable and not state_on_device
             self.landing.append(pinned(torch.empty_like(master, dtype=compute_dtype)) if landing else None)
             p.data = master.to(device, compute_dtype, copy=True)
+        weakref.finalize(self, _release_all, self.regions)
         self.norm_dev = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(params), dtype=torch.float32)
         if device.type == "cuda":
@@ -94,6 +103,7 @@ class ResidentParams:
         self.grad = [move(t) for t in self.grad]
         self.wire = [None] * len(self.params)
         self.landing = [None] * len(self.params)
+        _release_all(self.regions)  # their pinned host copies (unregistered; freed with the last view)
         self.wire_read = None
         self.on_device = True
 
@@ -217,6 +227,9 @@ class HostAdamW(torch.optim.Optimizer):
         self.scaler = scaler  # fp16 LossScaler: grads arrive multiplied by its scale
         self.last_step_skipped = False
         self._tmp = torch.empty(executor.store.max_train, dtype=torch.float32)
+        # bf16-master mode: one layer's master in fp32 for the update (the fused kernel wants one dtype)
+        self._tmp_master = torch.empty(executor.store.max_train if executor.store.master_dtype != torch.float32
+                                       else 0, dtype=torch.float32)
         self.policy = SpeculationPolicy(enabled=False, backoff=0)  # the engine configures it (speculation.py)
         self.spec: Speculation | None = None  # the open boundary's speculative updates
         executor.on_final_landing = self._speculate
@@ -238,6 +251,8 @@ class HostAdamW(torch.optim.Optimizer):
         if allowed and self.policy.allows():
             scale = self.scaler.scale if self.scaler is not None else 1.0
             self.spec = Speculation(hp=self._hyperparameters(self.step_count + 1), coef=1.0 / scale)
+            # the layers' gradients land last layer first, and each is stepped as it lands: read ahead that way
+            self.executor.store.expect_moments(reversed(range(len(self.executor.layouts))))
 
     def _speculate(self, i: int, sq, before_fold: bool = False) -> None:
         """Landing thread, right after layer i's final gradient landed: queue its update with coefficient 1 on
@@ -333,13 +348,25 @@ class HostAdamW(torch.optim.Optimizer):
         ex.schedule.wait_read(i)
         layout = store.layouts[i]
         master, grad = store.master_of(i), store.grad_of(i)
-        m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)
         if grad.dtype != torch.float32:
             grad = self._tmp[:layout.n_train].copy_(grad)
-        with ex.timer.host_span("rollback_s"), _range(f"rollback.L{i}"):
-            for group, a, b in layout.segments:
-                adamw_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef, self.adam_w_mode)
-            store.refresh_wire(i)
+        m, v = self._moments(i)
+        try:
+            with ex.timer.host_span("rollback_s"), _range(f"rollback.L{i}"):
+                for group, a, b in layout.segments:
+                    adamw_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef, self.adam_w_mode)
+                store.refresh_wire(i)
+        finally:
+            store.release_moments(i)
+
+    def _moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's Adam moments, acquired for an update (RAM views, or the NVMe tier's staging buffer: the time
+        spent waiting for its read is the breakdown's ``nvme_wait_s``). The caller releases them."""
+        store = self.executor.store
+        if not store.on_disk(i):
+            return store.acquire_moments(i)
+        with self.executor.timer.host_span("nvme_wait_s"), _range(f"nvme_read.L{i}"):
+            return store.acquire_moments(i)
 
     def _settle(self, i: int, hp, spec: Speculation):
         """Layer i was stepped speculatively: keep it (the norm task committed), or undo it and step it
@@ -474,7 +501,20 @@ class HostAdamW(torch.optim.Optimizer):
                 self.spec = None
             spec.commit = not overflow and self._coef == spec.coef and same_hyperparameters(hp, spec.hp)
         self._clipped_or_skipped = overflow or coef < 1.0
+        self._expect_updates(layer_has, overflow, spec)
         return math.inf if overflow else norm  # DeepSpeed reports a skipped step's norm as inf
+
+    def _expect_updates(self, layer_has, overflow: bool, spec: Speculation | None) -> None:
+        """Tell the NVMe tier which layers the update tasks queued behind this norm will touch, in their (forward)
+        order, so their moments are read ahead: a layer stepped speculatively is done when the speculation commits,
+        and needs its undo (and redo) otherwise; the other layers are updated unless the step is skipped."""
+        store = self.executor.store
+        if store.tier is None:
+            return
+        done = set(spec.done) if spec is not None else set()
+        commit = spec is not None and spec.commit
+        store.expect_moments([i for i, has in enumerate(layer_has)
+                              if has and ((i not in done and not overflow) or (i in done and not commit))])
 
     def _close_task(self, norm_future, spec: Speculation | None) -> None:
         """AdamW thread, after the step's update tasks: the speculation's final accounting (which layers were
@@ -570,9 +610,16 @@ class HostAdamW(torch.optim.Optimizer):
         ex.schedule.wait_read(i)  # the last H2D reading wire i has finished
         layout = store.layouts[i]
         master, grad = store.master_of(i), store.grad_of(i)
-        m, v = store.train_slice(store.exp_avg, i), store.train_slice(store.exp_avg_sq, i)
         if grad.dtype != torch.float32:
             grad = self._tmp[:layout.n_train].copy_(grad)  # the fused CPU kernel wants fp32 grads
-        for group, a, b in layout.segments:
-            self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], coef)
+        low = master.dtype != torch.float32  # bf16-master mode: update an fp32 copy, round it back (nearest)
+        work = self._tmp_master[:layout.n_train].copy_(master[:layout.n_train]) if low else master
+        m, v = self._moments(i)
+        try:
+            for group, a, b in layout.segments:
+                self._adamw([work[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], coef)
+        finally:
+            store.release_moments(i)  # a disk layer's moments are written back behind the next updates
+        if low:
+            master[:layout.n_train].copy_(work)
         store.refresh_wire(i)

@@ -234,8 +234,8 @@ class EngineSurface:
         i, device_state = home.layer, self.executor.device_state
         if device_state is not None and device_state.owns(i):
             flat = device_state.moments_of(i)[self._MOMENTS.index(key)]
-        else:
-            flat = self.store.train_slice(getattr(self.store, key), i)
+        else:  # host RAM (a view), or a layer on the NVMe tier (a copy: set_full_optimizer_state writes it back)
+            flat = self.store.read_moments(i)[self._MOMENTS.index(key)]
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def _moment_home(self, param, key: str):
@@ -264,6 +264,9 @@ class EngineSurface:
         if self._held_here(home):
             moment = self._moment_of(home, key)
             moment.copy_(value.reshape(moment.shape))
+            if home.layer is not None and self.store.on_disk(home.layer):  # the copy goes back to disk
+                m, v = self.store.read_moments(home.layer)
+                self.store.write_moments(home.layer, m, v)
 
     def full_grad(self, param) -> torch.Tensor | None:
         """``param``'s gradient accumulated since the last step, in fp32, as the optimizer will see it before

@@ -26,7 +26,7 @@ class StepTimer:
         self.spans: dict[str, list] = {"h2d": [], "d2h": [], "compute": [], "comm": []}
         # host spans: optimizer updates after the norm, speculative updates during the backward, rollbacks
         self.host = {"optimizer_s": 0.0, "landing_s": 0.0, "wait_for_optimizer_s": 0.0, "speculative_s": 0.0,
-                     "rollback_s": 0.0}
+                     "rollback_s": 0.0, "nvme_wait_s": 0.0}  # nvme_wait_s: within the optimizer spans
         self.counters = dict  # the engine installs a callable returning cumulative counts (speculated steps)
         self._lock = threading.Lock()
         self._step_start = None
@@ -95,6 +95,7 @@ class StepTimer:
                      "cpu_optimizer_s": host["optimizer_s"], "cpu_grad_landing_s": host["landing_s"],
                      "wait_for_optimizer_s": host["wait_for_optimizer_s"],
                      "cpu_speculative_optimizer_s": host["speculative_s"], "cpu_rollback_s": host["rollback_s"],
+                     "cpu_nvme_wait_s": host["nvme_wait_s"],
                      "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None, **self.counters()}
         for spans in self.spans.values():
             spans.clear()
@@ -109,6 +110,7 @@ class StepTimer:
                 + (f"collectives {b['comm_s']*1e3:.0f} | " if b.get("comm_s") else "")
                 + f"CPU optim {b['cpu_optimizer_s']*1e3:.0f} "
                 f"(+{b.get('cpu_speculative_optimizer_s', 0)*1e3:.0f} during backward) "
-                f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms"
+                + (f"of which NVMe read wait {b['cpu_nvme_wait_s']*1e3:.0f} " if b.get("nvme_read_bytes") else "")
+                + f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms"
                 + (f" | speculated {b['speculated_steps']} rolled back {b['rolled_back_steps']}"
                    if "speculated_steps" in b else ""))

@@ -133,7 +133,8 @@ class Init:
       ``remote_device`` when none is given.
     - neither: the model's own dtype. (DeepSpeed would pick fp16, or bf16 where its accelerator lacks fp16; the
       masters made from an fp32 build are only more exact.)
-    - ``remote_device="nvme"``: a warning (parameters are built in host memory: no NVMe tier yet).
+    - ``remote_device="nvme"``: a warning (parameters are built in host memory; the NVMe tier holds Adam moments,
+      set by ``offload_optimizer.device``: nvme.py).
     - one process only, and it leaves ``torch.distributed`` initialized (as DeepSpeed's ``Init``).
     Other arguments (process groups, ``pin_memory``, ``mem_efficient_linear``) concern partitioning: none here.
     """
@@ -157,7 +158,8 @@ class Init:
             remote_device = ((cfg.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
         if remote_device == "nvme":
             warnings.warn("zero.Init(remote_device='nvme'): megatrain_ds builds the parameters in host memory "
-                          "(no NVMe tier yet)", stacklevel=2)
+                          "(its NVMe tier holds the Adam moments: zero_optimization.offload_optimizer.device=nvme)",
+                          stacklevel=2)
         self.dtype = dtype
         self._device_ctx = torch.device("cpu")
         self._saved_dtype = None
