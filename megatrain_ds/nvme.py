@@ -203,7 +203,7 @@ def open_backend(path: str, settings: NvmeSettings, choice: str):
 
 
 class _Buffer:
-    __slots__ = ("tensor", "layer", "state", "pending", "used", "error")
+    __slots__ = ("tensor", "layer", "state", "pending", "used", "error", "prefetched", "wanted")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor  # uint8, capacity of the largest disk layer's region
@@ -212,6 +212,8 @@ class _Buffer:
         self.pending: list[Future] = []
         self.used = 0  # LRU clock
         self.error: BaseException | None = None
+        self.prefetched = False  # read ahead for a layer ``expect`` named, not acquired yet: evicted last
+        self.wanted = False  # an ``acquire`` waits for this buffer's layer: never evicted
 
 
 class NvmeMoments:
@@ -254,6 +256,7 @@ class NvmeMoments:
         self.queue: list[int] = []  # layers the optimizer will acquire next (expect)
         self.clock = 0
         self.broken: NvmeError | None = None
+        self.starved = 0  # acquire() calls waiting for a buffer to free up (they come before the read-ahead)
         self.reads = self.writes = 0  # requests, for tests and the breakdown
         self.read_bytes = self.written_bytes = 0
 
@@ -312,35 +315,45 @@ class NvmeMoments:
         if self.broken is not None:
             raise self.broken
 
-    def _victim(self, keep: set[int]) -> _Buffer | None:
-        """A buffer that may be reused now: free, or holding a clean layer not named in ``keep`` (least recently
-        used first); None when every buffer is busy, in flight or kept."""
+    def _victim(self, keep: set[int], take_prefetched: bool = False) -> _Buffer | None:
+        """A buffer that may be reused now: free, or holding a clean layer not named in ``keep`` that no one is
+        waiting to use (least recently used first); ``take_prefetched`` (an acquire that found nothing else): a
+        read-ahead layer too, as a last resort. None when every buffer is busy, in flight or kept."""
         free = [b for b in self.buffers if b.state == "free"]
         if free:
             return free[0]
-        clean = [b for b in self.buffers if b.state == "ready" and b.layer not in keep]
+        clean = [b for b in self.buffers if b.state == "ready" and b.layer not in keep and not b.prefetched
+                 and not b.wanted]
+        if not clean and take_prefetched:
+            clean = [b for b in self.buffers if b.state == "ready" and not b.wanted]
         return min(clean, key=lambda b: b.used) if clean else None
 
     def _pump(self) -> None:
         """Issue reads for the expected layers while buffers can be had without evicting one still expected."""
         if not self.settings.pipeline_read:
             return
-        while self.queue:
+        while self.queue and not self.starved:
             i = self.queue[0]
-            if self._find(i) is not None:
+            cached = self._find(i)
+            if cached is not None:  # already here (or on its way): keep it for the update that expects it
+                cached.prefetched = cached.state != "busy"
                 self.queue.pop(0)
                 continue
             buf = self._victim(keep=set(self.queue))
             if buf is None:
                 return
             self.queue.pop(0)
-            buf.layer = i
+            buf.layer, buf.prefetched = i, True
             self._start(buf, i, write=False)
 
     def expect(self, order) -> None:
         """The optimizer will acquire these disk layers next, in this order (layers not on disk are ignored)."""
         with self.lock:
             self.queue = [i for i in order if i in self.n_train]
+            expected = set(self.queue)
+            for buf in self.buffers:  # read ahead for a plan that changed (a speculation closed): free to evict
+                if buf.prefetched and buf.layer not in expected:
+                    buf.prefetched = False
             self._pump()
 
     def acquire(self, i: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,16 +365,23 @@ class NvmeMoments:
             while True:
                 buf = self._find(i)
                 if buf is not None and buf.state in ("reading", "writing"):
+                    buf.wanted = True  # not evicted between its completion and this thread's wake-up
                     self.lock.wait()  # its read lands, or its last write must finish before it changes again
                     continue
                 self._check()
                 if buf is not None:
                     break
-                victim = self._victim(keep=set())
+                in_flight = any(b.state in ("reading", "writing") for b in self.buffers)
+                # a buffer read ahead for a later update is taken only when waiting would not free another one
+                victim = self._victim(keep=set(), take_prefetched=not in_flight)
                 if victim is None:
-                    self.lock.wait()
+                    self.starved += 1  # the pump leaves the next freed buffer to this thread
+                    try:
+                        self.lock.wait()
+                    finally:
+                        self.starved -= 1
                     continue
-                victim.layer = i
+                victim.layer, victim.prefetched, victim.wanted = i, False, True  # not evicted before it is taken
                 if read:
                     self._start(victim, i, write=False)
                     continue
@@ -370,7 +390,7 @@ class NvmeMoments:
                 break
             if buf.state == "busy":
                 raise RuntimeError(f"NVMe tier: layer {i}'s moments are acquired twice")
-            buf.state = "busy"
+            buf.state, buf.prefetched, buf.wanted = "busy", False, False
             self.clock += 1
             buf.used = self.clock
             return self._moments(buf, i)
