@@ -513,6 +513,14 @@ def _meta_kernels(flash: bool):
         except Exception:
             rope_module = None
     rope = getattr(rope_module, "LigerRopeFunction", None)
+    # liger >= 0.8 dispatches its RoPE through a backend registry, not LigerRopeFunction: replace the function the
+    # model's code calls (a module-level ``apply_rotary_pos_emb`` that liger's patch pointed at its own)
+    patched = []
+    for module in list(sys.modules.values()):
+        fn = getattr(module, "apply_rotary_pos_emb", None) if module is not None else None
+        if callable(fn) and str(getattr(fn, "__module__", "")).startswith("liger_kernel"):
+            patched.append((module, fn))
+            module.apply_rotary_pos_emb = _meta_rope
     if flash:
         F.scaled_dot_product_attention = sdpa
     if rope is not None:
@@ -523,6 +531,13 @@ def _meta_kernels(flash: bool):
         F.scaled_dot_product_attention = original
         if rope is not None:
             rope_module.LigerRopeFunction = rope
+        for module, fn in patched:
+            module.apply_rotary_pos_emb = fn
+
+
+def _meta_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, **kwargs):
+    """liger's RoPE on meta (in place on q and k, as its Triton kernel: nothing new is allocated)."""
+    return _RopeLike.apply(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
 def _liger_norm_forward(self, x):
