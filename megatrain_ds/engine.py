@@ -259,6 +259,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             if settings is not None else None  # refused here, before any buffer, when the state cannot fit
         n_disk = _nvme_layers(config, layouts, owned, wire_dtype, ga, grad_dtype, model, layers) \
             if config.nvme is not None and settings is not None else 0
+        if config.nvme is not None and n_disk == 0:  # nothing on disk now: the path is still checked up front
+            from .nvme import check_path
+            check_path(config.nvme.nvme_path, 0)
         self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype,
                                     owned=owned, disk_from=len(layers) - n_disk, nvme=config.nvme, rank=self.dp.rank,
                                     nvme_backend=mt.nvme_backend,

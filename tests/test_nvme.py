@@ -189,6 +189,10 @@ def test_bad_nvme_path_fails_at_initialize(tmp_path, monkeypatch):
         init(tmp_path)
     monkeypatch.undo()
     assert os.listdir(tmp_path / nvme_mod.SWAP_DIR) == []
+    # every layer fits in RAM (nvme_layers 0): a bad path is still an error at initialize
+    cfg = _config(tmp_path / "missing", layers=0)
+    with pytest.raises(nvme_mod.NvmeError, match="does not exist"):
+        megatrain_ds.initialize(model=tiny_hf("llama", layers=LAYERS), config=cfg)
     if os.getuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir()
