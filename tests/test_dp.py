@@ -102,6 +102,20 @@ def test_two_ranks_with_ga_tied_kept_layer_and_device_state_equal_ga4(tmp_path):
     assert_same_training(got, want)
 
 
+def test_nvme_tier_two_ranks_equal_one_process_with_ga2(runs, tmp_path):
+    """The NVMe tier under data parallel: each rank keeps the Adam moments of the layers it owns in its own swap file
+    (every layer on disk), and 2 ranks train as 1 host-only process with GA 2; a checkpoint (each owner reads its
+    layers' moments from disk to scatter them) resumes into a host-only process exactly as the uninterrupted run."""
+    mt = json.dumps({"nvme_layers": 3, "nvme_backend": "threads"})
+    got = run(tmp_path / "a.json", "--nvme", str(tmp_path), "--mt", mt, "--save", str(tmp_path / "ckpt"),
+              ranks=2)
+    assert_same_training(got, runs["ga2"])
+    assert not os.listdir(tmp_path / "megatrain_ds_swap")  # each rank's swap folder goes with its engine
+    resumed = run(tmp_path / "b.json", "--ga", "2", "--load", str(tmp_path / "ckpt"))
+    for k, loss in resumed["loss"].items():
+        assert abs(loss - runs["ga2"]["loss"][k]) <= TOL * max(1.0, abs(loss)), f"micro-batch {k}"
+
+
 def test_lora_bf16_two_ranks(tmp_path):
     """PEFT LoRA in bf16 on 2 ranks (each layer's frozen base held by its owner in bf16 only, host_state.py): trains
     as 1 process with GA 2 (to bf16 rounding: the ranks' gradients are reduced in bf16), and the checkpoint holds

@@ -34,6 +34,7 @@ def main():
     parser.add_argument("--mt", default="{}", help="megatrain_ds's own config block (JSON)")
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear layer")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--nvme", default=None, help="offload_optimizer.device nvme with this nvme_path")
     args = parser.parse_args()
     if args.engine == "deepspeed":
         import deepspeed
@@ -67,6 +68,10 @@ def main():
     }
     if args.bf16:
         ds_config["bf16"] = {"enabled": True}
+    if args.nvme:  # the NVMe tier (each rank's own swap file for the layers it owns)
+        ds_config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme,
+                                                               "buffer_count": 2, "pipeline_read": True,
+                                                               "pipeline_write": True}
     if args.engine == "megatrain" and json.loads(args.mt):
         ds_config["megatrain"] = json.loads(args.mt)
     params = [p for p in model.parameters() if p.requires_grad]
