@@ -113,6 +113,15 @@ def test_bf16_nvme_equals_host_only(tmp_path):
     _same(_run(_config(tmp_path, bf16=True, ga=1, clip=1.0, layers=3), steps=4), ref)
 
 
+def test_bf16_masters_with_ga_and_the_tier_equal_host_only(tmp_path):
+    """bf16-master mode (the master is the bf16 wire) with GA 2 and clipping: the tier changes no number there either."""
+    def cfg(path=None):
+        c = _config(path, bf16=True, clip=0.05) if path else _config(bf16=True, clip=0.05)
+        c["bf16"]["bf16_master_weights_and_grads"] = True
+        return c
+    _same(_run(cfg(tmp_path), steps=3), _run(cfg(), steps=3))
+
+
 def test_checkpoint_resume_through_the_tier(tmp_path):
     """Save after 3 steps with moments on disk, resume into a host-only engine and into a tier engine: both continue
     exactly as the uninterrupted run; a checkpoint saved host-only loads into a tier engine too."""
