@@ -278,20 +278,19 @@ def _resident_items(resident) -> list[tuple[int, bool]]:
 
 
 def resident_host_bytes(resident: list[tuple[int, bool]], compute: str, device_type: str,
-                        state_on_device: bool) -> tuple[int, int]:
-    """(bytes counted by ``host_memory()``, extra bytes of pinned-allocator rounding) of one rank's
-    ``ResidentParams``. Trainable: fp32 master, exp_avg, exp_avg_sq, grad (16) + compute-dtype wire and landing
-    copies, on the host unless the state is on the device; frozen: their one compute-dtype copy is on the device
-    (host memory only when the device is the CPU)."""
-    c, exact, rounding = _size(compute), 0, 0
+                        state_on_device: bool) -> int:
+    """Bytes of one rank's ``ResidentParams`` on the host (counted by ``host_memory()``). Trainable: fp32 master, exp_avg, exp_avg_sq, grad (16) + compute-dtype wire and landing
+    copies (pinned in mappings of their own: no 2^k rounding), on the host unless the state is on the device;
+    frozen: their one compute-dtype copy is on the device (host memory only when the device is the CPU)."""
+    c, exact = _size(compute), 0
     for n, trainable in resident:
         if not trainable:
             exact += c * n if device_type == "cpu" else 0
         elif state_on_device:
             exact += 16 * n if device_type == "cpu" else 0
         else:
-            exact += (16 + 2 * c) * n  # wire + landing: pinned in mappings of their own (no 2^k rounding)
-    return exact, rounding
+            exact += (16 + 2 * c) * n
+    return exact
 
 
 def optimizer_scratch_bytes(layouts: list[LayerLayout], owned: list[bool], master: str) -> int:
@@ -306,7 +305,7 @@ def engine_nvme_layers(config: TrainConfig, layouts: list[LayerLayout], owned: l
     """``megatrain.nvme_layers: "auto"`` for the engine (engine._nvme_layers), before it builds its buffers: the
     fewest trailing layers whose moments go to disk so that this rank's host state fits its share of the budget,
     by ``nvme_split`` over the same bytes ``check_capacity`` counts (this rank's ``HostLayerStore`` without moments,
-    its ``ResidentParams`` host tensors and their pinned rounding, the optimizer's scratch).
+    its ``ResidentParams`` host tensors, the optimizer's scratch).
 
     The budget (``host_budget_bytes``) is measured now, while the model's own weights are still in host memory:
     they are freed as the layers load (``load_layer``) and the resident copies move, so their bytes count as
@@ -323,8 +322,8 @@ def engine_nvme_layers(config: TrainConfig, layouts: list[LayerLayout], owned: l
     dec = decide(layouts, config)
     all_disk = frozenset(range(len(layouts)))
     without = sum(layer_store_bytes(layouts, owned, wire, grad, ga, all_disk, master).values())
-    exact, rounding = resident_host_bytes(resident, compute, device_type, dec.resident_on_device)
-    without += exact + rounding + optimizer_scratch_bytes(layouts, owned, master)
+    without += resident_host_bytes(resident, compute, device_type, dec.resident_on_device) + \
+        optimizer_scratch_bytes(layouts, owned, master)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
         torch.distributed.get_world_size() > 1
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if distributed else 1
@@ -360,7 +359,7 @@ class Prediction:
     device: str  # "cuda" or "cpu": where the engine computes
     host_parts: dict[str, int]  # engine state parts (summed over ranks), then staging and what is beside it
     host_state_bytes: int  # = engine.host_memory()["total_bytes"] (summed over ranks)
-    host_need_bytes: int  # state + NVMe staging + optimizer scratch, pinned rounding, offloaded activations
+    host_need_bytes: int  # state + NVMe staging + optimizer scratch + offloaded activations
     host_budget_bytes: int
     host_budget_source: str
     host_available_bytes: int
@@ -600,10 +599,9 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
                                           staging).items():
                 parts[f"layers: {k}"] = parts.get(f"layers: {k}", 0) + v
         parts["resident (embeddings, norms, head)"] = world * resident_host_bytes(
-            resident, dec.compute, dev, dec.resident_on_device)[0]
+            resident, dec.compute, dev, dec.resident_on_device)
         return parts
 
-    rounding = world * resident_host_bytes(resident, dec.compute, dev, dec.resident_on_device)[1]
     optimizer_scratch = sum(optimizer_scratch_bytes(layouts, mask, dec.master) for mask in owned) \
         if config.optimizer is not None else 0
     budget_setting = host_budget if host_budget is not None else config.megatrain.host_memory_budget
@@ -617,7 +615,7 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     moment_bytes = [8 * lay.n_train for lay in layouts]
     disk_layers = 0
     if nvme and config.optimizer is not None:
-        without = sum(host_for(frozenset(range(n)), 0).values()) + rounding + optimizer_scratch + offloaded(mb)
+        without = sum(host_for(frozenset(range(n)), 0).values()) + optimizer_scratch + offloaded(mb)
         without += gpu(mb)[0] if (dev == "cpu" and acts is not None) else 0
         disk_layers = nvme_split(without, moment_bytes, staging_count * world, budget,
                                  config.megatrain.nvme_layers)
@@ -625,8 +623,7 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     host_parts = host_for(disk, staging_count)
     state = sum(host_parts.values())
     disk_bytes = sum(nvme_layer_bytes(layouts[i].n_train) for i in disk if layouts[i].n_train)
-    beside = {"host optimizer scratch (one layer, fp32)": optimizer_scratch,
-              "pinned allocator rounding (resident copies)": rounding}
+    beside = {"host optimizer scratch (one layer, fp32)": optimizer_scratch}
     dec.n_device_layers = min(dec.n_device_layers, n - disk_layers)  # GPU-held layers lead; NVMe layers trail
     persistent["GPU-held layers' master, moments, gradient"] = sum(  # DeviceOptimizerState.nbytes, rank 0's layers
         4 * (layouts[i].numel if dec.wire == "fp32" else layouts[i].n_train) + 12 * layouts[i].n_train
