@@ -106,3 +106,26 @@ def test_bf16_masters_conflicts_are_config_errors():
         megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=_config(stream_fp32_master=True))
     with pytest.raises(ConfigError, match="gpu_optimizer_layers"):
         megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=_config(gpu_optimizer_layers=1))
+
+
+def test_bf16_masters_with_lora_keep_the_base_and_train_the_adapters():
+    """A peft LoRA model in bf16-master mode: the base stays bit-identical (frozen, in the bf16 wire copy, no
+    moments), the adapters learn, and the host keeps 2 bytes per frozen and 12 per trained streamed parameter."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_hf("llama", layers=2), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"]))
+    for name, p in model.named_parameters():  # LoRA B starts at zero: give every adapter a gradient at once
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    engine, *_ = megatrain_ds.initialize(model=model, config=_config())
+    store = engine.store
+    assert store.nbytes() == 2 * store.n_full + 10 * store.n_train  # master = wire (2) + moments (8) + grad (2)
+    before = {k: v.clone() for k, v in engine.master_state_dict().items()}
+    _train(engine, _batches(4))
+    after = engine.master_state_dict()
+    lora = [k for k in before if "lora_" in k]
+    assert lora and any(not torch.equal(before[k], after[k]) for k in lora)
+    for k in before:
+        if "lora_" not in k and ".layers." in k:
+            assert torch.equal(before[k], after[k]), k
+    engine.destroy()
