@@ -14,9 +14,16 @@ the script, accelerate or the Trainer made already is kept, whatever its backend
 The functions below answer without DeepSpeed (before any process group exists, too); every other name is
 DeepSpeed's own ``deepspeed.comm`` (module ``__getattr__``), so ``deepspeed.comm.X`` under the alias import is
 what it is under DeepSpeed.
+
+At exit. A process that leaves without ``destroy_process_group()`` (most DeepSpeed scripts do) can die by SIGABRT
+in interpreter finalization: gloo's worker threads still hold finished work whose tensors drop their Python
+references after the interpreter is gone (pytorch/pytorch#179291). Once a group exists, ``destroy_at_exit``
+registers an ``atexit`` handler that destroys every group while the interpreter is alive, after the worker
+threads have been joined; a script that destroyed them itself makes it a no-op.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 
@@ -65,6 +72,25 @@ def _join_launcher_group(backend: str | None, world: int, rank: int = -1, port: 
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world, **kwargs)
 
 
+_exit_hook = False
+
+
+def destroy_at_exit() -> None:
+    """Destroy the process groups at exit (once registered, idempotent; see the module note)."""
+    global _exit_hook
+    if not _exit_hook:
+        atexit.register(_destroy_groups)
+        _exit_hook = True
+
+
+def _destroy_groups() -> None:
+    if is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a peer that died first: exiting matters more than a clean teardown
+            warnings.warn(f"destroying the process group at exit failed: {exc}", stacklevel=1)
+
+
 def ensure_deepspeed_comm(backend: str | None = None) -> None:
     """Make ``torch.distributed`` and ``deepspeed.comm`` answer, as DeepSpeed's own initialize leaves them (its
     monitors and transformers' ZeRO-3 loading ask them for the rank). One process: an in-memory world of one, no
@@ -77,6 +103,7 @@ def ensure_deepspeed_comm(backend: str | None = None) -> None:
             _join_launcher_group(backend, world)
         else:
             dist.init_process_group(backend or "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    destroy_at_exit()
     try:
         import deepspeed.comm
     except ImportError:  # deepspeed is a dependency; without it only torch.distributed is set up

@@ -63,6 +63,8 @@ class DataParallel:
                                    "megatrain_ds initialize it)")
             self.cpu_group = dist.new_group(backend="gloo")
             self.norm_group = dist.new_group(backend="gloo")
+            from .comm import destroy_at_exit
+            destroy_at_exit()  # gloo groups left alive at exit can abort the process (comm.py)
 
     @property
     def active(self) -> bool:

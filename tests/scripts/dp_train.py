@@ -9,8 +9,10 @@ to rank 0), with the step's learning rate and global grad norm; the final fp32 w
 layers) go to ``--out``'s ``.pt`` twin. ``--engine deepspeed`` runs real DeepSpeed (ZeRO-3, CPU offload).
 """
 import argparse
+import atexit
 import hashlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,10 @@ def main():
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--nvme", default=None, help="offload_optimizer.device nvme with this nvme_path")
     args = parser.parse_args()
+    # registered before the engine's own exit handler, so it runs after it (atexit is LIFO): megatrain_ds must
+    # have destroyed the process groups by then (a gloo group alive at interpreter exit can abort; comm.py)
+    atexit.register(lambda: open(f"{args.out}.exit{os.environ.get('RANK', '0')}", "w").write(
+        "destroyed" if not dist.is_initialized() else "alive"))
     if args.engine == "deepspeed":
         import deepspeed
     else:
@@ -55,7 +61,7 @@ def main():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(std=0.02)
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     ds_config = {
         "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.ga,
         "train_batch_size": args.micro * args.ga * world, "steps_per_print": 1000, "gradient_clipping": args.clip,
@@ -119,6 +125,8 @@ def main():
         torch.save(weights, args.out + ".pt")
         with open(args.out, "w") as f:
             json.dump(record, f)
+    if args.engine == "deepspeed":  # real DeepSpeed leaves its groups to the script
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
