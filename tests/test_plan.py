@@ -11,6 +11,7 @@
 - The CLI end to end in a subprocess, ``--json``, and its errors (a bad model path, a bad config key).
 """
 import copy
+import gc
 import json
 import os
 import subprocess
@@ -191,7 +192,8 @@ def test_layer_costs_extrapolate_exactly():
     """The per-layer working set at micro-batch b from the timelines measured at 1 and 2 equals a measurement at b
     (every live total is linear in b; the peak is the largest of them)."""
     model = tiny_hf("qwen2", tied=False)
-    config = plan.load_train_config(_config(bf16={"enabled": True}))
+    # torch's loss whether or not liger-kernel is installed here (a GPU box has it)
+    config = plan.load_train_config(_config(bf16={"enabled": True}, megatrain={"use_liger": False}))
     block, layers = find_block_list(model)
     layouts = [build_layout(i, layer, {id(p): 0 for p in model.parameters()}) for i, layer in enumerate(layers)]
     loss, parts = plan._loss_kind(model, config, gpu=True)
@@ -208,6 +210,9 @@ def test_liger_kernels_emulated_on_meta(monkeypatch):
     """Where liger-kernel applies (a GPU box with it installed), its RMSNorm and SwiGLU are measured by what they
     save: less than the model's own (Hugging Face's RMSNorm keeps an fp32 copy; its MLP one more intermediate), and
     the fused loss is liger's."""
+    from transformers.models.qwen2 import modeling_qwen2
+    if modeling_qwen2.Qwen2RMSNorm.__module__.startswith("liger_kernel"):  # a GPU box, after an engine applied it
+        pytest.skip("liger-kernel replaced qwen2's classes in this process already: no model with HF's own kernels")
     model = tiny_hf("qwen2", tied=False)
     config = plan.load_train_config(_config(bf16={"enabled": True}))
     block, layers = find_block_list(model)
@@ -254,7 +259,8 @@ def test_cli_json_and_errors(capsys, tmp_path):
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == "tiny" and data["world"] == 2 and data["micro_batch"] == 2 and data["seq"] == 64
     assert data["binding"] in ("host RAM", "disk", "GPU") and data["gpu_allocated_bytes"] > 0
-    assert data["host_state_bytes"] > 0 and data["gpu_total_bytes"] is None  # no --gpu-memory, no GPU here
+    assert data["host_state_bytes"] > 0
+    assert (data["gpu_total_bytes"] is None) == (not torch.cuda.is_available())  # no --gpu-memory: this GPU, if any
     with pytest.raises(SystemExit, match="is not a harness shape .*, a folder with config.json"):
         plan.main([str(tmp_path / "no-such-model")])
     bad = tmp_path / "ds.json"
@@ -276,12 +282,9 @@ def test_model_from_a_folder_and_a_config_file(tmp_path, capsys):
 
 GPU_CASES = {
     "bf16, defaults": {},
-    # measured on an H200 (2026-11-22): predicted 2,171 MiB, measured 2,942 MiB (-26%): with GA > 1 and a bf16 wire
-    # something of ~770 MiB on the GPU is not modelled yet (at full scale, GA 1, the plan was within 3%:
-    # benchmarks/results/2026-11-22_h200_capacity). Strict: it fails loudly once the model covers it.
-    "bf16, bf16 wire, GA 2": pytest.param(
-        {"gradient_accumulation_steps": 2, "megatrain": {"stream_fp32_master": False}},
-        marks=pytest.mark.xfail(strict=True, reason="GA > 1 with a bf16 wire: GPU peak under-predicted by ~26%")),
+    # GA > 1 with a bf16 wire: once under-predicted by 26% (2026-11-22); on an H200 (2026-11-23) predicted 2,171.4 MiB,
+    # measured 2,187.3 (benchmarks/results/2026-11-23_h200_plan_check)
+    "bf16, bf16 wire, GA 2": {"gradient_accumulation_steps": 2, "megatrain": {"stream_fp32_master": False}},
 }
 
 
@@ -304,6 +307,9 @@ def test_gpu_prediction_matches_max_memory_allocated(over, request):
     ds = _config(bf16={"enabled": True}, train_micro_batch_size_per_gpu=micro, megatrain=over.pop("megatrain", {}))
     ds.update(over)
     pred = plan.plan_model(model, plan.load_train_config(ds), seq=seq, device="cuda")
+    gc.collect()  # an earlier case's engine and model (reference cycles) must not count here
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     engine, *_ = megatrain_ds.initialize(model=model, config=ds)
     try:
         torch.cuda.synchronize()
@@ -314,7 +320,7 @@ def test_gpu_prediction_matches_max_memory_allocated(over, request):
             engine.backward(loss)
             engine.step()
         engine.synchronize()
-        measured = torch.cuda.max_memory_allocated()
+        measured = torch.cuda.max_memory_allocated() - before
         print(f"\n{case}: predicted {pred.gpu_allocated_bytes / 2**20:.1f} MiB (peak in {pred.gpu_phase}), measured "
               f"{measured / 2**20:.1f} MiB\n{pred.table()}")
         assert abs(pred.gpu_allocated_bytes - measured) <= 0.10 * measured
