@@ -368,7 +368,7 @@ def _source(engine, param: _Param, kind: str) -> torch.Tensor:
         if param.start >= layout.n_train:
             start = param.start - layout.n_train
             return store.frozen_of(param.layer)[start:start + param.numel]
-        flat = store.master_of(param.layer)
+        flat = store.read_master(param.layer)  # a view, or a copy of an NVMe layer's
     else:  # RAM views, or copies of a layer on the NVMe tier
         flat = store.read_moments(param.layer)[("exp_avg", "exp_avg_sq").index(kind)]
     return flat[param.start:param.start + param.numel]
@@ -412,8 +412,9 @@ class _RankState:
             if first.layer is None:
                 self.fp32.append(engine.resident.master[first.start].detach().cpu().reshape(-1))
             else:  # the layer's trainable region: its parameters lie in it in the group's order
-                master = engine.store.master_of(first.layer)[:sum(p.numel for p in group)]
-                if master.dtype != torch.float32:  # bf16-master mode: written as fp32 groups, as DeepSpeed's
+                master = engine.store.read_master(first.layer)[:sum(p.numel for p in group)]
+                # bf16-master mode: written as fp32 groups, as DeepSpeed's; an NVMe layer's: a copy, kept in a file
+                if master.dtype != torch.float32 or engine.store.master_on_disk(first.layer):
                     master = _scratch(self.folder, f".master{first.layer}-rank{self.world.rank}.scratch",
                                       master.numel(), self.paths).copy_(master)
                 self.fp32.append(master)

@@ -454,12 +454,23 @@ def _nvme(cfg: dict, block: dict, notes: list[str]):
     from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT, get_aio_config
     unknown = sorted(set(aio_block or {}) - set(AIO_DEFAULT_DICT))
     if unknown:
-        notes.append("aio keys DeepSpeed does not read: {', '.join(unknown)} (it reads "
+        notes.append(f"aio keys DeepSpeed does not read: {', '.join(unknown)} (it reads "
                      f"{', '.join(sorted(AIO_DEFAULT_DICT))})")
-    if param.get("device") == "nvme":
-        notes.append("zero_optimization.offload_param.device=nvme: the fp32 masters stay in host memory (they "
-                     "stream to the GPU or refresh its copy every step); the Adam moments go to NVMe when "
-                     "offload_optimizer.device is nvme")
+    masters = param.get("device") == "nvme"
+    if masters and opt.get("device") != "nvme":
+        notes.append("zero_optimization.offload_param.device=nvme: the fp32 masters stay in host memory; they go to "
+                     "NVMe with the Adam moments (of the same layers) when offload_optimizer.device is nvme too")
+    elif masters and param.get("nvme_path") and param.get("nvme_path") != opt.get("nvme_path"):
+        notes.append(f"zero_optimization.offload_param.nvme_path={param.get('nvme_path')!r}: the masters share the "
+                     f"Adam moments' swap file under offload_optimizer.nvme_path={opt.get('nvme_path')!r}")
+    if masters and opt.get("device") == "nvme":
+        staged = [k for k in ("buffer_count", "buffer_size", "max_in_cpu") if k in param]
+        if staged:
+            notes.append(f"zero_optimization.offload_param {', '.join(staged)}: the masters are staged whole layers at "
+                         "a time in the optimizer's swap buffers (offload_optimizer.buffer_count)")
+    if opt.get("device") == "nvme" and "fast_init" in opt:
+        notes.append("zero_optimization.offload_optimizer.fast_init: the swap file is preallocated at initialize "
+                     "either way")
     if opt.get("device") != "nvme":
         if aio_block:
             notes.append("aio: no state is on NVMe (offload_optimizer.device is not nvme)")
@@ -468,7 +479,8 @@ def _nvme(cfg: dict, block: dict, notes: list[str]):
         notes.append("aio.use_gds: GPUDirect Storage is not used (moments are read into host buffers)")
     return NvmeSettings(nvme_path=str(opt.get("nvme_path") or ""), buffer_count=int(opt.get("buffer_count", 4)),
                         pipeline_read=bool(opt.get("pipeline_read", False)),
-                        pipeline_write=bool(opt.get("pipeline_write", False)), aio=get_aio_config(cfg))
+                        pipeline_write=bool(opt.get("pipeline_write", False)), aio=get_aio_config(cfg),
+                        masters=masters)
 
 
 def _zero(cfg: dict, notes: list[str]) -> tuple[int, float]:

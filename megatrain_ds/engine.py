@@ -246,6 +246,16 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 raise ConfigError("bf16.bf16_master_weights_and_grads keeps bf16 master weights: it excludes "
                                   "megatrain.stream_fp32_master=true and megatrain.gpu_optimizer_layers > 0")
             stream_fp32 = False
+        if config.nvme is not None and config.nvme.masters:  # masters on NVMe: the wire that streams stays in RAM
+            if compute_dtype == torch.float32 or config.bf16_masters or stream_fp32 is True:
+                raise ConfigError(
+                    "zero_optimization.offload_param.device=nvme puts the fp32 masters of the NVMe layers on disk "
+                    "beside a separate compute-dtype wire copy, which streams from RAM; here the master is what "
+                    "streams (" + ("fp32 compute" if compute_dtype == torch.float32 else
+                                   "bf16.bf16_master_weights_and_grads" if config.bf16_masters else
+                                   "megatrain.stream_fp32_master=true") + "). Use offload_param.device=cpu "
+                    "(the Adam moments still go to NVMe), or bf16/fp16 compute with stream_fp32_master false or auto")
+            stream_fp32 = False
         if stream_fp32 == "auto":
             stream_fp32 = sum(lay.n_frozen for lay in layouts) <= sum(lay.n_train for lay in layouts)
         wire_dtype = torch.float32 if stream_fp32 else compute_dtype
@@ -273,7 +283,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                   "round away. Speculative steps and GPU-held optimizer state are off in this mode.", flush=True)
         if self.store.tier is not None and self.dp.rank == 0:
             tier = self.store.tier
-            print(f"[megatrain_ds] NVMe tier: the Adam moments of layers {self.store.disk_from}..{len(layers) - 1} "
+            what = "fp32 masters and Adam moments" if self.store.masters_on_disk else "Adam moments"
+            print(f"[megatrain_ds] NVMe tier: the {what} of layers {self.store.disk_from}..{len(layers) - 1} "
                   f"({n_disk} of {len(layers)}) live in {tier.path} ({tier.file_bytes / 2**30:.2f} GiB, "
                   f"{tier.backend}, {len(tier.buffers)} staging buffers of {tier.region_bytes / 2**20:.0f} MiB, "
                   f"pipeline_read={config.nvme.pipeline_read}, pipeline_write={config.nvme.pipeline_write})",
@@ -768,9 +779,15 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if wrong or (strict and (missing or unexpected)):
             raise RuntimeError(f"state does not match the model: wrong shapes {wrong[:5]}, missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]} (strict=False loads what matches; nothing was loaded)")
+        staged = {}  # NVMe layers' masters: assembled here, written once per layer (below)
         for key, (i, slot) in layer_keys.items():
             if key in state and store.owned[i]:  # data parallel: each rank writes the layers it holds
-                store.param_master(i, slot.name).copy_(state[key].reshape(slot.shape))
+                if store.master_on_disk(i) and slot.trainable:
+                    if i not in staged:
+                        staged[i] = store.read_master(i).clone()
+                    staged[i][slot.offset:slot.offset + slot.numel].copy_(state[key].reshape(-1))
+                else:
+                    store.param_master(i, slot.name).copy_(state[key].reshape(slot.shape))
         for key, k in resident_keys.items():
             if key in state:
                 p = self.resident.params[k]
@@ -780,7 +797,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 if p.data is not self.resident.master[k]:  # a frozen one's master is p.data
                     p.data.copy_(self.resident.master[k])
         for i in range(len(store.layouts)):
-            if store.owned[i]:
+            if i in staged:
+                store.write_master(i, staged[i])  # and its wire
+            elif store.owned[i] and not store.master_on_disk(i):
                 store.refresh_wire(i)
         ds = self.executor.device_state
         if ds is not None:
@@ -794,11 +813,20 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             by_name = dict(layer.named_parameters(remove_duplicate=False))
             for slot in self.store.layouts[i].slots:
                 mark_partitioned(by_name[slot.name], ParamHome(self, i, slot.name, None), slot.shape)
-                by_name[slot.name].ds_tensor = (self.store.param_master(i, slot.name) if self.store.owned[i]
-                                                else torch.empty(0))  # data parallel: another rank holds it
+                by_name[slot.name].ds_tensor = self._ds_tensor(i, slot)
         for k, p in enumerate(self.resident.params):
             mark_partitioned(p, ParamHome(self, None, None, k), tuple(p.shape))
             p.ds_tensor = p.data
+
+    def _ds_tensor(self, i: int, slot) -> torch.Tensor:
+        """A streamed parameter's ``ds_tensor``: a view of where it is kept (``param_master``); an NVMe layer's
+        master has no RAM view, so its wire copy (compute dtype, as DeepSpeed's own ``ds_tensor``); empty for a layer
+        another rank holds (data parallel)."""
+        if not self.store.owned[i]:
+            return torch.empty(0)
+        if self.store.master_on_disk(i) and slot.trainable:
+            return self.store.wire_of(i)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return self.store.param_master(i, slot.name)
 
     def _read_master(self, home: ParamHome) -> torch.Tensor:
         self.synchronize()  # the optimizer may be writing these bytes
@@ -839,9 +867,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         ds = self.executor.device_state
         if ds is not None and ds.owns(i):  # the host copy of a GPU-held layer is stale: refresh it before the
             store.master_of(i).copy_(ds.master_of(i))  # whole layer is copied back (the other weights must stay)
-        master = store.param_master(i, home.name)  # a frozen parameter of a compact store: its wire copy
-        master.copy_(value.reshape(master.shape))
-        store.refresh_wire(i)
+        store.set_param_master(i, home.name, value)  # a frozen parameter of a compact store: its wire copy
         if ds is not None and ds.owns(i):
             ds.master_of(i).copy_(store.master_of(i))
         self.executor.schedule.invalidate(i)  # slots holding the old weights are stale

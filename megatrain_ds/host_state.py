@@ -17,7 +17,12 @@ does): the master is the bf16 wire copy itself, 2 bytes: 12 bytes per trained pa
 at the cost of updates smaller than bf16's resolution rounding away. fp32 masters stay the default.
 
 NVMe tier (nvme.py, ``offload_optimizer.device: nvme``): the Adam moments of a suffix of the layers live in a
-swap file; their 8 bytes per parameter leave RAM (``disk_from``; ``acquire_moments``/``release_moments``).
+swap file; their 8 bytes per parameter leave RAM (``disk_from``; ``acquire_moments``/``release_moments``). With
+``offload_param.device: nvme`` too (``NvmeSettings.masters``), those layers' fp32 masters join them on disk: 12 bytes
+per trained parameter leave RAM, which keeps the wire copy and the gradient (4 bytes with GA 1). The master then
+cannot be the wire (the forward streams the wire from RAM): a compact store only (a bf16 wire beside an fp32
+master). Such a layer's master is reached through ``acquire_state`` (the optimizer), ``read_master`` (a copy) and
+``write_master``/``set_param_master``; ``master_of`` refuses it.
 
 Flat buffers are allocated once, each in its own private mapping (huge pages, not inherited by fork), and
 the streamed ones pinned with ``cudaHostRegister`` (the caching host allocator behind ``pin_memory=True``
@@ -159,7 +164,11 @@ class HostLayerStore:
         disk = {i: layouts[i].n_train for i in range(self.disk_from, n_layers)
                 if self.owned[i] and layouts[i].n_train}
         self.tier = None
-        self._read_copy = None  # (layer, exp_avg, exp_avg_sq): read_moments' last copy of a disk layer
+        self._read_copy = None  # (layer, exp_avg, exp_avg_sq[, master]): the last copy read of a disk layer
+        self.masters_on_disk = bool(disk) and bool(getattr(nvme, "masters", False))
+        if self.masters_on_disk and not self.compact:
+            raise ValueError("the masters can go to NVMe only beside a separate wire copy (a bf16 wire and fp32 "
+                             f"masters); here the {master_dtype} master is the wire itself")
         if disk:
             from .nvme import NvmeMoments
             self.tier = NvmeMoments(disk, nvme, rank=rank, backend=nvme_backend)
@@ -167,8 +176,8 @@ class HostLayerStore:
         # In fp32 mode the master is what streams to the GPU, so it is the pinned one. The wire is pinned once
         # ``load_layer`` has written every layer (``finish_loading``): pinning faults every page in, and until the
         # layers are loaded the model still holds its own copy of them (peak host memory: one copy + one layer).
-        self.master = host_buffer(self.n_master, master_dtype, pin and self.wire_is_master, self.regions,
-                                  defer=True)
+        self.master = host_buffer(ram_train if self.masters_on_disk else self.n_master, master_dtype,
+                                  pin and self.wire_is_master, self.regions, defer=True)
         self.exp_avg = host_buffer(ram_train, torch.float32, False, self.regions)
         self.exp_avg_sq = host_buffer(ram_train, torch.float32, False, self.regions)
         self.wire = self.master if self.wire_is_master else host_buffer(full, wire_dtype, pin, self.regions,
@@ -204,8 +213,11 @@ class HostLayerStore:
         return layout.n_train if self.compact else layout.numel
 
     def master_of(self, i: int) -> torch.Tensor:
-        """Layer i's fp32 master: ``[trainable | frozen]``, or its trainable region only when ``compact``."""
+        """Layer i's fp32 master: ``[trainable | frozen]``, or its trainable region only when ``compact``. A view of
+        RAM: a layer whose master is on NVMe has none (``read_master``, ``acquire_state``, ``write_master``)."""
         self._owned(i)
+        if self.master_on_disk(i):
+            raise RuntimeError(f"layer {i}'s master is on NVMe: read_master(i) (a copy) or acquire_state(i)")
         o = self.offsets[i].master
         return self.master[o:o + self.master_numel(i)]
 
@@ -221,15 +233,18 @@ class HostLayerStore:
         layout = self.layouts[i]
         if self.master_dtype != torch.float32:  # bf16-master mode: an fp32 copy
             return self.master_of(i).float()
+        master = self.read_master(i) if self.master_on_disk(i) else self.master_of(i)
         if not self.compact or layout.n_frozen == 0:
-            return self.master_of(i)
-        return torch.cat([self.master_of(i), self.frozen_of(i).float()])
+            return master
+        return torch.cat([master, self.frozen_of(i).float()])
 
-    def refresh_wire(self, i: int) -> None:
-        """The wire copy of layer i's trainable region from its master (after the master changed)."""
+    def refresh_wire(self, i: int, master: torch.Tensor | None = None) -> None:
+        """The wire copy of layer i's trainable region from its master (after the master changed); ``master``: the
+        master where the caller holds it (an NVMe layer's staged copy), else ``master_of(i)``."""
         if not self.wire_is_master:
             n_train = self.layouts[i].n_train
-            self.wire_of(i)[:n_train].copy_(self.master_of(i)[:n_train])
+            master = self.master_of(i) if master is None else master
+            self.wire_of(i)[:n_train].copy_(master[:n_train])
 
     def wire_of(self, i: int) -> torch.Tensor:
         self._owned(i)
@@ -244,28 +259,72 @@ class HostLayerStore:
     def grad_of(self, i: int) -> torch.Tensor:
         return self.train_slice(self.grad, i)
 
-    # Adam moments: in RAM (views) or, for a layer on disk, through the NVMe tier ----------------------------
+    # Adam moments (and masters): in RAM (views) or, for a layer on disk, through the NVMe tier ------------------
     def on_disk(self, i: int) -> bool:
         return self.tier is not None and i in self.tier.n_train
+
+    def master_on_disk(self, i: int) -> bool:
+        return self.masters_on_disk and i in self.tier.n_train
 
     def acquire_moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's (exp_avg, exp_avg_sq) to update in place; pair with ``release_moments``. RAM: views."""
         if self.on_disk(i):
             self._read_copy = None
-            return self.tier.acquire(i)
+            return self.tier.acquire(i)[:2]
         return self.train_slice(self.exp_avg, i), self.train_slice(self.exp_avg_sq, i)
 
     def release_moments(self, i: int, dirty: bool = True) -> None:
         if self.on_disk(i):
             self.tier.release(i, dirty)
 
+    def acquire_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's (master, exp_avg, exp_avg_sq) to update in place, wherever each lives; pair with
+        ``release_moments`` (which writes an NVMe layer's region back, its master included)."""
+        if self.master_on_disk(i):
+            self._read_copy = None
+            m, v, master = self.tier.acquire(i)
+            return master, m, v
+        return (self.master_of(i), *self.acquire_moments(i))
+
+    def _read(self, i: int) -> tuple:
+        if self._read_copy is None or self._read_copy[0] != i:  # the last layer read is kept (a checkpoint reads
+            self._read_copy = (i, *self.tier.read(i))  # a layer once per parameter)
+        return self._read_copy[1:]
+
     def read_moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's moments to read: views (RAM) or copies (disk). Not while the optimizer runs."""
-        if self.on_disk(i):  # the last layer read is kept (a checkpoint reads a layer once per parameter)
-            if self._read_copy is None or self._read_copy[0] != i:
-                self._read_copy = (i, *self.tier.read(i))
-            return self._read_copy[1], self._read_copy[2]
+        if self.on_disk(i):
+            return self._read(i)[:2]
         return self.train_slice(self.exp_avg, i), self.train_slice(self.exp_avg_sq, i)
+
+    def read_master(self, i: int) -> torch.Tensor:
+        """Layer i's master (trainable region when compact) to read: a view (RAM) or a copy (NVMe)."""
+        if self.master_on_disk(i):
+            self._owned(i)
+            return self._read(i)[2]
+        return self.master_of(i)
+
+    def write_master(self, i: int, master: torch.Tensor) -> None:
+        """Overwrite layer i's master (flat, ``master_numel(i)`` elements) wherever it lives and refresh its wire."""
+        if self.master_on_disk(i):
+            self.tier.write(i, master=master)
+            self._read_copy = None
+        else:
+            self.master_of(i).copy_(master.reshape(-1))
+        self.refresh_wire(i, master.reshape(-1))
+
+    def set_param_master(self, i: int, name: str, value: torch.Tensor) -> None:
+        """Overwrite one parameter of layer ``i`` where it is kept (``param_master``: its master, or the wire copy of a
+        frozen one) and refresh the wire copy of what changed."""
+        slot = self._slot(i, name)
+        if self.master_on_disk(i) and slot.trainable:
+            master = self.read_master(i).clone()
+            master[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+            self.write_master(i, master)
+            return
+        self.param_master(i, name).copy_(value.reshape(slot.shape))
+        if slot.trainable:
+            self.refresh_wire(i)
 
     def write_moments(self, i: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Overwrite layer i's moments (flat, its trainable elements) wherever they live."""
@@ -294,27 +353,42 @@ class HostLayerStore:
                 release_storage(by_name[slot.name])
             return
         layout = self.layouts[i]
+        disk = self.master_on_disk(i)
+        master = torch.empty(layout.n_train, dtype=torch.float32) if disk else None  # staged, then written once
         for slot in layout.slots:
             param = by_name[slot.name]
-            self.param_master(i, slot.name).view(-1).copy_(param.detach().reshape(-1))
+            if disk and slot.trainable:
+                master[slot.offset:slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+            else:
+                self.param_master(i, slot.name).view(-1).copy_(param.detach().reshape(-1))
             release_storage(param)
-        self.refresh_wire(i)
+        if disk:  # the whole region at once: the master, and moments that start at zero
+            zeros = torch.zeros(layout.n_train, dtype=torch.float32)
+            self.tier.write(i, zeros, zeros, master, flush=False)
+        self.refresh_wire(i, master)
 
     def finish_loading(self) -> None:
-        """Every layer is loaded: page-lock the buffers whose pinning waited for it (their pages are written)."""
+        """Every layer is loaded: page-lock the buffers whose pinning waited for it (their pages are written) and
+        wait for the NVMe layers' first writes."""
         for region in self.regions:
             if region.pending:
                 region.register(written=True)
+        if self.tier is not None:
+            self.tier.flush()
+
+    def _slot(self, i: int, name: str):
+        for slot in self.layouts[i].slots:
+            if slot.name == name:
+                return slot
+        raise KeyError(f"layer {i} has no parameter {name!r}")
 
     def param_master(self, i: int, name: str) -> torch.Tensor:
         """Where one parameter of layer ``i`` is kept (a view, shaped like the parameter): its fp32 master; for a
-        frozen parameter of a ``compact`` store, its wire copy (compute dtype)."""
-        layout = self.layouts[i]
-        for slot in layout.slots:
-            if slot.name == name:
-                flat = self.master_of(i) if slot.trainable else self.frozen_of(i)
-                return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        raise KeyError(f"layer {i} has no parameter {name!r}")
+        frozen parameter of a ``compact`` store, its wire copy (compute dtype). An NVMe layer's master: a view of a
+        copy (reading only; ``set_param_master`` writes)."""
+        slot = self._slot(i, name)
+        flat = self.read_master(i) if slot.trainable else self.frozen_of(i)
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def nbytes(self) -> int:
         """Bytes of every host buffer (the wire copy counted once when it is the master)."""

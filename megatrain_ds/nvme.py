@@ -3,8 +3,10 @@
 Which state goes to disk. A streamed layer's fp32 Adam moments (``exp_avg``, ``exp_avg_sq``: 8 of the 16 host
 bytes per trained parameter) are touched once per optimizer step, by that layer's update, and by nothing on the
 training path else: the forward streams the wire copy, the backward lands gradients. So they are the state that
-can leave RAM at the cost of one read and one write per step. The masters stay in RAM (they stream, or refresh
-the wire copy); so do the gradients (the landings write them during the backward).
+can leave RAM at the cost of one read and one write per step. The gradients stay in RAM (the landings write them
+during the backward). The masters stay in RAM too, unless ``offload_param.device`` is nvme as well
+(``NvmeSettings.masters``): then each disk layer's fp32 master joins its moments in the same region, read and written
+with them by the update, which refreshes the layer's bf16 wire copy (in RAM: it is what streams) from it.
 
 Which layers. A *suffix* of the layers this process holds (``HostLayerStore(disk_from=...)``): the RAM moments
 buffer is then the same flat buffer as without the tier, cut short, so the GPU-held leading layers
@@ -13,8 +15,8 @@ the norm the updates run in forward order, so the disk layers' reads have the RA
 behind; with speculation (speculation.py) the trailing layers are updated first, during the backward.
 
 How. One file, ``<nvme_path>/megatrain_ds_swap/rank<r>-<pid>/moments.swp``, preallocated at start-up (a disk
-too small fails there, with the numbers, not mid-step), one region per disk layer: ``[exp_avg | exp_avg_sq]``,
-each padded to 4 KiB (O_DIRECT). ``buffer_count`` staging buffers (DeepSpeed's ``offload_optimizer.buffer_count``)
+too small fails there, with the numbers, not mid-step), one region per disk layer: ``[exp_avg | exp_avg_sq]``
+(``[exp_avg | exp_avg_sq | master]`` with masters), each part padded to 4 KiB (O_DIRECT). ``buffer_count`` staging buffers (DeepSpeed's ``offload_optimizer.buffer_count``)
 in RAM form a write-back cache of layer regions:
 
 - ``acquire(i)`` hands the optimizer layer i's moments in a staging buffer (reading them if they are not there
@@ -51,9 +53,10 @@ def align(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-def layer_disk_bytes(n_train: int) -> int:
-    """Bytes a disk layer's region takes in the swap file (and in one staging buffer): two padded fp32 moments."""
-    return 2 * align(4 * n_train)
+def layer_disk_bytes(n_train: int, masters: bool = False) -> int:
+    """Bytes a disk layer's region takes in the swap file (and in one staging buffer): two padded fp32 moments, and
+    with ``masters`` its padded fp32 master (trainable elements) after them."""
+    return (3 if masters else 2) * align(4 * n_train)
 
 
 @dataclass(kw_only=True)
@@ -65,6 +68,7 @@ class NvmeSettings:
     pipeline_read: bool = False
     pipeline_write: bool = False
     aio: dict = field(default_factory=dict)  # deepspeed.runtime.swap_tensor.aio_config.get_aio_config
+    masters: bool = False  # offload_param.device nvme as well: the disk layers' fp32 masters join their moments
 
 
 def free_bytes(path: str) -> int:
@@ -87,8 +91,8 @@ def check_path(path: str, needed: int) -> None:
         raise NvmeError(f"{where}={path!r} is not writable by this process (uid {os.getuid()})")
     free = free_bytes(path)
     if needed > free:
-        raise NvmeError(f"{where}={path!r} has {free / 2**30:.2f} GiB free; the Adam moments of the layers placed on "
-                        f"disk need {needed / 2**30:.2f} GiB. Free space there, point nvme_path at a larger disk, or "
+        raise NvmeError(f"{where}={path!r} has {free / 2**30:.2f} GiB free; the layers placed on disk (their Adam "
+                        f"moments, and masters with offload_param nvme) need {needed / 2**30:.2f} GiB. Free space there, point nvme_path at a larger disk, or "
                         "keep more layers in RAM (megatrain.nvme_layers / megatrain.host_memory_budget)")
 
 
@@ -230,9 +234,9 @@ class NvmeMoments:
         total = 0
         for i in sorted(self.n_train):
             self.offset[i] = total
-            total += layer_disk_bytes(self.n_train[i])
+            total += layer_disk_bytes(self.n_train[i], settings.masters)
         self.file_bytes = total
-        self.region_bytes = max((layer_disk_bytes(n) for n in self.n_train.values()), default=0)
+        self.region_bytes = max((layer_disk_bytes(n, settings.masters) for n in self.n_train.values()), default=0)
         check_path(settings.nvme_path, total)
         _clean_stale(os.path.join(settings.nvme_path, SWAP_DIR))
         self.folder = os.path.join(settings.nvme_path, SWAP_DIR, f"rank{rank}-{os.getpid()}")
@@ -244,7 +248,7 @@ class NvmeMoments:
             os.posix_fallocate(fd, 0, max(total, ALIGN))
         except OSError as exc:
             _remove_folder(self.folder)
-            raise NvmeError(f"cannot allocate {total / 2**30:.2f} GiB for the Adam moments in {self.path}: "
+            raise NvmeError(f"cannot allocate {total / 2**30:.2f} GiB for the NVMe layers' state in {self.path}: "
                             f"{exc.strerror or exc} ({free_bytes(settings.nvme_path) / 2**30:.2f} GiB free there)") from exc
         finally:
             os.close(fd)
@@ -261,13 +265,15 @@ class NvmeMoments:
         self.read_bytes = self.written_bytes = 0
 
     # --- views -------------------------------------------------------------------------------------------------
-    def _moments(self, buf: _Buffer, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n, half = self.n_train[i], align(4 * self.n_train[i])
+    def _parts(self, buf: _Buffer, i: int) -> tuple[torch.Tensor, ...]:
+        """(exp_avg, exp_avg_sq), and the master with ``settings.masters``: fp32 views of the layer's region."""
+        n, part = self.n_train[i], align(4 * self.n_train[i])
         flat = buf.tensor
-        return flat[:4 * n].view(torch.float32), flat[half:half + 4 * n].view(torch.float32)
+        return tuple(flat[k * part:k * part + 4 * n].view(torch.float32)
+                     for k in range(3 if self.settings.masters else 2))
 
     def _region(self, buf: _Buffer, i: int) -> torch.Tensor:
-        return buf.tensor[:layer_disk_bytes(self.n_train[i])]
+        return buf.tensor[:layer_disk_bytes(self.n_train[i], self.settings.masters)]
 
     def staging_bytes(self) -> int:
         return len(self.buffers) * self.region_bytes
@@ -286,7 +292,7 @@ class NvmeMoments:
         buf.state, buf.error = ("writing" if write else "reading"), None
         futures = self.io.submit(write, self._region(buf, i), self.offset[i])
         buf.pending = futures
-        nbytes = layer_disk_bytes(self.n_train[i])
+        nbytes = layer_disk_bytes(self.n_train[i], self.settings.masters)
         if write:
             self.writes, self.written_bytes = self.writes + 1, self.written_bytes + nbytes
         else:
@@ -356,9 +362,10 @@ class NvmeMoments:
                     buf.prefetched = False
             self._pump()
 
-    def acquire(self, i: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's moments (exp_avg, exp_avg_sq), fp32, in a staging buffer held for the caller until
-        ``release``. ``read=False``: the caller overwrites both (a checkpoint load), nothing is read."""
+    def acquire(self, i: int, read: bool = True) -> tuple[torch.Tensor, ...]:
+        """Layer i's moments (exp_avg, exp_avg_sq) and, with ``settings.masters``, its master: fp32, in a staging
+        buffer held for the caller until ``release``. ``read=False``: the caller overwrites every part (a checkpoint
+        load, the first write of a layer), nothing is read."""
         with self.lock:
             if i in self.queue:
                 self.queue.remove(i)
@@ -393,7 +400,7 @@ class NvmeMoments:
             buf.state, buf.prefetched, buf.wanted = "busy", False, False
             self.clock += 1
             buf.used = self.clock
-            return self._moments(buf, i)
+            return self._parts(buf, i)
 
     def release(self, i: int, dirty: bool) -> None:
         """The caller is done with layer i's moments; ``dirty``: they changed, write them back (behind the caller
@@ -421,25 +428,29 @@ class NvmeMoments:
                 self.lock.wait()
             self._check()
 
-    def read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of layer i's moments (checkpoints, ``safe_get_full_optimizer_state``)."""
-        m, v = self.acquire(i)
+    def read(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Copies of layer i's parts (``acquire``'s order; checkpoints, ``safe_get_full_optimizer_state``)."""
+        parts = self.acquire(i)
         try:
-            return m.clone(), v.clone()
+            return tuple(t.clone() for t in parts)
         finally:
             self.release(i, dirty=False)
 
-    def write(self, i: int, exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None) -> None:
-        """Overwrite layer i's moments (either may be None: kept) and wait until they are on disk."""
-        m, v = self.acquire(i, read=exp_avg is None or exp_avg_sq is None)
+    def write(self, i: int, exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None,
+              master: torch.Tensor | None = None, flush: bool = True) -> None:
+        """Overwrite layer i's parts (None: kept as they are) and, with ``flush``, wait until they are on disk."""
+        given = (exp_avg, exp_avg_sq, master)[:3 if self.settings.masters else 2]
+        if master is not None and not self.settings.masters:
+            raise RuntimeError("NVMe tier: the masters are not on disk (offload_param.device is not nvme)")
+        parts = self.acquire(i, read=any(t is None for t in given))
         try:
-            if exp_avg is not None:
-                m.copy_(exp_avg.reshape(-1))
-            if exp_avg_sq is not None:
-                v.copy_(exp_avg_sq.reshape(-1))
+            for dst, src in zip(parts, given):
+                if src is not None:
+                    dst.copy_(src.reshape(-1))
         finally:
             self.release(i, dirty=True)
-        self.flush()
+        if flush:
+            self.flush()
 
     def close(self) -> None:
         """Wait for the writes in flight, close the file and delete the swap folder (idempotent)."""

@@ -347,26 +347,27 @@ class HostAdamW(torch.optim.Optimizer):
         ex, store = self.executor, self.executor.store
         ex.schedule.wait_read(i)
         layout = store.layouts[i]
-        master, grad = store.master_of(i), store.grad_of(i)
+        grad = store.grad_of(i)
         if grad.dtype != torch.float32:
             grad = self._tmp[:layout.n_train].copy_(grad)
-        m, v = self._moments(i)
+        master, m, v = self._state(i)
         try:
             with ex.timer.host_span("rollback_s"), _range(f"rollback.L{i}"):
                 for group, a, b in layout.segments:
                     adamw_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef, self.adam_w_mode)
-                store.refresh_wire(i)
+                store.refresh_wire(i, master)
         finally:
             store.release_moments(i)
 
-    def _moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's Adam moments, acquired for an update (RAM views, or the NVMe tier's staging buffer: the time
-        spent waiting for its read is the breakdown's ``nvme_wait_s``). The caller releases them."""
+    def _state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's master and Adam moments, acquired for an update (RAM views, or the NVMe tier's staging buffer:
+        the time spent waiting for its read is the breakdown's ``nvme_wait_s``). The caller releases them
+        (``release_moments``)."""
         store = self.executor.store
         if not store.on_disk(i):
-            return store.acquire_moments(i)
+            return store.acquire_state(i)
         with self.executor.timer.host_span("nvme_wait_s"), _range(f"nvme_read.L{i}"):
-            return store.acquire_moments(i)
+            return store.acquire_state(i)
 
     def _settle(self, i: int, hp, spec: Speculation):
         """Layer i was stepped speculatively: keep it (the norm task committed), or undo it and step it
@@ -609,17 +610,20 @@ class HostAdamW(torch.optim.Optimizer):
         coef = self._coef if coef is None else coef
         ex.schedule.wait_read(i)  # the last H2D reading wire i has finished
         layout = store.layouts[i]
-        master, grad = store.master_of(i), store.grad_of(i)
+        grad = store.grad_of(i)
         if grad.dtype != torch.float32:
             grad = self._tmp[:layout.n_train].copy_(grad)  # the fused CPU kernel wants fp32 grads
-        low = master.dtype != torch.float32  # bf16-master mode: update an fp32 copy, round it back (nearest)
-        work = self._tmp_master[:layout.n_train].copy_(master[:layout.n_train]) if low else master
-        m, v = self._moments(i)
+        master, m, v = self._state(i)
         try:
+            low = master.dtype != torch.float32  # bf16-master mode: update an fp32 copy, round it back (nearest)
+            work = self._tmp_master[:layout.n_train].copy_(master[:layout.n_train]) if low else master
             for group, a, b in layout.segments:
                 self._adamw([work[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], coef)
+            if low:
+                master[:layout.n_train].copy_(work)
+            if store.master_on_disk(i):  # from the staged master, before its buffer goes back to the tier
+                store.refresh_wire(i, master)
         finally:
-            store.release_moments(i)  # a disk layer's moments are written back behind the next updates
-        if low:
-            master[:layout.n_train].copy_(work)
-        store.refresh_wire(i)
+            store.release_moments(i)  # a disk layer's region is written back behind the next updates
+        if not store.master_on_disk(i):
+            store.refresh_wire(i)

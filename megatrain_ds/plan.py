@@ -107,17 +107,19 @@ def align(n: int, to: int = NVME_ALIGN) -> int:
     return -(-int(n) // to) * to
 
 
-def nvme_layer_bytes(n_train: int) -> int:
-    """Disk bytes of one disk layer: exp_avg and exp_avg_sq (fp32), each page aligned."""
-    return 2 * align(4 * n_train)
+def nvme_layer_bytes(n_train: int, masters: bool = False) -> int:
+    """Disk bytes of one disk layer: exp_avg and exp_avg_sq (fp32), and with ``masters`` its fp32 master, each page
+    aligned (nvme.layer_disk_bytes)."""
+    return (3 if masters else 2) * align(4 * n_train)
 
 
 def nvme_split(ram_bytes_without_moments: int, moment_bytes: list[int], staging_count: int, budget: int,
-               setting) -> int:
+               setting, masters: bool = False) -> int:
     """How many trailing streamed layers keep their Adam moments on disk.
 
     ``ram_bytes_without_moments``: host RAM with no layer's moments in it (and no staging); ``moment_bytes[i]``:
-    layer i's moments in RAM (``8 * n_train_i``; 0 for a layer this rank does not hold); ``staging_count``: the
+    what layer i's disk placement takes out of RAM (``8 * n_train_i``, ``12 *`` with ``masters``: the fp32 master
+    goes too; 0 for a layer this rank does not hold); ``staging_count``: the
     staging buffers the tier allocates (``staging_buffers(offload_optimizer.buffer_count)``), each the size of the
     largest disk layer's region (``nvme_layer_bytes``; none without a disk layer); ``budget``: host bytes allowed
     (``host_budget_bytes``); ``setting``:
@@ -131,7 +133,7 @@ def nvme_split(ram_bytes_without_moments: int, moment_bytes: list[int], staging_
             if k:
                 m = moment_bytes[n - k]
                 kept -= m
-                largest = max(largest, nvme_layer_bytes(m // 8))
+                largest = max(largest, nvme_layer_bytes(m // (12 if masters else 8), masters))
             if ram_bytes_without_moments + kept + staging_count * largest <= budget:
                 return k
         return n
@@ -190,6 +192,12 @@ def nvme_settings(config: TrainConfig) -> tuple[bool, str | None, int]:
     return on, block.get("nvme_path") or None, int(block.get("buffer_count", NVME_BUFFER_COUNT))
 
 
+def nvme_masters(config: TrainConfig) -> bool:
+    """Whether the NVMe layers' fp32 masters go to disk too (``offload_param.device: nvme`` beside the tier)."""
+    parsed = getattr(config, "nvme", None)
+    return bool(parsed is not None and getattr(parsed, "masters", False))
+
+
 def staging_buffers(buffer_count: int) -> int:
     """Staging buffers the NVMe tier allocates for ``offload_optimizer.buffer_count`` (nvme.NvmeMoments: one being
     updated, one being read or written, at least)."""
@@ -215,7 +223,7 @@ def decide(layouts: list[LayerLayout], config: TrainConfig) -> Decisions:
     mt, notes = config.megatrain, []
     compute = config.compute_dtype
     bf16_masters = bool(getattr(config, "bf16_masters", False))
-    stream_fp32 = False if bf16_masters else mt.stream_fp32_master
+    stream_fp32 = False if (bf16_masters or nvme_masters(config)) else mt.stream_fp32_master
     if stream_fp32 == "auto":  # engine.py: the master, unless most streamed weights are frozen (LoRA)
         stream_fp32 = sum(lay.n_frozen for lay in layouts) <= sum(lay.n_train for lay in layouts)
     wire = "fp32" if stream_fp32 else compute
@@ -242,16 +250,18 @@ def decide(layouts: list[LayerLayout], config: TrainConfig) -> Decisions:
 
 # ---------------------------------------------------------------------------------------------- host state
 def layer_store_bytes(layouts: list[LayerLayout], owned: list[bool], wire: str, grad: str, ga: int,
-                      disk: frozenset[int] = frozenset(), master: str = "fp32", staging_count: int = 0
-                      ) -> dict[str, int]:
+                      disk: frozenset[int] = frozenset(), master: str = "fp32", staging_count: int = 0,
+                      disk_masters: bool = False) -> dict[str, int]:
     """Bytes of one rank's ``HostLayerStore`` buffers, as host_state.py allocates them (its ``nbytes()``): the moments
-    of the ``disk`` layers (NVMe tier, a suffix) are not in RAM; ``staging_count`` staging buffers of the largest of
-    this rank's disk layers are (nvme.NvmeMoments, counted by ``fixed_nbytes``)."""
+    of the ``disk`` layers (NVMe tier, a suffix) are not in RAM, nor their masters with ``disk_masters``;
+    ``staging_count`` staging buffers of the largest of this rank's disk layers are (nvme.NvmeMoments, counted by
+    ``fixed_nbytes``)."""
     full = sum(lay.numel for lay, mine in zip(layouts, owned) if mine)
     train = sum(lay.n_train for lay, mine in zip(layouts, owned) if mine)
     moments = sum(lay.n_train for i, (lay, mine) in enumerate(zip(layouts, owned)) if mine and i not in disk)
     wire_is_master = wire == master  # the master is the wire copy: whole layers, one copy
-    parts = {f"{master} master": _size(master) * (full if wire_is_master else train),  # else trainable only
+    ram_train = moments if disk_masters else train  # an NVMe layer's master is on disk too
+    parts = {f"{master} master": _size(master) * (full if wire_is_master else ram_train),  # else trainable only
              "exp_avg + exp_avg_sq": 8 * moments,
              f"{wire} wire copy": 0 if wire_is_master else _size(wire) * full,
              f"{grad} gradients": _size(grad) * train}
@@ -259,7 +269,8 @@ def layer_store_bytes(layouts: list[LayerLayout], owned: list[bool], wire: str, 
         max_train = max((lay.n_train for lay, mine in zip(layouts, owned) if mine), default=0)
         parts["landing ring (GA > 1)"] = 4 * max_train * _size(wire) + 4 * max_train
     on_disk = [lay.n_train for i, (lay, mine) in enumerate(zip(layouts, owned)) if mine and i in disk and lay.n_train]
-    parts["NVMe staging buffers"] = staging_count * max((nvme_layer_bytes(n) for n in on_disk), default=0)
+    parts["NVMe staging buffers"] = staging_count * max((nvme_layer_bytes(n, disk_masters) for n in on_disk),
+                                                        default=0)
     return parts
 
 
@@ -321,7 +332,8 @@ def engine_nvme_layers(config: TrainConfig, layouts: list[LayerLayout], owned: l
     resident = [(p.numel(), p.requires_grad) for p in model.parameters() if id(p) not in layer_ids]
     dec = decide(layouts, config)
     all_disk = frozenset(range(len(layouts)))
-    without = sum(layer_store_bytes(layouts, owned, wire, grad, ga, all_disk, master).values())
+    masters = nvme_masters(config)
+    without = sum(layer_store_bytes(layouts, owned, wire, grad, ga, all_disk, master, disk_masters=masters).values())
     without += resident_host_bytes(resident, compute, device_type, dec.resident_on_device) + \
         optimizer_scratch_bytes(layouts, owned, master)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
@@ -334,9 +346,10 @@ def engine_nvme_layers(config: TrainConfig, layouts: list[LayerLayout], owned: l
     budget = host_budget_bytes(config.megatrain.host_memory_budget,
                                freed_bytes=local * sum(storages.values())) // local
     _, _, buffer_count = nvme_settings(config)
-    moment_bytes = [8 * lay.n_train if mine else 0 for lay, mine in zip(layouts, owned)]
+    per = 12 if masters else 8
+    moment_bytes = [per * lay.n_train if mine else 0 for lay, mine in zip(layouts, owned)]
     return nvme_split(without, moment_bytes, staging_buffers(buffer_count), budget,
-                      config.megatrain.nvme_layers)
+                      config.megatrain.nvme_layers, masters)
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -367,6 +380,7 @@ class Prediction:
     nvme: bool
     nvme_path: str | None
     disk_layers: int
+    nvme_masters: bool
     disk_bytes: int
     disk_free_bytes: int | None
     gpu_parts: dict[str, int]  # at the configured micro-batch, in the peak phase
@@ -412,7 +426,8 @@ class Prediction:
                 lines.append(f"  {name:<44}{_fmt(n):>12}")
         if self.nvme:
             free = "?" if self.disk_free_bytes is None else _fmt(self.disk_free_bytes)
-            lines.append(f"{'disk':<10}{_fmt(self.disk_bytes):>14}{free:>14}  Adam moments of the last "
+            what = "fp32 masters and Adam moments" if self.nvme_masters else "Adam moments"
+            lines.append(f"{'disk':<10}{_fmt(self.disk_bytes):>14}{free:>14}  {what} of the last "
                          f"{self.disk_layers} layer(s) on {self.nvme_path or '(no nvme_path)'}")
         else:
             free = "" if self.disk_free_bytes is None else f"{_fmt(self.disk_free_bytes)}"
@@ -591,12 +606,13 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     nvme, nvme_path_config, buffer_count = nvme_settings(config)
     nvme_path = nvme_path or nvme_path_config
     staging_count = staging_buffers(buffer_count) if nvme else 0
+    masters = nvme and nvme_masters(config)  # offload_param nvme too: the disk layers' fp32 masters leave RAM
 
     def host_for(disk: frozenset[int], staging: int) -> dict[str, int]:
         parts: dict[str, int] = {}
         for r in range(world):
             for k, v in layer_store_bytes(layouts, owned[r], dec.wire, dec.grad, dec.ga, disk, dec.master,
-                                          staging).items():
+                                          staging, disk_masters=masters).items():
                 parts[f"layers: {k}"] = parts.get(f"layers: {k}", 0) + v
         parts["resident (embeddings, norms, head)"] = world * resident_host_bytes(
             resident, dec.compute, dev, dec.resident_on_device)
@@ -611,18 +627,19 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
                      else f"MemAvailable {_fmt(available)}" + (f" + {_fmt(freed_bytes)} freed" if freed_bytes else "")
                      + f" - 5% of MemTotal {_fmt(total)}")
 
-    # --- NVMe tier: the moments of the trailing disk layers leave RAM (nvme_split, as engine_nvme_layers)
-    moment_bytes = [8 * lay.n_train for lay in layouts]
+    # --- NVMe tier: the moments (and masters) of the trailing disk layers leave RAM (nvme_split, as
+    # engine_nvme_layers)
+    moment_bytes = [(12 if masters else 8) * lay.n_train for lay in layouts]
     disk_layers = 0
     if nvme and config.optimizer is not None:
         without = sum(host_for(frozenset(range(n)), 0).values()) + optimizer_scratch + offloaded(mb)
         without += gpu(mb)[0] if (dev == "cpu" and acts is not None) else 0
         disk_layers = nvme_split(without, moment_bytes, staging_count * world, budget,
-                                 config.megatrain.nvme_layers)
+                                 config.megatrain.nvme_layers, masters)
     disk = frozenset(range(n - disk_layers, n))
     host_parts = host_for(disk, staging_count)
     state = sum(host_parts.values())
-    disk_bytes = sum(nvme_layer_bytes(layouts[i].n_train) for i in disk if layouts[i].n_train)
+    disk_bytes = sum(nvme_layer_bytes(layouts[i].n_train, masters) for i in disk if layouts[i].n_train)
     beside = {"host optimizer scratch (one layer, fp32)": optimizer_scratch}
     dec.n_device_layers = min(dec.n_device_layers, n - disk_layers)  # GPU-held layers lead; NVMe layers trail
     persistent["GPU-held layers' master, moments, gradient"] = sum(  # DeviceOptimizerState.nbytes, rank 0's layers
@@ -699,9 +716,9 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     refuse = []  # clearly over: CapacityError
     if host_need_now > budget:
         refuse.append(f"host RAM: needs {_fmt(host_need_now)}, budget {_fmt(budget)} ({budget_source})")
-        lean = host_need_now - 8 * sum(layouts[i].n_train for i in range(n) if i not in disk) + \
+        lean = host_need_now - (12 if masters else 8) * sum(layouts[i].n_train for i in range(n) if i not in disk) + \
             world * staging_buffers(buffer_count if nvme else NVME_BUFFER_COUNT) * max(
-                (nvme_layer_bytes(lay.n_train) for lay in layouts), default=0) - \
+                (nvme_layer_bytes(lay.n_train, masters) for lay in layouts), default=0) - \
             sum(v for k, v in host_parts.items() if k.endswith("NVMe staging buffers"))
         if not nvme and config.optimizer is not None and lean <= budget:
             advice.append(f"set zero_optimization.offload_optimizer.device=nvme (and nvme_path): the Adam moments of "
@@ -758,7 +775,8 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
         grad=dec.grad, ga=dec.ga, micro_batch=mb, seq=seq if acts is not None else None, world=world, device=dev,
         host_parts=host_parts, host_state_bytes=state, host_need_bytes=host_need_now, host_budget_bytes=budget,
         host_budget_source=budget_source, host_available_bytes=available, host_total_bytes=total, nvme=nvme,
-        nvme_path=nvme_path, disk_layers=disk_layers, disk_bytes=disk_bytes, disk_free_bytes=disk_free,
+        nvme_path=nvme_path, disk_layers=disk_layers, nvme_masters=bool(masters), disk_bytes=disk_bytes,
+        disk_free_bytes=disk_free,
         gpu_parts=gpu_parts if dev == "cuda" else {}, gpu_phase=phase,
         gpu_allocated_bytes=allocated if acts is not None else None, gpu_min_bytes=gpu_min,
         gpu_overhead_bytes=overhead, gpu_total_bytes=gpu_total, gpu_source=gpu_source, max_micro_batch=max_mb,

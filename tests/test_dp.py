@@ -126,6 +126,24 @@ def test_nvme_tier_two_ranks_equal_one_process_with_ga2(runs, tmp_path):
         assert abs(loss - runs["ga2"]["loss"][k]) <= TOL * max(1.0, abs(loss)), f"micro-batch {k}"
 
 
+def test_nvme_masters_two_ranks_equal_host_only(tmp_path):
+    """Masters on NVMe too (offload_param nvme): 2 ranks, each owner's swap file holding its layers' fp32 masters and
+    moments, train bit for bit as 2 host-only ranks with the same bf16 wire; the checkpoint (each owner reads its
+    disk masters to scatter them) loads into one host-only process with exactly the saved weights."""
+    mt = {"stream_fp32_master": False}
+    args = ("--bf16", "--steps", "3", "--save-at", "3")
+    got = run(tmp_path / "a.json", *args, "--nvme", str(tmp_path), "--nvme-masters", "--save", str(tmp_path / "ckpt"),
+              "--mt", json.dumps({**mt, "nvme_layers": 2, "nvme_backend": "threads"}), ranks=2)
+    want = run(tmp_path / "b.json", *args, "--mt", json.dumps(mt), ranks=2)
+    assert_same_training(got, want)
+    for name, w in want["weights"].items():
+        assert torch.equal(got["weights"][name], w), name
+    loaded = run(tmp_path / "c.json", "--bf16", "--ga", "2", "--steps", "0", "--load", str(tmp_path / "ckpt"),
+                 "--mt", json.dumps(mt))
+    for name, w in want["weights"].items():
+        assert torch.equal(loaded["weights"][name], w), name
+
+
 def test_lora_bf16_two_ranks(tmp_path):
     """PEFT LoRA in bf16 on 2 ranks (each layer's frozen base held by its owner in bf16 only, host_state.py): trains
     as 1 process with GA 2 (to bf16 rounding: the ranks' gradients are reduced in bf16), and the checkpoint holds

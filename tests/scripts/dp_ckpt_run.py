@@ -197,6 +197,8 @@ def main(argv=None) -> dict:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
+    if real:  # real DeepSpeed leaves its groups to the script (megatrain_ds destroys its own at exit)
+        torch.distributed.destroy_process_group()
     return out
 
 

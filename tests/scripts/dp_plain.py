@@ -125,6 +125,8 @@ def main():
     print("DP_REPORT " + json.dumps(report), flush=True)
     dist.barrier()
     sys.stdout.flush()
+    if args.real:  # real DeepSpeed leaves its groups to the script (megatrain_ds destroys its own at exit)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def main():
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear layer")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--nvme", default=None, help="offload_optimizer.device nvme with this nvme_path")
+    parser.add_argument("--nvme-masters", action="store_true", help="with --nvme: offload_param.device nvme too")
     args = parser.parse_args()
     # registered before the engine's own exit handler, so it runs after it (atexit is LIFO): megatrain_ds must
     # have destroyed the process groups by then (a gloo group alive at interpreter exit can abort; comm.py)
@@ -78,6 +79,8 @@ def main():
         ds_config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme,
                                                                "buffer_count": 2, "pipeline_read": True,
                                                                "pipeline_write": True}
+        if args.nvme_masters:  # the NVMe layers' fp32 masters join their moments on disk
+            ds_config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": args.nvme}
     if args.engine == "megatrain" and json.loads(args.mt):
         ds_config["megatrain"] = json.loads(args.mt)
     params = [p for p in model.parameters() if p.requires_grad]
