@@ -724,8 +724,11 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
             advice.append(f"set zero_optimization.offload_optimizer.device=nvme (and nvme_path): the Adam moments of "
                           f"trailing layers go to disk (host RAM with every layer's moments on disk: {_fmt(lean)})")
         elif config.optimizer is not None and lean > budget:
-            advice.append(f"even with every layer's Adam moments on NVMe host RAM needs {_fmt(lean)}: a host with more "
-                          "memory"
+            advice.append(f"even with every layer's Adam moments{' and masters' if masters else ''} on NVMe host RAM "
+                          f"needs {_fmt(lean)}: a host with more memory"
+                          + ("" if masters or dec.master != "fp32" or dec.compute == "fp32" else
+                             ", zero_optimization.offload_param.device=nvme as well (the NVMe layers' fp32 masters "
+                             "go to disk too: about 4 host bytes per parameter are left of 16)")
                           + ("" if dec.master != "fp32" or dec.compute != "bf16" else
                              ", bf16.bf16_master_weights_and_grads: true (bf16 masters: 4 host bytes less per "
                              "parameter)")
