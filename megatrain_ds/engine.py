@@ -706,6 +706,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                     value = flat[start:start + slot.numel].view(slot.shape)
                     if self.store.compact and not slot.trainable:  # as one process gives it: its kept dtype
                         value = value.to(self.store.wire_dtype)
+                    elif self.store.master_dtype != torch.float32:  # bf16 masters (the wire): likewise
+                        value = value.to(self.store.master_dtype)
                     out[f"{prefix}{i}.{slot.name}"] = value
                 continue
             for slot in layout.slots:

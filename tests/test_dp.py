@@ -144,6 +144,26 @@ def test_nvme_masters_two_ranks_equal_host_only(tmp_path):
         assert torch.equal(loaded["weights"][name], w), name
 
 
+def test_bf16_masters_two_ranks(tmp_path):
+    """bf16-master mode (the streamed layers' master is the bf16 wire) on 2 ranks: each owner updates its layers'
+    bf16 masters; trains as 1 process with GA 2 to bf16 rounding (the ranks' gradients are reduced in bf16), every
+    rank ends with the same weights, and the NVMe tier under it changes no bit."""
+    args = ("--bf16", "--bf16-masters", "--steps", "3", "--mt", json.dumps({"nvme_backend": "threads"}))
+    got = run(tmp_path / "a.json", *args, ranks=2)
+    want = run(tmp_path / "b.json", *args, "--ga", "2")
+    for k, loss in want["loss"].items():
+        assert abs(got["loss"][k] - loss) <= 2e-2 * abs(loss), f"micro-batch {k}"
+    assert len(set(got["digests"])) == 1
+    for name, w in want["weights"].items():
+        if "layers" in name:  # the streamed layers' masters: bf16, within bf16 rounding of one process's
+            assert got["weights"][name].dtype == torch.bfloat16, name
+            assert (got["weights"][name].float() - w.float()).abs().max().item() <= 2e-2, name
+    tier = run(tmp_path / "c.json", *args, "--nvme", str(tmp_path), ranks=2)
+    assert tier["loss"] == got["loss"]
+    for name, w in got["weights"].items():
+        assert torch.equal(tier["weights"][name], w), name
+
+
 def test_lora_bf16_two_ranks(tmp_path):
     """PEFT LoRA in bf16 on 2 ranks (each layer's frozen base held by its owner in bf16 only, host_state.py): trains
     as 1 process with GA 2 (to bf16 rounding: the ranks' gradients are reduced in bf16), and the checkpoint holds

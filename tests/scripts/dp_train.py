@@ -36,6 +36,7 @@ def main():
     parser.add_argument("--mt", default="{}", help="megatrain_ds's own config block (JSON)")
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear layer")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--bf16-masters", action="store_true", help="with --bf16: bf16_master_weights_and_grads")
     parser.add_argument("--nvme", default=None, help="offload_optimizer.device nvme with this nvme_path")
     parser.add_argument("--nvme-masters", action="store_true", help="with --nvme: offload_param.device nvme too")
     args = parser.parse_args()
@@ -74,7 +75,7 @@ def main():
                               "offload_optimizer": {"device": "cpu"}},
     }
     if args.bf16:
-        ds_config["bf16"] = {"enabled": True}
+        ds_config["bf16"] = {"enabled": True, **({"bf16_master_weights_and_grads": True} if args.bf16_masters else {})}
     if args.nvme:  # the NVMe tier (each rank's own swap file for the layers it owns)
         ds_config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme,
                                                                "buffer_count": 2, "pipeline_read": True,
