@@ -29,9 +29,11 @@ to the byte: tests/test_plan.py):
   frozen one (its only copy is on the device). On a CPU "device" the device copies are host memory too.
 - Beside the state (not in ``host_memory()``): the host optimizer's fp32 scratch (one layer; two in bf16-master
   mode), and, with
-  ``offload_activations``, every layer's saved input in pinned host memory (rounded up likewise), per step.
+  ``offload_activations``, every layer's saved input in pinned host memory (a buffer of exactly its size each,
+  activations.py), per step.
 
-**Disk**: per disk layer ``2 * align(4 * n_train, 4096)`` (exp_avg and exp_avg_sq, page aligned).
+**Disk**: per disk layer ``2 * align(4 * n_train, 4096)`` (exp_avg and exp_avg_sq, page aligned); ``3 *`` with
+masters on NVMe (``offload_param.device: nvme``), whose masters then leave RAM as well.
 
 **GPU** (per rank; ``gpu_allocated_bytes`` is what ``torch.cuda.max_memory_allocated`` reports for a step):
 
@@ -78,7 +80,7 @@ from torch import nn
 
 from .config import ConfigError, TrainConfig, load_config_source, parse_config
 from .model_map import LayerLayout, UnsupportedModelError, build_layout, find_block_list, shared_parameter_ids
-from .plan_gpu import _DTYPES, ActivationModel, _liger_installed, _meta_twin, _pow2, _size  # noqa: F401 (re-exported)
+from .plan_gpu import _DTYPES, ActivationModel, _liger_installed, _meta_twin, _size  # noqa: F401 (re-exported)
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -600,7 +602,7 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
         if not (offload and acts is not None):
             return 0
         one = acts.input_bytes(b)
-        return world * n * (_pow2(one) if dev == "cuda" else one)
+        return world * n * one  # one buffer of exactly its size per layer (activations.py)
 
     # --- host RAM: the engine's state (per rank, summed; = host_memory()), beside it what is not in it
     nvme, nvme_path_config, buffer_count = nvme_settings(config)

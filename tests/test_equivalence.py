@@ -212,8 +212,14 @@ def test_activations_in_host_memory(monkeypatch):
 
     monkeypatch.setattr(sys.modules[__name__], "_ds_config", with_offload)
     engine = _compare(lambda: tiny_hf("llama", tied=True), ga=2)
-    assert engine.executor.activations is not None
-    assert not engine.executor.activations.on_host and not engine.executor.activations.on_device
+    acts = engine.executor.activations
+    assert acts is not None
+    assert not acts.on_host and not acts.on_device
+    # one host buffer of exactly one input's size per layer, made in the first forward and reused by every later
+    # micro-batch (no power-of-two rounding, no new buffer per step)
+    (numel, dtype), = acts.pool.keys()
+    assert len(acts.pool[(numel, dtype)]) == len(engine.executor.layouts)
+    assert acts.nbytes == len(engine.executor.layouts) * numel * dtype.itemsize
 
 
 def test_no_clipping():
