@@ -19,9 +19,10 @@ from torch import nn
 
 from .activations import HostActivations
 from .adapters import save_adapter
-from .checkpoint import consolidated_state_dict, load_checkpoint, save_16bit_model, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .executor import StreamedLayers
+from .export import consolidated_state_dict, save_16bit_model
 from .device_state import DeviceOptimizerState
 from .dp import DataParallel
 from .host_state import HostLayerStore

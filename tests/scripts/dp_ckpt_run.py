@@ -14,7 +14,7 @@ frozen (frozen parameters in the streamed layers, saved as ZeRO-3 frozen fragmen
 Runs, each recorded under ``runs`` in ``--out`` (rank 0 writes; losses by global micro-batch index, the learning
 rate per step, the final fp32 weights in ``<out>.<run>.pt``):
 - ``straight``: a model of seed 0 trains ``--steps`` steps; ``--save`` saves a checkpoint after ``--save-at`` steps
-  (the weights then go to ``<out>.at_save.pt``, gathered with ``checkpoint.gather_full_masters``); ``--export``
+  (the weights then go to ``<out>.at_save.pt``, gathered with ``export.gather_full_masters``); ``--export``
   writes ``save_16bit_model`` at the end.
 - ``resume<k>``: for the k-th ``--resume DIR``, a fresh engine around a model of seed 1 (everything must come
   from the checkpoint; the k-th ``--resume-mt`` its ``megatrain`` block) loads DIR and trains to ``--steps``;
@@ -86,7 +86,7 @@ def train(engine, deepspeed, args, rank: int, world: int, real: bool = False, sa
         if save and step + 1 == args.save_at:
             engine.save_checkpoint(args.save, client_state={"rank": rank, "step": step + 1})
             if not real:
-                from megatrain_ds.checkpoint import gather_full_masters
+                from megatrain_ds.export import gather_full_masters
 
                 at_save = {n: t.clone() for n, t in gather_full_masters(engine).items()}
                 if rank == 0:

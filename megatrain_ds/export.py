@@ -1,0 +1,126 @@
+"""16-bit export: the whole model's weights from the fp32 masters (``gather_full_masters``,
+``consolidated_state_dict``, ``save_16bit_model``). With N ranks (data parallel, dp.py) each layer's master comes
+from its owner over the gloo group, one layer at a time; collectives every rank calls, as DeepSpeed's.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import _World, _save, clean_stale
+
+
+def _frozen_ids(engine) -> set[int]:
+    """What ``exclude_frozen_parameters`` leaves out: parameters with ``requires_grad`` False (DeepSpeed's
+    rule) and, when the engine has an optimizer, parameters in none of its groups (never trained here)."""
+    in_optimizer = None
+    if engine.optimizer is not None:
+        in_optimizer = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    return {id(p) for p in engine.module.parameters()
+            if not p.requires_grad or (in_optimizer is not None and id(p) not in in_optimizer)}
+
+
+def gather_full_masters(engine, dst: int | None = None, dtype: torch.dtype | None = None) -> dict | None:
+    """Every parameter's whole fp32 master keyed like ``master_state_dict()`` (cast to ``dtype``, as a copy,
+    when given).
+
+    One process: views of the host masters (no copy unless ``dtype``; frozen weights of a compact store are
+    their compute-dtype copy, host_state.py). Data parallel: a collective (every rank
+    calls it): streamed layers go from their owner to rank ``dst`` (None: to every rank), one layer at a time,
+    over the gloo group; resident parameters are replicated. Ranks other than ``dst`` get None. What a rank
+    receives is its own copy (4 bytes per parameter; ``dtype`` casts each layer as it arrives)."""
+    engine.sync_masters_to_host()
+    world, store = _World(engine), engine.store
+    if dst is not None and world.rank != dst and world.size > 1:
+        out = None
+    else:
+        out = {}
+    cast = (lambda t: t.to(dtype, copy=True)) if dtype is not None else (lambda t: t)  # noqa: E731
+    for i, layout in enumerate(store.layouts):
+        if world.size == 1:
+            for slot in layout.slots:  # views (frozen weights of a compact store: their compute-dtype copy)
+                out[f"{engine.block_name}.{i}.{slot.name}"] = cast(store.param_master(i, slot.name))
+            continue
+        else:
+            owner = world.owner(i)
+            mine = store.full_master(i) if world.rank == owner else None
+            if dst is None:
+                flat = mine if mine is not None else torch.empty(layout.numel, dtype=torch.float32)
+                if layout.numel:
+                    dist.broadcast(flat, src=world.peer(owner), group=world.group)
+            elif owner == dst:
+                flat = mine
+            elif world.rank == owner:
+                if layout.numel:
+                    dist.send(mine, dst=world.peer(dst), group=world.group)
+                continue
+            elif world.rank == dst:
+                flat = torch.empty(layout.numel, dtype=torch.float32)
+                if layout.numel:
+                    dist.recv(flat, src=world.peer(owner), group=world.group)
+            else:
+                continue
+        if out is None:
+            continue
+        for slot in layout.slots:
+            start = slot.offset + (0 if slot.trainable else layout.n_train)
+            out[f"{engine.block_name}.{i}.{slot.name}"] = cast(flat[start:start + slot.numel].view(slot.shape))
+    if out is None:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for p, master in zip(engine.resident.params, engine.resident.master):
+        out[names[id(p)]] = cast(master.view(p.shape).cpu())
+    return out
+
+
+def consolidated_state_dict(engine, dtype: torch.dtype | None = None,
+                            exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+    """The whole model's ``state_dict()`` on the CPU, parameters from their fp32 masters cast to ``dtype``
+    (default: the compute dtype), persistent buffers as they are; tied names each get their tensor. Data
+    parallel: a collective (every rank calls it); the state dict is rank 0's, other ranks get None (DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict``)."""
+    dtype = dtype or engine.compute_dtype
+    masters = gather_full_masters(engine, dst=0, dtype=dtype)  # copies in dtype, one layer at a time
+    if masters is None:
+        return None
+    kept = {id(p): n for n, p in engine.module.named_parameters()}  # tied names share one master
+    skip = _frozen_ids(engine) if exclude_frozen_parameters else set()
+    out, used = {}, set()
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.nn.Parameter):
+            if id(tensor) not in skip:
+                value = masters[kept[id(tensor)]]
+                out[name] = value.clone() if id(value) in used else value  # a tied name: a tensor of its own
+                used.add(id(value))
+        else:  # persistent buffer
+            out[name] = tensor.detach().cpu().clone()
+    return out
+
+
+def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """Consolidated weights in the compute dtype, written atomically; ``*.safetensors`` names use safetensors.
+    Data parallel: every rank calls it (the weights are gathered to rank 0, which writes the file; every rank
+    returns once it is in place), as DeepSpeed's."""
+    world = _World(engine)
+    state = consolidated_state_dict(engine, exclude_frozen_parameters=exclude_frozen_parameters)
+    error = None
+    if world.rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            clean_stale(save_dir)  # a killed export's .<file>.tmp-<pid>
+            final = os.path.join(save_dir, save_filename)
+            tmp = os.path.join(save_dir, f".{save_filename}.tmp-{os.getpid()}")
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
+            else:
+                _save(state, tmp)
+            os.replace(tmp, final)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    world.agree(error, f"write {save_filename}")
+    return True
