@@ -19,7 +19,9 @@ At exit. A process that leaves without ``destroy_process_group()`` (most DeepSpe
 in interpreter finalization: gloo's worker threads still hold finished work whose tensors drop their Python
 references after the interpreter is gone (pytorch/pytorch#179291). Once a group exists, ``destroy_at_exit``
 registers an ``atexit`` handler that destroys every group while the interpreter is alive, after the worker
-threads have been joined; a script that destroyed them itself makes it a no-op.
+threads have been joined; a script that destroyed them itself makes it a no-op. (On the CPU test box a rank still
+died that way once, after this handler had run: in finalization, past everything Python controls. The tests run
+such a launch once more: tests/launch.py.)
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch import run_again_after_exit_abort
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 PROBE = REPO / "tests" / "scripts" / "compat_probe.py"
@@ -37,8 +39,8 @@ def _env(switch: bool) -> dict:
 
 
 def _run(cmd: list, switch: bool, cwd: Path) -> str:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(switch), capture_output=True, text=True,
-                          timeout=900)
+    proc = run_again_after_exit_abort(lambda: subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(switch),
+                                                             capture_output=True, text=True, timeout=900))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out

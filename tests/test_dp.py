@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch import run_again_after_exit_abort
+
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "scripts" / "dp_train.py"
 REPO = HERE.parent
@@ -47,13 +49,15 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 def run(out: Path, *args: str, ranks: int = 1, gpu: bool = False) -> dict:
     """The script with ``ranks`` processes (torchrun) or one plain process; its record and final weights."""
-    if ranks == 1:
-        cmd = [sys.executable, str(SCRIPT)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_addr", "127.0.0.1", "--master_port", str(_port()), str(SCRIPT)]
-    _check(subprocess.run(cmd + ["--out", str(out), *args], env=_env(gpu), capture_output=True, text=True,
-                          timeout=900))
+    def launch():
+        if ranks == 1:
+            cmd = [sys.executable, str(SCRIPT)]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                   "--master_addr", "127.0.0.1", "--master_port", str(_port()), str(SCRIPT)]
+        return subprocess.run(cmd + ["--out", str(out), *args], env=_env(gpu), capture_output=True, text=True,
+                              timeout=900)
+    _check(run_again_after_exit_abort(launch))
     record = json.loads(out.read_text())
     record["weights"] = torch.load(str(out) + ".pt")
     return record
@@ -203,15 +207,21 @@ def test_two_ranks_equal_real_deepspeed_zero3(runs):
 def test_two_nodes_simulated(runs, tmp_path):
     """Two ``torchrun --nnodes 2`` launches on this host (one rank each, LOCAL_RANK 0 on both): the multi-node
     launch path trains as one process with GA 2."""
-    port, out = _port(), tmp_path / "nodes.json"
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-         "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT),
-         "--out", str(out if node == 0 else tmp_path / "unused.json")],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=900)
-        _check(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    out = tmp_path / "nodes.json"
+
+    def launch():  # both "nodes"; the first failure (or success) of the two, with both logs
+        port = _port()
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+             "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT),
+             "--out", str(out if node == 0 else tmp_path / "unused.json")],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+        done = [(proc, *proc.communicate(timeout=900)) for proc in procs]
+        failed = [d for d in done if d[0].returncode != 0]
+        proc = (failed or done)[0][0]
+        return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(d[1] for d in done),
+                                           "".join(d[2] for d in done))
+    _check(run_again_after_exit_abort(launch))
     record = json.loads(out.read_text())
     record["weights"] = torch.load(str(out) + ".pt")
     assert record["world"] == 2

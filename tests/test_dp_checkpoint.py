@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch import EXIT_ABORT, aborted_at_exit
+
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "scripts" / "dp_ckpt_run.py"
 REPO = HERE.parent
@@ -73,12 +75,21 @@ def _stop(*procs: subprocess.Popen) -> None:
             proc.communicate()
 
 
-def _finish(proc: subprocess.Popen, out: Path) -> dict:
-    stdout, stderr = proc.communicate(timeout=600)
-    if proc.returncode != 0:  # plain text, whole: pytest cuts a tuple's repr short
-        pytest.fail(f"exit {proc.returncode}\n--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-8000:]}",
-                    pytrace=False)
-    return _record(out)
+def _finish_all(launches: list[tuple[subprocess.Popen, Path]]) -> list[dict]:
+    """Wait for every launch, then read each one's record. A launch whose rank died of the exit-time abort
+    (tests/launch.py) is run once more, after all of them finished (no launch reads a folder it rewrites)."""
+    done = [(proc, *proc.communicate(timeout=600)) for proc, _ in launches]
+    records = []
+    for (proc, stdout, stderr), (_, out) in zip(done, launches):
+        if aborted_at_exit(proc.returncode, stderr):
+            print(f"[tests/launch.py] a rank died of {EXIT_ABORT!r} after its script; launching again", flush=True)
+            proc = _launch(*proc.args[proc.args.index(str(SCRIPT)) + 1:])
+            stdout, stderr = proc.communicate(timeout=600)
+        if proc.returncode != 0:  # plain text, whole: pytest cuts a tuple's repr short
+            pytest.fail(f"exit {proc.returncode}\n--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n"
+                        f"{stderr[-8000:]}", pytrace=False)
+        records.append(_record(out))
+    return records
 
 
 def _record(out: Path) -> dict:
@@ -104,8 +115,7 @@ def runs(tmp_path_factory):
             "--resume", str(tmp / "ck2"), "--resume", str(tmp / "ck1"), "--resume", str(tmp / "ds"),
             "--resume-mt", "{}", "--resume-mt", DEVICE_STATE, "--wait", "", "--wait", "", "--wait",
             str(tmp / "ds.json"), "--end-save", str(tmp / "end"), "--refuse", str(tmp / "ck2")))
-        ds = _finish(launches[0], tmp / "ds.json")
-        two = _finish(launches[1], tmp / "two.json")
+        ds, two = _finish_all([(launches[0], tmp / "ds.json"), (launches[1], tmp / "two.json")])
     finally:
         _stop(*launches)
     with warnings.catch_warnings(record=True) as caught:

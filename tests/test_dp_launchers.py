@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch import run_again_after_exit_abort
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SCRIPTS = HERE / "scripts"
@@ -56,7 +58,8 @@ def _env(switch: bool = False, **extra) -> dict:
 
 def _run(cmd: list, env: dict, cwd: Path, out: Path) -> tuple[str, list[dict]]:
     """Run a launch; its log and each rank's report (DIR/rank{R}.json), by rank."""
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_again_after_exit_abort(lambda: subprocess.run([str(c) for c in cmd], cwd=cwd, env=env,
+                                                             capture_output=True, text=True, timeout=600))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-8000:]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]

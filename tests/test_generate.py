@@ -25,6 +25,7 @@ import torch
 
 import megatrain_ds
 from megatrain_ds.config import ConfigError, MegatrainSettings
+from tests.launch import run_again_after_exit_abort
 from tests.models import tiny_hf
 from tests.test_paths import _batches, _compare, _logits_loss
 
@@ -228,14 +229,21 @@ def test_data_parallel_two_ranks(tmp_path):
     """2 ranks (gloo, the two processes started directly: torchrun's own start-up would add seconds)."""
     from tests.test_dp import _env, _port
 
-    port, script = str(_port()), Path(__file__).resolve().parent / "scripts" / "dp_generate.py"
-    procs = [subprocess.Popen([sys.executable, str(script), "--out", str(tmp_path)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
-    for rank, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (rank, err[-4000:])
+    script = Path(__file__).resolve().parent / "scripts" / "dp_generate.py"
+
+    def launch():  # both ranks; the first failure (or success) of the two, with both logs
+        port = str(_port())
+        procs = [subprocess.Popen([sys.executable, str(script), "--out", str(tmp_path)], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                           LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                 for r in range(2)]
+        done = [(proc, *proc.communicate(timeout=300)) for proc in procs]
+        proc = next((d[0] for d in done if d[0].returncode != 0), procs[0])
+        return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(d[1] for d in done),
+                                           "".join(d[2] for d in done))
+    proc = run_again_after_exit_abort(launch)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for phase, cache_loads in (("first", 1), ("after_step", 2)):
