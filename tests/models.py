@@ -57,3 +57,20 @@ class PlainLM(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
+
+
+def token_batches(n: int, seed: int = 1, shape=(2, 12), vocab: int = 256) -> list[torch.Tensor]:
+    """``n`` seeded batches of random token ids (the tiny models' vocabulary)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, shape, generator=g) for _ in range(n)]
+
+
+def train_lm(engine, batches) -> list[float]:
+    """One forward/backward/step per batch (labels = inputs); the losses."""
+    losses = []
+    for ids in batches:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

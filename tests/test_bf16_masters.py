@@ -8,7 +8,7 @@ import torch
 
 import megatrain_ds
 from megatrain_ds.config import ConfigError
-from tests.models import tiny_hf
+from tests.models import tiny_hf, token_batches, train_lm
 
 
 def _config(bf16_masters=True, lr=3e-3, **mt):
@@ -16,21 +16,6 @@ def _config(bf16_masters=True, lr=3e-3, **mt):
             "bf16": {"enabled": True, "bf16_master_weights_and_grads": bf16_masters},
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
             "megatrain": {"gpu_optimizer_layers": 0, "keep_activations": 0, **mt}}
-
-
-def _batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (2, 12), generator=g) for _ in range(n)]
-
-
-def _train(engine, batches):
-    losses = []
-    for ids in batches:
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _layer_masters(engine):
@@ -45,7 +30,7 @@ def test_bf16_masters_bytes_step_line_and_learning(capsys):
     # 2 (master = wire) + 4 + 4 (fp32 moments) + 2 (bf16 gradient, GA 1) bytes per streamed parameter
     assert store.nbytes() == 12 * store.n_train
     before = _layer_masters(engine)
-    losses = _train(engine, _batches(8))
+    losses = train_lm(engine, token_batches(8))
     out = capsys.readouterr().out
     assert "bf16 master weights (bf16.bf16_master_weights_and_grads)" in out
     assert "step=1, skipped=0" in out and "bf16 masters" in out.split("step=1,")[1].splitlines()[0]
@@ -60,7 +45,7 @@ def test_bf16_masters_bytes_step_line_and_learning(capsys):
 def test_fp32_masters_stay_default_and_named(capsys):
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=_config(bf16_masters=False))
     assert engine.store.master_dtype == torch.float32
-    _train(engine, _batches(1))
+    train_lm(engine, token_batches(1))
     assert "fp32 masters" in capsys.readouterr().out
     engine.destroy()
 
@@ -73,7 +58,7 @@ def test_updates_below_bf16_resolution_round_away():
         engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2),
                                              config=_config(bf16_masters, lr=1e-7))
         before = _layer_masters(engine)
-        _train(engine, _batches(3))
+        train_lm(engine, token_batches(3))
         after = _layer_masters(engine)
         moved[bf16_masters] = sum(int((before[k] != after[k]).sum()) for k in before)
         engine.destroy()
@@ -82,11 +67,11 @@ def test_updates_below_bf16_resolution_round_away():
 
 def test_bf16_masters_checkpoint_resume_exact(tmp_path):
     full_engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=_config())
-    full = _train(full_engine, _batches(4))
+    full = train_lm(full_engine, token_batches(4))
     final = _layer_masters(full_engine)
     full_engine.destroy()
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=_config())
-    _train(engine, _batches(2))
+    train_lm(engine, token_batches(2))
     engine.save_checkpoint(str(tmp_path), tag="t")
     engine.destroy()
     optim = torch.load(tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
@@ -94,7 +79,7 @@ def test_bf16_masters_checkpoint_resume_exact(tmp_path):
     assert all(g.dtype == torch.float32 for g in groups)  # as DeepSpeed writes them
     resumed, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=_config())
     resumed.load_checkpoint(str(tmp_path), tag="t")
-    assert _train(resumed, _batches(4)[2:]) == full[2:]
+    assert train_lm(resumed, token_batches(4)[2:]) == full[2:]
     got = _layer_masters(resumed)
     for k in final:
         assert torch.equal(got[k], final[k]), k
@@ -121,7 +106,7 @@ def test_bf16_masters_with_lora_keep_the_base_and_train_the_adapters():
     store = engine.store
     assert store.nbytes() == 2 * store.n_full + 10 * store.n_train  # master = wire (2) + moments (8) + grad (2)
     before = {k: v.clone() for k, v in engine.master_state_dict().items()}
-    _train(engine, _batches(4))
+    train_lm(engine, token_batches(4))
     after = engine.master_state_dict()
     lora = [k for k in before if "lora_" in k]
     assert lora and any(not torch.equal(before[k], after[k]) for k in lora)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import megatrain_ds
-from tests.models import tiny_hf
+from tests.models import tiny_hf, token_batches, train_lm
 
 peft = pytest.importorskip("peft")
 STEPS = 3
@@ -39,18 +39,7 @@ def _config(clip: float = 0.0) -> dict:
 
 
 def _batches(n: int = STEPS, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (2, 12), generator=g) for _ in range(n)]
-
-
-def _train(engine, batches) -> list[float]:
-    losses = []
-    for ids in batches:
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return token_batches(n, seed)
 
 
 def _adapters(engine) -> dict[str, torch.Tensor]:
@@ -71,7 +60,7 @@ def test_frozen_base_in_compute_dtype_changes_no_number():
               {"params": base, "lr": 0.0, "weight_decay": 0.0}]
     full, *_ = megatrain_ds.initialize(model=model, model_parameters=groups, config=_config())
     batches = _batches()
-    assert _train(compact, batches) == _train(full, batches)
+    assert train_lm(compact, batches) == train_lm(full, batches)
     a, b = _adapters(compact), _adapters(full)
     assert a.keys() == b.keys() and len(a) == 2 * len(TARGETS) * 3
     for name in a:
@@ -104,9 +93,9 @@ def test_checkpoint_resumes_and_carries_the_peft_adapter(tmp_path):
     PeftModel.from_pretrained loads the engine's adapter weights from it."""
     batches = _batches(5)
     engine, *_ = megatrain_ds.initialize(model=_lora(), config=_config(clip=1.0))
-    _train(engine, batches[:2])
+    train_lm(engine, batches[:2])
     engine.save_checkpoint(str(tmp_path), tag="t")
-    want = _train(engine, batches[2:])
+    want = train_lm(engine, batches[2:])
     folder = tmp_path / "t"
     states = torch.load(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
     fragments = states["frozen_param_fragments"]
@@ -121,7 +110,7 @@ def test_checkpoint_resumes_and_carries_the_peft_adapter(tmp_path):
     got = resumed.master_state_dict()
     for name, value in saved.items():  # peft's names drop the adapter name ("default")
         assert torch.equal(value, got[name.replace(".weight", ".default.weight")]), name
-    assert _train(resumed, batches[2:]) == want
+    assert train_lm(resumed, batches[2:]) == want
 
 
 def _adapters_at(root, tag) -> dict[str, torch.Tensor]:
@@ -146,7 +135,7 @@ def test_layers_with_optimizer_state_on_the_device():
         cfg = _config(clip=1.0)
         cfg["megatrain"].update(megatrain)
         engine, *_ = megatrain_ds.initialize(model=_lora(), config=cfg)
-        return _train(engine, _batches(4)), _adapters(engine), engine
+        return train_lm(engine, _batches(4)), _adapters(engine), engine
 
     host, held = run({}), run({"gpu_optimizer_layers": 2})
     assert held[2].executor.device_state.master.numel() < held[2].store.n_train  # 2 of 3 layers' adapters only

@@ -14,7 +14,7 @@ import megatrain_ds
 from megatrain_ds import plan
 from megatrain_ds.config import ConfigError
 from megatrain_ds.nvme import align
-from tests.models import tiny_hf
+from tests.models import tiny_hf, token_batches, train_lm
 
 LAYERS, DISK, GA, STEPS = 5, 3, 2, 5
 
@@ -35,21 +35,6 @@ def _config(path=None, *, clip=0.05, ga=GA, buffers=2, layers=DISK, masters=True
     return cfg
 
 
-def _batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (2, 12), generator=g) for _ in range(n)]
-
-
-def _train(engine, batches):
-    losses = []
-    for ids in batches:
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _masters(engine):
     return {k: v.clone() for k, v in engine.master_state_dict().items()}
 
@@ -64,7 +49,7 @@ def _assert_same(a, b):
 def reference():
     """Host-only, bf16 wire: losses and masters after STEPS steps, and its host bytes."""
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=LAYERS), config=_config())
-    losses = _train(engine, _batches(STEPS * GA))
+    losses = train_lm(engine, token_batches(STEPS * GA))
     out = losses, _masters(engine), engine.host_memory()["total_bytes"]
     engine.destroy()
     return out
@@ -86,7 +71,7 @@ def test_masters_on_nvme_equal_host_only(tmp_path, reference):
     with pytest.raises(RuntimeError, match="on NVMe"):
         store.master_of(LAYERS - 1)
     losses, masters, host_only_bytes = reference
-    assert _train(engine, _batches(STEPS * GA)) == losses
+    assert train_lm(engine, token_batches(STEPS * GA)) == losses
     _assert_same(_masters(engine), masters)
     mem = engine.host_memory()
     assert mem["total_bytes"] == host_only_bytes - 12 * sum(disk_train) + tier.staging_bytes()
@@ -102,16 +87,16 @@ def test_checkpoints_between_nvme_masters_and_host_only(tmp_path, reference):
     nv = tmp_path / "nvme"
     nv.mkdir()
     losses, masters, _ = reference
-    batches = _batches(STEPS * GA)
+    batches = token_batches(STEPS * GA)
     for save_cfg, name in ((_config(nv), "disk"), (_config(), "ram")):
         engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=LAYERS), config=save_cfg)
-        _train(engine, batches[:3 * GA])
+        train_lm(engine, batches[:3 * GA])
         engine.save_checkpoint(str(tmp_path / name), tag="t3")
         engine.destroy()
     for load_cfg, name in ((_config(), "disk"), (_config(nv, layers=2), "disk"), (_config(nv), "ram")):
         engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=LAYERS, seed=7), config=load_cfg)
         engine.load_checkpoint(str(tmp_path / name), tag="t3")
-        assert _train(engine, batches[3 * GA:]) == losses[3 * GA:], (load_cfg["megatrain"], name)
+        assert train_lm(engine, batches[3 * GA:]) == losses[3 * GA:], (load_cfg["megatrain"], name)
         _assert_same(_masters(engine), masters)
         engine.destroy()
 
@@ -125,7 +110,7 @@ def test_parameter_surface_reads_and_writes_disk_masters(tmp_path):
     results = []
     for cfg in (_config(tmp_path), _config()):
         engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=LAYERS), config=cfg)
-        _train(engine, _batches(2))
+        train_lm(engine, token_batches(2))
         params = dict(engine.module.named_parameters())
         p = params[name]
         if engine.store.masters_on_disk:
@@ -138,7 +123,7 @@ def test_parameter_surface_reads_and_writes_disk_masters(tmp_path):
         state["model.layers.2.mlp.down_proj.weight"] = state["model.layers.2.mlp.down_proj.weight"] * 0.9
         state["model.layers.4.mlp.down_proj.weight"] = state["model.layers.4.mlp.down_proj.weight"] * 0.9
         engine.load_master_state_dict(state)
-        losses = _train(engine, _batches(4, seed=3))
+        losses = train_lm(engine, token_batches(4, seed=3))
         results.append((losses, _masters(engine), safe_get_full_fp32_param(params[up])))
         engine.destroy()
     (la, ma, ua), (lb, mb, ub) = results
@@ -196,6 +181,6 @@ def test_zero_infinity_config_from_the_deepspeed_docs(tmp_path):
     for key in ("buffer_size", "max_in_cpu", "fast_init"):
         assert key in said, key
     assert engine.store.masters_on_disk and engine.store.wire_dtype == torch.float16
-    losses = _train(engine, _batches(4))
+    losses = train_lm(engine, token_batches(4))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     engine.destroy()
