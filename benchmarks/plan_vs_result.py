@@ -63,7 +63,8 @@ def main(argv=None) -> int:
         print(f"{name:<28}{r['tokens_per_step']:>8}{r['plan_host_need_bytes'] / gib:>11.2f}"
               f"{r['measured_peak_host_rss_bytes'] / gib:>10.2f}"
               f"{ratio(r['plan_host_need_bytes'], r['measured_peak_host_rss_bytes']):>8}"
-              f"{r['plan_host_state_bytes'] / gib:>11.2f}{(hs or 0) / gib:>9.2f}{ratio(r['plan_host_state_bytes'], hs):>8}"
+              f"{r['plan_host_state_bytes'] / gib:>11.2f}{(hs or 0) / gib:>9.2f}"
+              f"{ratio(r['plan_host_state_bytes'], hs):>8}"
               f"{(r['plan_gpu_allocated_bytes'] or 0) / gib:>10.2f}{r['measured_peak_gpu_bytes'] / gib:>10.2f}"
               f"{ratio(r['plan_gpu_allocated_bytes'], r['measured_peak_gpu_bytes']):>8}")
     print("(GiB; ratio = (plan - measured) / measured)", file=sys.stderr)

@@ -11,8 +11,9 @@ the read-back before the recompute; ``hand_over`` keeps each device copy alive u
 Host buffers. Each input goes to a buffer of exactly its size, in a mapping of its own (host_state.HostRegion,
 page-locked on CUDA), kept in a pool by (elements, dtype) and reused by later saves of the same size. torch's pinned
 allocator would round each up to a power of two: a 7B layer input at 384K tokens (2.6 GiB) takes a 4 GiB block, 38
-GiB more over 28 layers (computed from the sizes). Reuse is ordered on the GPU: a buffer goes back to the pool with the event of its H2D read-back, and
-the next D2H into it waits for that event on the ``d2h`` stream (writes are all on ``d2h``, reads all on ``h2d``).
+GiB more over 28 layers (computed from the sizes). Reuse is ordered on the GPU: a buffer goes back to the pool with
+the event of its H2D read-back, and the next D2H into it waits for that event on the ``d2h`` stream (writes are all
+on ``d2h``, reads all on ``h2d``).
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ behind; with speculation (speculation.py) the trailing layers are updated first,
 
 How. One file, ``<nvme_path>/megatrain_ds_swap/rank<r>-<pid>/moments.swp``, preallocated at start-up (a disk
 too small fails there, with the numbers, not mid-step), one region per disk layer: ``[exp_avg | exp_avg_sq]``
-(``[exp_avg | exp_avg_sq | master]`` with masters), each part padded to 4 KiB (O_DIRECT). ``buffer_count`` staging buffers (DeepSpeed's ``offload_optimizer.buffer_count``)
-in RAM form a write-back cache of layer regions:
+(``[exp_avg | exp_avg_sq | master]`` with masters), each part padded to 4 KiB (O_DIRECT). ``buffer_count`` staging
+buffers (DeepSpeed's ``offload_optimizer.buffer_count``) in RAM form a write-back cache of layer regions:
 
 - ``acquire(i)`` hands the optimizer layer i's moments in a staging buffer (reading them if they are not there
   yet; a read already in flight is waited for), ``release(i, dirty)`` writes them back behind it
@@ -92,8 +92,9 @@ def check_path(path: str, needed: int) -> None:
     free = free_bytes(path)
     if needed > free:
         raise NvmeError(f"{where}={path!r} has {free / 2**30:.2f} GiB free; the layers placed on disk (their Adam "
-                        f"moments, and masters with offload_param nvme) need {needed / 2**30:.2f} GiB. Free space there, point nvme_path at a larger disk, or "
-                        "keep more layers in RAM (megatrain.nvme_layers / megatrain.host_memory_budget)")
+                        f"moments, and masters with offload_param nvme) need {needed / 2**30:.2f} GiB. Free space "
+                        "there, point nvme_path at a larger disk, or keep more layers in RAM (megatrain.nvme_layers / "
+                        "megatrain.host_memory_budget)")
 
 
 def _byte_view(t: torch.Tensor):
@@ -249,7 +250,8 @@ class NvmeMoments:
         except OSError as exc:
             _remove_folder(self.folder)
             raise NvmeError(f"cannot allocate {total / 2**30:.2f} GiB for the NVMe layers' state in {self.path}: "
-                            f"{exc.strerror or exc} ({free_bytes(settings.nvme_path) / 2**30:.2f} GiB free there)") from exc
+                            f"{exc.strerror or exc} ({free_bytes(settings.nvme_path) / 2**30:.2f} GiB free "
+                            "there)") from exc
         finally:
             os.close(fd)
         self.io = open_backend(self.path, settings, backend)

@@ -48,10 +48,10 @@ masters on NVMe (``offload_param.device: nvme``), whose masters then leave RAM a
   layer's flat gradient still on its way to the host + layer j's recompute-and-gradient working set); the landing
   of layer j's gradient (its conversion to the landing dtype); the embedding's backward.
 - The per-layer working sets, the final norm's graph and the torch-chunked or model's own loss are *measured*
-  (plan_gpu.py): the layer runs on the meta device under a dispatch mode that tracks every tensor storage an op creates and
-  frees (``_LiveBytes``), as the executor runs it (its template, bound to a flat slot, tiled by tiling.py when
-  ``tiled_mlp`` says so). The live total at each moment is linear in the micro-batch, so two runs (micro-batch 1
-  and 2) give the peak at any micro-batch. Emulated, because they differ on a GPU: attention with no mask runs as
+  (plan_gpu.py): the layer runs on the meta device under a dispatch mode that tracks every tensor storage an op
+  creates and frees (``_LiveBytes``), as the executor runs it (its template, bound to a flat slot, tiled by
+  tiling.py when ``tiled_mlp`` says so). The live total at each moment is linear in the micro-batch, so two runs
+  (micro-batch 1 and 2) give the peak at any micro-batch. Emulated, because they differ on a GPU: attention with no mask runs as
   flash attention (output + fp32 log-sum-exp saved; the backward's fp32 dq accumulator; fp32 with grouped KV heads
   falls back to the math kernel, measured as such); when liger-kernel applies (CUDA, installed, a model type it
   knows), its RMSNorm and SwiGLU (what they save, in-place backward); autograd adds a second gradient into the
@@ -292,9 +292,10 @@ def _resident_items(resident) -> list[tuple[int, bool]]:
 
 def resident_host_bytes(resident: list[tuple[int, bool]], compute: str, device_type: str,
                         state_on_device: bool) -> int:
-    """Bytes of one rank's ``ResidentParams`` on the host (counted by ``host_memory()``). Trainable: fp32 master, exp_avg, exp_avg_sq, grad (16) + compute-dtype wire and landing
-    copies (pinned in mappings of their own: no 2^k rounding), on the host unless the state is on the device;
-    frozen: their one compute-dtype copy is on the device (host memory only when the device is the CPU)."""
+    """Bytes of one rank's ``ResidentParams`` on the host (counted by ``host_memory()``). Trainable: fp32 master,
+    exp_avg, exp_avg_sq, grad (16) + compute-dtype wire and landing copies (pinned in mappings of their own: no 2^k
+    rounding), on the host unless the state is on the device; frozen: their one compute-dtype copy is on the device
+    (host memory only when the device is the CPU)."""
     c, exact = _size(compute), 0
     for n, trainable in resident:
         if not trainable:
