@@ -49,14 +49,14 @@ masters on NVMe (``offload_param.device: nvme``), whose masters then leave RAM a
   of layer j's gradient (its conversion to the landing dtype); the embedding's backward.
 - The per-layer working sets, the final norm's graph and the torch-chunked or model's own loss are *measured*
   (plan_gpu.py): the layer runs on the meta device under a dispatch mode that tracks every tensor storage an op
-  creates and frees (``_LiveBytes``), as the executor runs it (its template, bound to a flat slot, tiled by
-  tiling.py when ``tiled_mlp`` says so). The live total at each moment is linear in the micro-batch, so two runs
-  (micro-batch 1 and 2) give the peak at any micro-batch. Emulated, because they differ on a GPU: attention with no
-  mask runs as flash attention (output + fp32 log-sum-exp saved; the backward's fp32 dq accumulator; fp32 with grouped KV heads
+  creates and frees (``_LiveBytes``), as the executor runs it (its template, bound to a flat slot, tiled by tiling.py
+  when ``tiled_mlp`` says so). The live total at each moment is linear in the micro-batch, so two runs (micro-batch 1
+  and 2) give the peak at any micro-batch. Emulated, because they differ on a GPU: attention with no mask runs as
+  flash attention (output + fp32 log-sum-exp saved; the backward's fp32 dq accumulator; fp32 with grouped KV heads
   falls back to the math kernel, measured as such); when liger-kernel applies (CUDA, installed, a model type it
-  knows), its RMSNorm and SwiGLU (what they save, in-place backward); autograd adds a second gradient into the
-  first in place on real devices (not on meta). liger's fused linear cross-entropy is computed from its chunking
-  rule (transient logits of about tokens x hidden; fp32 head-gradient accumulator).
+  knows), its RMSNorm and SwiGLU (what they save, in-place backward); autograd adds a second gradient into the first
+  in place on real devices (not on meta). liger's fused linear cross-entropy is computed from its chunking rule
+  (transient logits of about tokens x hidden; fp32 head-gradient accumulator).
 - Not allocated by torch, so added to what must fit, not to ``gpu_allocated_bytes``: the CUDA context and
   kernels (``CUDA_CONTEXT_BYTES``), NCCL's buffers with several ranks. The largest micro-batch keeps
   ``GPU_HEADROOM`` of the rest free for the caching allocator's fragmentation.
