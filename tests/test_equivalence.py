@@ -217,9 +217,37 @@ def test_activations_in_host_memory(monkeypatch):
     assert not acts.on_host and not acts.on_device
     # one host buffer of exactly one input's size per layer, made in the first forward and reused by every later
     # micro-batch (no power-of-two rounding, no new buffer per step)
-    (numel, dtype), = acts.pool.keys()
-    assert len(acts.pool[(numel, dtype)]) == len(engine.executor.layouts)
-    assert acts.nbytes == len(engine.executor.layouts) * numel * dtype.itemsize
+    sizes = {buf.numel() for (buf, _), _ in acts.pool}
+    assert len(acts.pool) == len(engine.executor.layouts) and len(sizes) == 1
+    assert acts.nbytes == len(engine.executor.layouts) * sizes.pop()
+
+
+def test_host_activation_buffers_follow_varying_lengths():
+    """Batches of varying length reuse the host buffers that fit (the smallest); a longer one than any before
+    releases the free buffers it outgrew instead of piling up one set per length; contents round-trip."""
+    from megatrain_ds.activations import HostActivations
+    from megatrain_ds.streams import make_streams
+
+    acts = HostActivations(make_streams(torch.device("cpu")), torch.device("cpu"))
+
+    def step(tokens, layers=3):
+        xs = [torch.randn(2, tokens, 8, dtype=torch.bfloat16) for _ in range(layers)]
+        for k, x in enumerate(xs):
+            acts.save(k, x)
+        for k in reversed(range(layers)):
+            acts.prefetch(k)
+            assert torch.equal(acts.load(k), xs[k])
+        return 2 * 8 * 2  # bytes per token
+
+    per = step(16)
+    assert acts.nbytes == 3 * 16 * per and len(acts.pool) == 3
+    step(10)  # shorter: the same buffers, nothing new
+    assert acts.nbytes == 3 * 16 * per
+    step(24)  # longer than every free buffer: those are released, three of the new size made
+    assert acts.nbytes == 3 * 24 * per and {b.numel() for (b, _), _ in acts.pool} == {24 * per}
+    for tokens in (5, 24, 12, 20):
+        step(tokens)
+    assert acts.nbytes == 3 * 24 * per and len(acts.pool) == 3
 
 
 def test_no_clipping():
