@@ -184,3 +184,25 @@ def test_zero_infinity_config_from_the_deepspeed_docs(tmp_path):
     losses = train_lm(engine, token_batches(4))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     engine.destroy()
+
+
+def test_lora_adapters_with_masters_on_nvme(tmp_path):
+    """A peft LoRA model: the disk layers' records hold the adapters' masters only (the frozen base stays in its bf16
+    wire copy), and training equals host-only bit for bit."""
+    peft = pytest.importorskip("peft")
+
+    def model():
+        return peft.get_peft_model(tiny_hf("llama", layers=LAYERS), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"]))
+    results = []
+    for cfg in (_config(tmp_path), _config()):
+        engine, *_ = megatrain_ds.initialize(model=model(), config=cfg)
+        if engine.store.masters_on_disk:
+            tier, store = engine.store.tier, engine.store
+            assert tier.file_bytes == sum(3 * align(4 * store.layouts[i].n_train) for i in tier.n_train)
+            assert all(store.layouts[i].n_frozen > store.layouts[i].n_train > 0 for i in tier.n_train)
+        results.append((train_lm(engine, token_batches(2 * GA)), _masters(engine)))
+        engine.destroy()
+    (la, ma), (lb, mb) = results
+    assert la == lb
+    _assert_same(ma, mb)
