@@ -509,8 +509,10 @@ def _make_layer_forward(executor: StreamedLayers, index: int):
     return forward
 
 
-# KV-cache arguments of Hugging Face decoder layers (current and older names)
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+# KV-cache arguments of Hugging Face decoder layers, by name (transformers >= 5.24 calls it ``cache``; earlier
+# releases ``past_key_values``, older ones ``past_key_value``, GPT-2 ``layer_past``). A value that is a cache object
+# is recognised by its type too, whatever its name (``_is_cache``): a rename upstream cannot slip one through.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # the forward-hook dictionaries of an nn.Module (mirrored from a layer's submodules onto the template's)
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
@@ -526,35 +528,50 @@ def _positional_names(layer: nn.Module) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
+def _is_cache(value) -> bool:
+    """A KV cache object: transformers' ``Cache`` (any subclass, the hybrid Mamba caches included), or anything
+    shaped like one (``update`` and ``get_seq_length``), so a cache passed under a name we do not know is still
+    seen."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str, tuple, list, dict)):
+        return False
+    return callable(getattr(value, "get_seq_length", None)) and callable(getattr(value, "update", None))
+
+
 def _without_cache(i: int, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
     """A grad-enabled layer call runs without the KV cache, as Hugging Face's own gradient checkpointing does:
     the forward appends this step's keys/values to the cache, so the backward's recompute would append them a
     second time and attend to both (a wrong gradient for every loss taken from the logits). An empty cache is
-    dropped (nothing in it changes the result); a cache that already holds tokens cannot be: an error."""
-    at = {name: j for j, name in enumerate(names[:len(args)]) if name in _CACHE_KWARGS or name == "use_cache"}
-    if all(kwargs.get(k) is None for k in _CACHE_KWARGS) and not kwargs.get("use_cache") and \
-            all(args[j] is None or args[j] is False for j in at.values()):
+    dropped (nothing in it changes the result); a cache that already holds tokens cannot be: an error.
+
+    A cache is found by name (``_CACHE_KWARGS``, positional ones through ``names``) or by type (``_is_cache``)."""
+    named = {name: j for j, name in enumerate(names[:len(args)])}
+    cache_at = [("arg", j) for j, v in enumerate(args)
+                if _is_cache(v) or (names[j:j + 1] and names[j] in _CACHE_KWARGS and v is not None)]
+    cache_at += [("kw", k) for k, v in kwargs.items() if _is_cache(v) or (k in _CACHE_KWARGS and v is not None)]
+    flag_at = [("arg", named["use_cache"])] if "use_cache" in named and args[named["use_cache"]] else []
+    flag_at += [("kw", "use_cache")] if kwargs.get("use_cache") else []
+    if not cache_at and not flag_at:
         return args, kwargs
     args, kwargs = list(args), dict(kwargs)
-    for key in _CACHE_KWARGS:
-        cache = args[at[key]] if key in at else kwargs.get(key)
-        if cache is None:
-            continue
-        length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else None
+    for where, key in cache_at:
+        cache = args[key] if where == "arg" else kwargs[key]
+        name = (names[key] if key < len(names) else f"argument {key + 2}") if where == "arg" else key
+        length = cache.get_seq_length() if callable(getattr(cache, "get_seq_length", None)) else None
         if length != 0:
             raise NotImplementedError(
                 f"layer {i} was called with grad enabled and a KV cache that already holds "
-                f"{'some' if length is None else length} tokens ({key}=): megatrain_ds recomputes each layer in "
+                f"{'some' if length is None else length} tokens ({name}=): megatrain_ds recomputes each layer in "
                 "backward and cannot replay a cache the forward has changed. Train without a prefix cache "
-                "(use_cache=False, past_key_values=None), or run this forward under torch.no_grad()")
-        if key in at:
-            args[at[key]] = None
+                "(use_cache=False, no cache passed), or run this forward under torch.no_grad()")
+        if where == "arg":
+            args[key] = None
         else:
             kwargs[key] = None
-    if "use_cache" in at:
-        args[at["use_cache"]] = False
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
+    for where, key in flag_at:
+        if where == "arg":
+            args[key] = False
+        else:
+            kwargs[key] = False
     return tuple(args), kwargs
 
 
