@@ -1,9 +1,13 @@
 # Two commands on a fresh machine:  make demo   (the main job)   and   make test
-# The environment lives in .venv; torch is pinned first so pip does not pull a CUDA build on CPU boxes
-# (on a GPU box with its own torch: make demo SYSTEM_PYTHON=1).
+# The environment lives in .venv; torch is pinned first so pip does not pull a CUDA build on CPU boxes, and the
+# rest comes from constraints.txt, the set the suite passed with (on a GPU box with its own torch:
+# make demo SYSTEM_PYTHON=1).
+# Drift:  make canary  runs the drift tests (tests/drift.py) against the newest published transformers, accelerate,
+# peft and DeepSpeed in .venv-canary;  make oldest  against the oldest versions pyproject.toml declares
+# (constraints-oldest.txt) in .venv-oldest. CI (.ci/run) runs make test, then both; each names the versions it ran.
 PYTHON ?= python3
 VENV := .venv
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py constraints.txt | cksum | cut -d' ' -f1)
 
 ifeq ($(SYSTEM_PYTHON),1)
 PY := $(PYTHON)
@@ -13,7 +17,7 @@ PY := $(VENV)/bin/python
 ENV_DEP := $(STAMP)
 endif
 
-.PHONY: demo test env clean
+.PHONY: demo test env clean canary oldest
 
 env: $(ENV_DEP)
 
@@ -21,7 +25,7 @@ $(STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	DS_BUILD_OPS=0 $(VENV)/bin/pip install -q -e '.[test]'
+	DS_BUILD_OPS=0 $(VENV)/bin/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 demo: $(ENV_DEP)
@@ -30,5 +34,22 @@ demo: $(ENV_DEP)
 test: $(ENV_DEP)
 	$(PY) -m pytest -q tests
 
+# the newest releases, fetched again on every run (that is the point); torch stays at the CPU wheel
+canary:
+	test -x .venv-canary/bin/python || $(PYTHON) -m venv .venv-canary
+	.venv-canary/bin/pip install -q --upgrade pip
+	.venv-canary/bin/pip install -q torch==2.13.0
+	DS_BUILD_OPS=0 .venv-canary/bin/pip install -q -e '.[test]'
+	@echo "(pip may say the newest releases conflict with pyproject's tested ranges: expected, that is the canary)"
+	DS_BUILD_OPS=0 .venv-canary/bin/pip install -q --upgrade transformers accelerate peft deepspeed torch==2.13.0
+	.venv-canary/bin/python -m tests.drift canary
+
+oldest:
+	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/pip install -q --upgrade pip
+	.venv-oldest/bin/pip install -q torch==2.13.0
+	DS_BUILD_OPS=0 .venv-oldest/bin/pip install -q -c constraints-oldest.txt -e '.[test]'
+	.venv-oldest/bin/python -m tests.drift oldest
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-canary .venv-oldest .pytest_cache

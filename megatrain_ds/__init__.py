@@ -18,6 +18,7 @@ from .comm import init_distributed
 from .config import ConfigError, OptimizerSettings, TrainConfig, parse_config, warn_not_acted_on
 from .engine import MegaTrainEngine
 from .model_map import UnsupportedModelError
+from .recompute_check import RecomputeMismatch
 
 MEGATRAIN_VERSION = "0.1.0"  # megatrain_ds's own release (pyproject.toml's version; tests keep them equal)
 
@@ -73,6 +74,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                            f"{comm.get_world_size()} rank(s): initialize the process group over every launched "
                            "process (or let megatrain_ds.initialize do it), or launch that many processes")
     settings = parse_config(config, world_size=comm.get_world_size(), warn=False)
+    from .versions import check_installed  # (imported here: `python -m megatrain_ds.versions` runs it as __main__)
+    check_installed()  # one warning per process naming a dependency outside the tested range (versions.py)
     notes = settings.not_acted_on
     _check_parallelism(mpu, mesh_param, notes)
     client_groups = None

@@ -198,6 +198,12 @@ class MegatrainSettings:
     host_memory_budget: float | str = "auto"  # GiB of host RAM the engine's state may take when placing layers on
     # the NVMe tier; "auto": the memory available at initialize (plus what the model's own weights free) less a
     # margin (plan.py, host_budget_bytes)
+    check_recompute: bool | int | str = "auto"  # compare each layer's backward recompute with its forward (outputs
+    # on the device, read at the step; arguments changed in place, on the CPU) and stop with RecomputeMismatch
+    # naming the layer when they differ (recompute_check.py): "auto" = the first 3 steps of every run; true = every
+    # step; false = never; an int = the first that many steps
+    check_recompute_tolerance: float | str = "auto"  # relative L2 error allowed per output; "auto": 1e-4 (fp32),
+    # 2e-2 (bf16), 1e-2 (fp16)
     nvme_backend: str = "auto"  # the NVMe tier's I/O: "aio" (DeepSpeed's async I/O op; libaio), "threads" (a
     # thread pool over an O_DIRECT file), "auto" (aio when it builds and loads, else threads)
 
@@ -246,6 +252,15 @@ class MegatrainSettings:
         b = self.host_memory_budget
         if not (b == "auto" or (isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0)):
             raise ConfigError(f"megatrain.host_memory_budget must be a number of GiB > 0 or \"auto\", got {b!r}")
+        from .recompute_check import validate_setting as validate_check
+        try:
+            validate_check(self.check_recompute)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        t = self.check_recompute_tolerance
+        if not (t == "auto" or (isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0)):
+            raise ConfigError(f"megatrain.check_recompute_tolerance must be a relative error > 0 or \"auto\", got "
+                              f"{t!r}")
         if self.nvme_backend not in ("auto", "aio", "threads"):
             raise ConfigError(f"megatrain.nvme_backend must be \"auto\", \"aio\" or \"threads\", got "
                               f"{self.nvme_backend!r}")

@@ -22,6 +22,7 @@ from .adapters import save_adapter
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .executor import StreamedLayers
+from .recompute_check import RecomputeCheck, RecomputeMismatch
 from .export import consolidated_state_dict, save_16bit_model
 from .device_state import DeviceOptimizerState
 from .dp import DataParallel
@@ -301,8 +302,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         # and the AdamW thread (speculative and post-norm updates; see HostAdamW.bind)
         self.opt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-adamw",
                                              initializer=apply_placement, initargs=(self.placement,))
+        check = RecomputeCheck(mt.check_recompute, mt.check_recompute_tolerance, compute_dtype,
+                               type(model).__name__, input_from_next=mt.offload_activations)
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
-                                       num_slots=mt.num_slots, compute_dtype=compute_dtype, dp=self.dp)
+                                       num_slots=mt.num_slots, compute_dtype=compute_dtype, dp=self.dp, check=check)
         from .tiling import apply_tiling  # long context: the templates' MLPs (and non-liger RMSNorms) in row chunks
         self.tiled_modules = apply_tiling(self.executor.templates, mt.tiled_mlp)  # "template:path" of each
         if mt.trace:
@@ -493,6 +496,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         """At an accumulation boundary: queue clip + AdamW (host) and advance counters and scheduler."""
         if self.is_gradient_accumulation_boundary():
             skipped = False
+            if self.executor.check.active:  # the recompute check's errors, before any update is queued
+                self._read_recompute_check()
             if self.optimizer is not None:
                 self._last_norm = self.optimizer.step()
                 # Wait for the norm task (it waits for the last gradient landings: a CPU-GPU sync), in every
@@ -644,6 +649,20 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.optimizer.zero_grad()
         else:
             self.executor.reset_window()
+
+    def _read_recompute_check(self) -> None:
+        """Read the window's recompute comparisons ([Note: recompute check]); on a mismatch nothing of this step
+        is applied: speculated layers are rolled back and the window's gradients dropped, then it raises."""
+        if self.executor.backward_done is not None:  # a CPU-GPU sync, where step() waits for the last landing
+            self.executor.backward_done.synchronize()  # anyway (the norm below): it costs no overlap
+        try:
+            self.executor.check.read(self.dp)
+        except RecomputeMismatch:
+            for fut in self.executor.sq_norm:
+                if fut is not None:
+                    fut.exception()  # the landings queued by the backward have run
+            self.zero_grad()  # rolls back speculated layers first
+            raise
 
     def _discard_gradients(self) -> None:
         """A backward raised: whatever part of it ran must not reach a step. Waits for the landings it queued,

@@ -32,6 +32,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .host_state import HostLayerStore
+from .recompute_check import RecomputeCheck
 from .schedule import LayerSchedule
 from .model_map import LayerLayout, make_template, per_layer_attributes
 from .timing import StepTimer
@@ -69,6 +70,7 @@ class LayerCall:
     buffers: dict | None = None  # pre-forward copies of the buffers the layer mutates (replayed by recompute)
     prev: "LayerCall | None" = None  # the previous layer's call of the same forward (its input loads next)
     graph: tuple | None = None  # kept layer (``StreamedLayers.keep``): the forward's own graph, used by backward
+    check: object = None  # what the recompute must match while the recompute check is on (recompute_check.py)
 
 
 class StreamedLayers:
@@ -76,7 +78,7 @@ class StreamedLayers:
 
     def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], store: HostLayerStore,
                  device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2,
-                 compute_dtype: torch.dtype | None = None, dp=None) -> None:
+                 compute_dtype: torch.dtype | None = None, dp=None, check: RecomputeCheck | None = None) -> None:
         if num_slots < 2:
             raise ValueError(f"megatrain.num_slots must be >= 2 for double buffering, got {num_slots}")
         self.layouts, self.store, self.device = layouts, store, device
@@ -114,6 +116,8 @@ class StreamedLayers:
         self.shared = [{name: p for name, p in layer.named_parameters(remove_duplicate=False)
                         if name in layout.shared} for layer, layout in zip(layers, layouts)]
         self.arg_names = [_positional_names(layer) for layer in layers]
+        # every recompute compared with its forward while on ([Note: recompute check] in recompute_check.py)
+        self.check = check if check is not None else RecomputeCheck(False, "auto", torch.float32, "", False)
         self._last_call: LayerCall | None = None
         self.in_engine_backward = False  # set by engine.backward(): other backwards are refused (see below)
         self.on_final_landing = None  # worker thread, around a layer's final landing: (layer, sq-norm, before_fold)
@@ -309,6 +313,7 @@ class StreamedLayers:
                 call.graph = None
             else:
                 outputs, train_leaf, shared, x = self._recompute(call, hidden, slot)
+            self.check.give_input(call, x)  # the previous layer's forward output: its recompute's reference
             wrt = ([train_leaf] if train_leaf is not None else [])
             shared_leaves = list(dict.fromkeys(shared.values()))  # a tied name appears once
             wrt += shared_leaves
@@ -348,11 +353,13 @@ class StreamedLayers:
         i = call.index
         template = self._template(i)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.check.check_inputs(call, self.arg_names[i])  # raises if the forward changed an argument in place
         train_leaf, shared, x = self._leaves(i, slot, hidden)
         bind = self._bind(i, slot, train_leaf, call.buffers, {**self.shared[i], **shared})
         with _replay_rng(call.rng_state, self.device), _fresh_collector(call.capture_keys) as collector:
             out = functional_call(template, bind, (x, *call.args), call.kwargs)
         outputs = _function_outputs(call, out, collector, recompute=True)
+        self.check.compare(call, outputs)  # queued on the compute stream; read at the step (no sync here)
         if self.device.type == "cuda":  # what keeping this layer's graph would cost (sizes "auto")
             self.graph_bytes = max(self.graph_bytes, torch.cuda.memory_allocated(self.device) - before)
         return outputs, train_leaf, shared, x
@@ -590,7 +597,10 @@ def _layer_forward(executor: StreamedLayers, i: int, hidden: torch.Tensor, args:
     last = executor._last_call
     call.prev = last if last is not None and last.index == i - 1 else None
     executor._last_call = call
+    executor.check.before_forward(call, executor.arg_names[i])
+    executor.check.handed_on(call.prev, hidden)
     outs = _StreamedLayerFn.apply(executor._anchor, hidden, executor, call)
+    executor.check.remember_output(call, outs[0])
     n_extra = len(call.extra_tensor_at)
     collector = _hf_collector()
     for (key, pos, _), tensor in zip(call.captured, outs[1 + n_extra:]):
@@ -633,6 +643,10 @@ class _StreamedLayerFn(torch.autograd.Function):
         outputs = _function_outputs(call, out, collector)
         ctx.executor, ctx.call = executor, call
         ctx.set_materialize_grads(False)
+        if call.graph is None:
+            executor.check.after_forward(call, outputs)
+        else:  # a kept layer is not recomputed: nothing of its own to compare
+            call.check = None
         if call.graph is not None:  # a kept layer: the graph stays with the call; the Function's outputs are
             call.graph = (outputs, *call.graph[1:])  # aliases without it (their grad_fn becomes this node)
             return tuple(o.detach() for o in outputs)

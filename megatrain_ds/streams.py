@@ -20,6 +20,8 @@ exists; only the events below order the actors.
 | ``params_read``       | compute     | h2d, before the resident upload    | no queued kernel still reads the resident |
 |                       |             | (``ResidentParams.upload``)        | params the upload overwrites in place     |
 | ``backward_done``     | compute     | opt, before GPU-side AdamW         | gradient accumulators are complete        |
+|                       |             | main (``synchronize``, in step(),  | the recompute check's errors are written  |
+|                       |             | while the recompute check is on)   | (recompute_check.py)                      |
 | ``device_ready[i]``   | opt         | h2d, before the cast of a GPU-held | the update of layer i's device master is  |
 |                       |             | layer's master into a slot         | done (the other layers' may still run)    |
 | ``res.device_updated``| opt         | h2d, before the resident upload    | GPU-held resident state is updated        |
