@@ -135,6 +135,10 @@ def _engine_facts(engine) -> dict:
     facts["kept_layers"] = len(getattr(getattr(engine, "executor", None), "keep", ()))  # no recompute for these
     facts["resident_state_on_gpu"] = bool(getattr(getattr(engine, "resident", None), "on_device", False))
     facts["tiled_modules"] = list(getattr(engine, "tiled_modules", []))  # megatrain.tiled_mlp (tiling.py)
+    check = getattr(getattr(engine, "executor", None), "check", None)  # recompute_check.py: what it compared
+    if check is not None:
+        facts["recompute_check"] = {"steps_checked": check.steps_checked, "outputs_compared": check.compared,
+                                    "worst_relative_error": check.worst, "tolerance": check.tolerance}
     store = getattr(engine, "store", None)
     tier = getattr(store, "tier", None)  # the NVMe tier (nvme.py): which layers, how, how many bytes moved
     if tier is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Qwen2.5-3B runs on the lent H200 box (issue 6), each phase one <= 10-minute device command:
 #
-#   bash benchmarks/run_3b.sh PHASE OUTDIR      PHASE: gputests | best1 | best2 | knobs | spec* | fair16k | fairbest
+#   bash benchmarks/run_3b.sh PHASE OUTDIR      PHASE: gputests | best1 | best2 | knobs | spec* | fair16k | fairbest | check
 #
 #   gputests  the test suite on the GPU (the real three-stream path; tests marked gpu run only there);
 #             PYTEST_ARGS="-m gpu tests" runs only those
@@ -11,6 +11,7 @@
 #   fair16k   fair peers at 16K (issue 13): ZeRO-3, whole-on-GPU, megatrain --host-only, megatrain (engine defaults),
 #             each in its own h2h call, all with liger auto (on with liger-kernel on CUDA) and the same clip
 #   fairbest  megatrain (engine defaults, liger auto) best batch from 64K to 256K tokens/step
+#   check     the recompute check's cost at 16K (issue 25): check_recompute false / true / false
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
@@ -56,5 +57,12 @@ case $phase in
         h2h_call ${BEST_LIMIT:-540} megatrain_$c --systems megatrain --best-batch --min-tokens 65536 \
             --max-tokens ${MAX_TOKENS:-262144} \
             --clip $clip --warmup 2 --steps 4 ;;
+  check)  # issue 25: the recompute check's cost (engine defaults, clip 1.0): off, on every step, off again
+        h2h_call 150 checkoff --systems megatrain --clip 1.0 --megatrain-options '{"check_recompute": false}' \
+            --tokens-per-step 16384 --warmup 2 --steps 5
+        h2h_call 150 checkon --systems megatrain --clip 1.0 --megatrain-options '{"check_recompute": true}' \
+            --tokens-per-step 16384 --warmup 2 --steps 5
+        h2h_call 150 checkoff2 --systems megatrain --clip 1.0 --megatrain-options '{"check_recompute": false}' \
+            --tokens-per-step 16384 --warmup 2 --steps 5 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
