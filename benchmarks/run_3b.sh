@@ -11,7 +11,8 @@
 #   fair16k   fair peers at 16K (issue 13): ZeRO-3, whole-on-GPU, megatrain --host-only, megatrain (engine defaults),
 #             each in its own h2h call, all with liger auto (on with liger-kernel on CUDA) and the same clip
 #   fairbest  megatrain (engine defaults, liger auto) best batch from 64K to 256K tokens/step
-#   check     the recompute check's cost at 16K (issue 25): check_recompute false / true / false
+#   check     the recompute check's cost at 16K (issue 25): check_recompute false / true / false (engine defaults)
+#   checkall  the same, host-only with every layer recomputed (keep_activations 0): off, on, off, on
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
@@ -64,5 +65,10 @@ case $phase in
             --tokens-per-step 16384 --warmup 2 --steps 5
         h2h_call 150 checkoff2 --systems megatrain --clip 1.0 --megatrain-options '{"check_recompute": false}' \
             --tokens-per-step 16384 --warmup 2 --steps 5 ;;
+  checkall)  # the same with every layer recomputed and compared (host-only, keep_activations 0): its worst case
+        for run in off1:false on1:true off2:false on2:true; do
+          h2h_call 120 "${run%%:*}" --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 \
+              --steps 5 --megatrain-options "{\"check_recompute\": ${run##*:}, \"keep_activations\": 0}"
+        done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -21,6 +21,7 @@ from tests.models import PlainLM, tiny_hf
 
 
 def _config(**megatrain) -> dict:
+    megatrain.setdefault("keep_activations", 0)  # on CUDA "auto" would keep layers (no recompute) after step 1
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "megatrain": megatrain}
 
@@ -31,7 +32,13 @@ def _ids(seed: int = 0, vocab: int = 256):
 
 def _logits_loss(engine, ids):
     logits = engine(input_ids=ids).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+    targets = ids.to(logits.device)[:, 1:].reshape(-1)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets)
+
+
+def _plain_loss(engine, ids):
+    logits = engine(ids)
+    return F.cross_entropy(logits.reshape(-1, 64), ids.to(logits.device).reshape(-1))
 
 
 def _masters(engine) -> dict[str, torch.Tensor]:
@@ -86,7 +93,7 @@ def test_rng_not_replayed_is_caught_at_the_step(monkeypatch):
     engine, *_ = megatrain_ds.initialize(model=_plain_dropout_lm(), config=_config())
     before = _masters(engine)
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
-    loss = F.cross_entropy(engine(ids).reshape(-1, 64), ids.reshape(-1))
+    loss = _plain_loss(engine, ids)
     engine.backward(loss)  # the errors are queued on the device, not read here
     with pytest.raises(RecomputeMismatch, match=r"layer \d of PlainLM .*output \(hidden states\) differs from the "
                                                 r"forward's by [0-9.e-]+ \(relative, L2\), over the tolerance 0.0001"):
@@ -113,7 +120,7 @@ def test_layer_with_mutable_state_is_caught():
     engine, *_ = megatrain_ds.initialize(model=model, config=_config())
     before = _masters(engine)
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
-    engine.backward(F.cross_entropy(engine(ids).reshape(-1, 64), ids.reshape(-1)))
+    engine.backward(_plain_loss(engine, ids))
     with pytest.raises(RecomputeMismatch, match=r"layer [01] of PlainLM"):
         engine.step()
     _assert_untouched(engine, before)
@@ -121,7 +128,7 @@ def test_layer_with_mutable_state_is_caught():
     model = PlainLM(depth=2)
     model.blocks = nn.ModuleList(_CountingBlock(32) for _ in range(2))
     engine, *_ = megatrain_ds.initialize(model=model, config=_config(check_recompute=False))
-    engine.backward(F.cross_entropy(engine(ids).reshape(-1, 64), ids.reshape(-1)))
+    engine.backward(_plain_loss(engine, ids))
     engine.step()
     assert engine.global_steps == 1
 
@@ -149,7 +156,7 @@ def test_offloaded_inputs_are_the_reference(monkeypatch):
     monkeypatch.setattr(executor_mod, "_replay_rng", no_replay)
     engine, *_ = megatrain_ds.initialize(model=_plain_dropout_lm(), config=_config(offload_activations=True))
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
-    engine.backward(F.cross_entropy(engine(ids).reshape(-1, 64), ids.reshape(-1)))
+    engine.backward(_plain_loss(engine, ids))
     with pytest.raises(RecomputeMismatch, match="hidden states"):
         engine.step()
 
