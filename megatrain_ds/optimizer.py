@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .host_state import _release_all, host_buffer
+from .host_update import adamw_scalars, fused_adam, update_segment
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
 
@@ -536,16 +537,10 @@ class HostAdamW(torch.optim.Optimizer):
         return ds.grad_of(i) if ds is not None and ds.owns(i) else self.executor.store.grad_of(i)
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, hp, coef):
-        device = params[0].device  # CPU (host layers) or the GPU (device-state layers): the same fused kernel API
-        # torch.full, not torch.tensor: on the GPU a fill kernel, where a tensor from a Python value is a blocking
-        # pageable copy that waits for the whole stream (the queued layer prefetches)
-        step = torch.full((), float(hp["step"]), dtype=torch.float32, device=device)
-        # coef = clip coefficient / loss scale; the fused kernel divides the gradients by grad_scale
-        scale = None if coef == 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=device)
-        fn = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
-        fn(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=hp["lr"], beta1=hp["beta1"],
-           beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=False,
-           grad_scale=scale, found_inf=None)
+        # CPU (resident parameters) or the GPU (device-state layers): the same fused kernel; coef = clip
+        # coefficient / loss scale
+        step, scale = adamw_scalars(hp, coef, params[0].device)
+        fused_adam(params, grads, exp_avgs, exp_avg_sqs, hp, step, scale, self.adam_w_mode)
 
     def _resident_task(self, hp, has, norm_future, backward_done, spec: Speculation | None = None):
         norm_future.result()
@@ -606,24 +601,18 @@ class HostAdamW(torch.optim.Optimizer):
             self._update_layer(i, hp)
 
     def _update_layer(self, i: int, hp, coef: float | None = None):
+        """Layer i's AdamW, each segment in cache-sized blocks with its conversions and the wire refresh folded in
+        ([Note: blocked host update] in host_update.py): bit-identical to the whole-layer passes."""
         ex, store = self.executor, self.executor.store
         coef = self._coef if coef is None else coef
         ex.schedule.wait_read(i)  # the last H2D reading wire i has finished
         layout = store.layouts[i]
         grad = store.grad_of(i)
-        if grad.dtype != torch.float32:
-            grad = self._tmp[:layout.n_train].copy_(grad)  # the fused CPU kernel wants fp32 grads
-        master, m, v = self._state(i)
+        master, m, v = self._state(i)  # RAM views, or an NVMe layer's staged copies
+        wire = None if store.wire_is_master else store.wire_of(i)
         try:
-            low = master.dtype != torch.float32  # bf16-master mode: update an fp32 copy, round it back (nearest)
-            work = self._tmp_master[:layout.n_train].copy_(master[:layout.n_train]) if low else master
             for group, a, b in layout.segments:
-                self._adamw([work[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], hp[group], coef)
-            if low:
-                master[:layout.n_train].copy_(work)
-            if store.master_on_disk(i):  # from the staged master, before its buffer goes back to the tier
-                store.refresh_wire(i, master)
+                update_segment(master, grad, m, v, a, b, hp[group], coef, self.adam_w_mode, wire, self._tmp,
+                               self._tmp_master)
         finally:
             store.release_moments(i)  # a disk layer's region is written back behind the next updates
-        if not store.master_on_disk(i):
-            store.refresh_wire(i)
