@@ -15,11 +15,26 @@ the state is all fp32 and there is no separate wire copy, the kernel runs once o
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-# elements per block: 1 Mi parameters = a 4 MiB fp32 scratch per converted tensor, which stays in L2/L3 while the
-# kernel runs on it (the block loop's Python costs ~4 torch calls per block: ~75 blocks for a 3B layer)
-BLOCK_ELEMENTS = 1 << 20
+
+def _l3_bytes() -> int:
+    try:
+        size = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        size = 0
+    return size if size and size > 0 else 32 << 20
+
+
+# Parameters per block: the two fp32 scratch blocks (gradient, bf16 master) stay in the last-level cache (the block is
+# a 16th of it), as large as that allows up to 16 Mi: each block costs ~4 torch calls, each a parallel region over the
+# host threads, so small blocks lose to their overhead. Measured on the lent H100 box's CPU (Xeon, 16 cores, 300 MiB
+# L3; benchmarks/host_update_bench.py, one 233 M-parameter layer, 15 threads, Gparam/s): bf16 gradient + fp32 master
+# + bf16 wire: passes 2.28, blocks of 256K 1.40, 1M 2.43, 4M 2.59, 16M 2.81; bf16-master mode: 1.96, 1.65, 2.61,
+# 2.51, 2.72 (run-to-run spread ~10%). Here: 16 Mi; with a 32 MiB L3, 2 Mi.
+BLOCK_ELEMENTS = max(1 << 20, min(1 << 24, _l3_bytes() // 16))
 
 
 def adamw_scalars(hp: dict, coef: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

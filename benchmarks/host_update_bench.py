@@ -1,0 +1,87 @@
+"""The host update of one layer, as the engine runs it, by state layout and block size ([Note: blocked host update]).
+
+    python -m benchmarks.host_update_bench --params 233e6 --blocks 262144,1048576,4194304,16777216 --repeats 5
+
+For each layout (where the landing gradient and the master live, whether a separate compute-dtype wire copy is
+written), the whole-layer passes (what the engine did before host_update.py: convert, fused AdamW, copy back, refresh)
+and ``update_segment`` at each block size, on the engine's host threads (torch's intra-op pool; ``--threads``), in
+Gparam/s (median of --repeats). The all-fp32 row with no wire is the one fused call the default (fp32 master streamed,
+fp32 landing) runs: the ceiling the blocked layouts approach.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megatrain_ds.host_update import adamw_scalars, fused_adam, update_segment
+
+LAYOUTS = {  # name: (grad dtype, master dtype, wire dtype or None)
+    "fp32 grad, fp32 master (default: one call)": (torch.float32, torch.float32, None),
+    "bf16 grad, fp32 master, bf16 wire": (torch.bfloat16, torch.float32, torch.bfloat16),
+    "fp32 grad, fp32 master, bf16 wire": (torch.float32, torch.float32, torch.bfloat16),
+    "bf16 grad, bf16 master (bf16-master mode)": (torch.bfloat16, torch.bfloat16, None),
+}
+HP = dict(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10)
+
+
+def _tensors(n: int, grad_dtype, master_dtype, wire_dtype):
+    master = (torch.randn(n) * 0.02).to(master_dtype)
+    grad = (torch.randn(n) * 1e-3).to(grad_dtype)
+    m, v = torch.randn(n) * 1e-4, torch.rand(n) * 1e-7
+    wire = torch.empty(n, dtype=wire_dtype) if wire_dtype is not None else None
+    return master, grad, m, v, wire
+
+
+def _passes(master, grad, m, v, wire, scratch_g, scratch_m, coef):
+    n = master.numel()
+    g = scratch_g[:n].copy_(grad) if grad.dtype != torch.float32 else grad
+    w = scratch_m[:n].copy_(master) if master.dtype != torch.float32 else master
+    step, scale = adamw_scalars(HP, coef, master.device)
+    fused_adam([w], [g], [m], [v], HP, step, scale, True)
+    if master.dtype != torch.float32:
+        master.copy_(w)
+    if wire is not None:
+        wire.copy_(master)
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", type=float, default=233e6, help="one layer's trainable parameters (7B: 233e6)")
+    p.add_argument("--blocks", default="262144,1048576,4194304,16777216")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
+    p.add_argument("--coef", type=float, default=0.37, help="clip coefficient (1.0: none)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = int(args.params)
+    blocks = [int(b) for b in args.blocks.split(",")]
+    scratch_g, scratch_m = torch.empty(n), torch.empty(n)
+    print(f"host update of {n / 1e6:.0f} M params, {torch.get_num_threads()} threads, coef {args.coef}: Gparam/s")
+    print(f"{'layout':<46}{'passes':>9}" + "".join(f"{'blk ' + str(b >> 10) + 'K':>11}" for b in blocks))
+    for name, dtypes in LAYOUTS.items():
+        t = _tensors(n, *dtypes)
+        row = [_median_s(lambda: _passes(*t, scratch_g, scratch_m, args.coef), args.repeats)]
+        for b in blocks:
+            row.append(_median_s(lambda: update_segment(t[0], t[1], t[2], t[3], 0, n, HP, args.coef, True, t[4],
+                                                        scratch_g, scratch_m, block=b), args.repeats))
+        print(f"{name:<46}" + "".join(f"{n / s / 1e9:>{9 if k == 0 else 11}.2f}" for k, s in enumerate(row)),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
