@@ -147,10 +147,29 @@ def report_phase(name: str, **extra) -> dict:
     return entry
 
 
+_GPU_BLOCKER: torch.Tensor | None = None  # --gpu-memory-limit: the bytes held so that only the limit is free
+
+
+def hold_gpu_memory(limit_gib: float) -> int:
+    """Leave only ``limit_gib`` GiB of this GPU free, as another process holding the rest would (a consumer GPU's
+    memory on a big one): one allocation of the difference, kept for the process's life. The engine's "auto"
+    placements and the peers' allocators see only the limit (the driver's free bytes). Returns the bytes held;
+    ``peak_gpu_bytes`` leaves them out."""
+    global _GPU_BLOCKER
+    free, _ = torch.cuda.mem_get_info()
+    hold = int(free - limit_gib * 2**30)
+    if hold <= 0:
+        return 0
+    _GPU_BLOCKER = torch.empty(hold, dtype=torch.uint8, device="cuda")
+    return hold
+
+
 def peak_gpu_bytes(device: str) -> int:
-    """Peak bytes allocated by the torch CUDA caching allocator since the last reset (0 on CPU)."""
+    """Peak bytes allocated by the torch CUDA caching allocator since the last reset (0 on CPU), less what
+    ``hold_gpu_memory`` holds."""
     if device.startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+        held = _GPU_BLOCKER.numel() if _GPU_BLOCKER is not None else 0
+        return int(torch.cuda.max_memory_allocated()) - held
     return 0
 
 

@@ -104,22 +104,54 @@ NVME_HOST_BYTES_PER_PARAM = 8.0
 PER_PROCESS_HOST_BYTES = 3 * 2**30
 
 
-def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus: int | None = None) -> dict:
-    """One system in its own process (``gpus`` > 1: torchrun with that many ranks, see run_dp); returns its
-    result dict (or a 'skipped' record). ``gpus`` defaults to ``args.gpus``."""
-    gpus = int(getattr(args, "gpus", 1) if gpus is None else gpus)
-    config = make_config(args.model, layers=layers)
-    # resident builds on each GPU (1 B/param of host per process); the offloading systems partition their state
+def planned_megatrain_host_bytes(args, config, tokens: int, gpus: int) -> int | None:
+    """The host bytes megatrain_ds's planner (the check ``initialize`` runs) predicts for this run's config, summed
+    over ``gpus`` ranks: engine state, NVMe staging, optimizer scratch. None where the plan does not apply here
+    (LoRA: the harness applies peft after building; an NVMe config: the engine places layers on disk itself)."""
+    if getattr(args, "lora", 0) or '"nvme"' in (getattr(args, "ds_config", None) or ""):
+        return None
+    from benchmarks.common import micro_batch_for, resolve_liger
+    from benchmarks.megatrain_system import megatrain_ds_config
+    from megatrain_ds.config import parse_config
+    from megatrain_ds.plan import meta_model, plan_model
+
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    ds = megatrain_ds_config(micro_batch_for(tokens, args.seq), device, resolve_liger(args.liger, args.device),
+                             args.gpu_optimizer_fraction, args.host_only)
+    pred = plan_model(meta_model(config), parse_config(ds, world_size=gpus, warn=False), device=device,
+                      world=gpus, host_budget=1e9)  # (GiB: no budget; the caller compares with what is free)
+    return int(pred.host_need_bytes)
+
+
+def host_precheck(system: str, args, config, tokens: int, gpus: int) -> str | None:
+    """Why ``system`` would not fit this host's memory (the skip message), or None. megatrain: its own planner
+    with this run's config; the others (and megatrain under LoRA or NVMe): measured bytes per parameter. The
+    resident system builds on each GPU (1 B/param of host per process); the offloading systems partition their
+    state."""
     per_param = LORA_HOST_BYTES_PER_PARAM[system] if getattr(args, "lora", 0) else HOST_BYTES_PER_PARAM[system]
     if system == "megatrain" and '"nvme"' in (getattr(args, "ds_config", None) or ""):
         per_param = NVME_HOST_BYTES_PER_PARAM  # the moments may go to disk; the engine's own check (plan.py) decides
     need = per_param * _n_params(config) * (gpus if system == "resident" else 1) \
         + (gpus - 1) * PER_PROCESS_HOST_BYTES
+    source = f"{per_param:g} B/param"
+    planned = planned_megatrain_host_bytes(args, config, tokens, gpus) if system == "megatrain" else None
+    if planned is not None:  # the engine's own planner, with this run's config (precision, masters, placements)
+        need, source = planned + gpus * PER_PROCESS_HOST_BYTES, "megatrain_ds's plan + 3 GiB per process"
     have = int(args.host_mem_gib * 2**30) if getattr(args, "host_mem_gib", None) else _meminfo("MemAvailable")
     if have and need > have:
+        return f"needs ~{need / 2**30:.0f} GiB host memory ({source}), {have / 2**30:.0f} GiB free"
+    return None
+
+
+def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus: int | None = None) -> dict:
+    """One system in its own process (``gpus`` > 1: torchrun with that many ranks, see run_dp); returns its
+    result dict (or a 'skipped' record). ``gpus`` defaults to ``args.gpus``."""
+    gpus = int(getattr(args, "gpus", 1) if gpus is None else gpus)
+    config = make_config(args.model, layers=layers)
+    why = host_precheck(system, args, config, tokens, gpus)
+    if why is not None:
         skipped = {"system": system, "model": args.model, "layers": config.num_hidden_layers,
-                   "tokens_per_step": tokens, "status": "skipped",
-                   "error": f"needs ~{need / 2**30:.0f} GiB host memory, {have / 2**30:.0f} GiB free"}
+                   "tokens_per_step": tokens, "status": "skipped", "error": why}
         if gpus > 1:
             skipped.update(gpus=gpus, name=os.path.splitext(os.path.basename(path))[0])
         return skipped
@@ -137,6 +169,8 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus:
         cmd += ["--lora", str(args.lora), "--lora-targets", args.lora_targets]
     if getattr(args, "init", "auto") != "auto":
         cmd += ["--init", args.init]
+    if getattr(args, "gpu_memory_limit", None) is not None:
+        cmd += ["--gpu-memory-limit", repr(args.gpu_memory_limit)]
     if gpus > 1:
         bind = getattr(args, "bind_cores", "on") == "on"
         return run_dp(system, cmd[3:], config, tokens, path, gpus, bind_cores=bind)
@@ -460,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-mem-gib", type=float, default=None, metavar="G",
                    help="host memory to check each system's need against (default: MemAvailable; a VM whose "
                         "memory grows as it is used reads too little there at first)")
+    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GIB",
+                   help="every system sees only this many GiB of the GPU free (the rest held, as by another "
+                        "process): the consumer-GPU rows on a big GPU; megatrain then builds its model on the CPU "
+                        "when the fp32 model would not fit")
     p.add_argument("--lora", type=int, default=0, metavar="R",
                    help="LoRA of rank R (alpha 2R, dropout 0) for megatrain and zero3: the base frozen in bf16, only "
                         "the adapters train (benchmarks.build); 0: full fine-tuning")

@@ -165,6 +165,17 @@ def _engine_facts(engine) -> dict:
     return facts
 
 
+def _init_device(config, device: str, lora: int) -> str:
+    """Where the model is built: on the GPU (the init drawn there, fast) unless its fp32 weights (the compute dtype's
+    under LoRA) would take more than 90% of the GPU's free memory (a small GPU, or --gpu-memory-limit): then on the
+    CPU, from where initialize streams it into host memory as it does a model the GPU could never hold."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return device
+    from benchmarks.shapes import n_params
+    need = n_params(config) * (2 if lora else 4)
+    return device if need <= 0.9 * torch.cuda.mem_get_info()[0] else "cpu"
+
+
 def engine_host_state_bytes(engine) -> int:
     """The engine's host state (bytes): its layer store (``store.nbytes()``) + the resident parameters' host
     tensors (masters, moments, gradients, wire copies). A tensor on the device is not host memory (a frozen
@@ -200,7 +211,7 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
         raise ValueError(f"closing_step must be 'full' or 'tiny', got {closing_step!r}")
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
-    init_device = init_device or device
+    init_device = init_device or _init_device(config, device, lora)
     ds_config = megatrain_ds_config(micro_batch, device, liger, gpu_optimizer_fraction, host_only)
     settings = megatrain_settings(ds_config, seq, steps, warmup, device, config, lora)
     n_params, counts = 0, {}
@@ -208,7 +219,8 @@ def run_megatrain(config, tokens_per_step: int, seq: int = 1024, steps: int = 8,
         init = build.resolve_init(init, config)
         dtype = torch.bfloat16 if lora and ds_config["bf16"]["enabled"] else torch.float32
         model = build.build_model(config, dtype, init, seed, device=init_device)
-        settings.update(init=build.init_description(init), model_dtype=str(dtype).replace("torch.", ""))
+        settings.update(init=build.init_description(init), model_dtype=str(dtype).replace("torch.", ""),
+                        init_device=init_device)
         if lora:
             model = build.apply_lora(model, lora, lora_targets)
             settings["lora"] = build.lora_settings(lora, lora_targets, model)

@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--closing-step", default="full", choices=["full", "tiny"],
                         help="megatrain: what closes the last measured step's breakdown: one more training step "
                              "(full, untimed) or an 8-token no-grad forward (tiny: long context)")
+    parser.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GIB",
+                        help="leave only this many GiB of the GPU free (the rest held, as by another process): "
+                             "a consumer GPU's memory on a big one")
     parser.add_argument("--json", required=True, help="path of the result JSON")
     parser.add_argument("--progress", action="store_true",
                         help="print '@@h2h-step DONE TOTAL SECONDS' after each step (read by benchmarks.h2h)")
@@ -156,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(local_rank)  # before any CUDA work: every system's "cuda" is this rank's GPU
     if args.progress and rank == 0:
         common.STEP_PROGRESS = common.print_step_progress
+    held = 0
+    if args.gpu_memory_limit is not None and args.device == "cuda":
+        held = common.hold_gpu_memory(args.gpu_memory_limit)
     t0 = time.perf_counter()
     try:
         res = SYSTEMS[args.system](config, args.tokens_per_step, seq=args.seq, steps=args.steps,
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                "error": traceback.format_exc(), "phases": list(common.PHASES)}
         sys.stderr.write(f"[rank {rank}] " * (world > 1) + res["error"])
     res["process_wall_s"] = time.perf_counter() - t0  # build + warm-up + measured steps (s)
+    if args.gpu_memory_limit is not None and isinstance(res.get("settings"), dict):
+        res["settings"].update(gpu_memory_limit_gib=args.gpu_memory_limit, gpu_bytes_held=held)
     recorded = sys.argv[1:] if argv is None else list(argv)
     res.setdefault("argv", [os.path.basename(a) if a == args.json else a for a in recorded])  # no machine paths
     path = args.json

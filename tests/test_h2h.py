@@ -491,3 +491,51 @@ def test_a_time_limit_records_the_run_so_far():
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rec["status"] == "interrupted (time limit or Ctrl-C)", proc.stderr[-2000:]
     assert rec["step_times_s_seen"] == [0.5] and rec["last_phase"] == "model built"
+
+
+def test_host_precheck_asks_megatrains_planner(tmp_path, monkeypatch):
+    """The harness's host-memory check for megatrain is the engine's own plan of this run's config (issue 26: a
+    fixed 18 B/param skipped 7B with bf16 masters, which the engine then ran in 104 GB): bf16 masters plan 3-4 bytes
+    per parameter less (the layers'), and a run that does not fit is skipped with the plan's number."""
+    import argparse
+
+    from benchmarks import h2h
+    from benchmarks.shapes import make_config
+    from megatrain_ds.config import parse_config
+    from megatrain_ds.plan import meta_model, plan_model
+    from benchmarks.megatrain_system import megatrain_ds_config
+
+    args = argparse.Namespace(lora=0, ds_config=None, device="cuda", seq=1024, liger="off",
+                              gpu_optimizer_fraction=0.0, host_only=True, gpus=1, model="qwen2.5-7b",
+                              host_mem_gib=100.0)
+    cfg = make_config("qwen2.5-7b")
+    fp32 = h2h.planned_megatrain_host_bytes(args, cfg, 16384, 1)
+    want = plan_model(meta_model(cfg), parse_config(megatrain_ds_config(16, "cuda", False, 0.0, True), warn=False),
+                      device="cuda", host_budget=1e9).host_need_bytes
+    assert fp32 == want and 16.0 < fp32 / h2h._n_params(cfg) < 17.5
+    monkeypatch.setenv("MEGATRAIN_DS_CONFIG", json.dumps({"bf16": {"enabled": True,
+                                                                  "bf16_master_weights_and_grads": True}}))
+    bf16 = h2h.planned_megatrain_host_bytes(args, cfg, 16384, 1)
+    assert 3.0 < (fp32 - bf16) / h2h._n_params(cfg) < 4.5, (fp32, bf16)  # the layers (not the resident part)
+    assert h2h.host_precheck("megatrain", args, cfg, 16384, 1) is None  # 100 GiB: bf16 masters fit...
+    args.host_mem_gib = 80.0  # ...80 GiB do not: skipped before any process starts, naming the plan
+    res = h2h.run_one("megatrain", args, None, 16384, str(tmp_path / "y.json"))
+    assert res["status"] == "skipped" and "megatrain_ds's plan" in res["error"], res
+    monkeypatch.delenv("MEGATRAIN_DS_CONFIG")
+    assert "needs ~121 GiB" in h2h.host_precheck("megatrain", args, cfg, 16384, 1)  # fp32 masters: 118.4 + 3
+
+
+def test_megatrain_builds_on_the_cpu_when_the_gpu_cannot_hold_the_fp32_model(monkeypatch):
+    import torch
+
+    from benchmarks import megatrain_system
+    from benchmarks.shapes import make_config
+
+    cfg = make_config("qwen2.5-3b")  # 3.1 B params: 12.4 GB in fp32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * 2**30, 80 * 2**30))
+    assert megatrain_system._init_device(cfg, "cuda", lora=0) == "cpu"
+    assert megatrain_system._init_device(cfg, "cuda", lora=16) == "cuda"  # bf16 base: 6.2 GB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
+    assert megatrain_system._init_device(cfg, "cuda", lora=0) == "cuda"
+    assert megatrain_system._init_device(cfg, "cpu", lora=0) == "cpu"
