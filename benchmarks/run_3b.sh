@@ -12,6 +12,7 @@
 #             each in its own h2h call, all with liger auto (on with liger-kernel on CUDA) and the same clip
 #   fairbest  megatrain (engine defaults, liger auto) best batch from 64K to 256K tokens/step
 #   check     the recompute check's cost at 16K (issue 25): check_recompute false / true / false (engine defaults)
+#   small10g  10 GiB of the GPU free (--gpu-memory-limit 10), 8K, clip 1.0: megatrain host-only, defaults, ZeRO-3
 #   checkall  the same, host-only with every layer recomputed (keep_activations 0): off, on, off, on
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
@@ -70,5 +71,12 @@ case $phase in
           h2h_call 120 "${run%%:*}" --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 \
               --steps 5 --megatrain-options "{\"check_recompute\": ${run##*:}, \"keep_activations\": 0}"
         done ;;
+  small10g)  # issue 26's consumer-GPU row: 10 GiB of GPU free (--gpu-memory-limit), 8K tokens/step, clip 1.0
+        h2h_call 150 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
+            --tokens-per-step 8192 --warmup 2 --steps 4
+        h2h_call 150 defaults --systems megatrain --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 \
+            --warmup 2 --steps 4
+        h2h_call 260 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
+            --steps 4 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
