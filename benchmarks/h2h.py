@@ -417,7 +417,8 @@ def breakdown_line(res: dict) -> str:
              if isinstance(b.get(k), (int, float))]
     idle = f", GPU idle {100 * b['gpu_idle_s'] / b['step_s']:.0f}%" if b.get("gpu_idle_s") and b.get("step_s") \
         else ""
-    return f"    [{res['system']}] breakdown (s, median step): " + ", ".join(parts) + idle
+    rate = f", host update {b['cpu_optimizer_gparam_s']:.2f} Gparam/s" if b.get("cpu_optimizer_gparam_s") else ""
+    return f"    [{res['system']}] breakdown (s, median step): " + ", ".join(parts) + idle + rate
 
 
 def plot(results: list[dict], path: str, depth_sweep: bool) -> None:

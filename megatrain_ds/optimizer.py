@@ -614,5 +614,6 @@ class HostAdamW(torch.optim.Optimizer):
             for group, a, b in layout.segments:
                 update_segment(master, grad, m, v, a, b, hp[group], coef, self.adam_w_mode, wire, self._tmp,
                                self._tmp_master)
+            ex.timer.add_host("updated_params", layout.n_train)  # the breakdown's Gparam/s of the host update
         finally:
             store.release_moments(i)  # a disk layer's region is written back behind the next updates

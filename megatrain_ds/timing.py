@@ -26,7 +26,8 @@ class StepTimer:
         self.spans: dict[str, list] = {"h2d": [], "d2h": [], "compute": [], "comm": []}
         # host spans: optimizer updates after the norm, speculative updates during the backward, rollbacks
         self.host = {"optimizer_s": 0.0, "landing_s": 0.0, "wait_for_optimizer_s": 0.0, "speculative_s": 0.0,
-                     "rollback_s": 0.0, "nvme_wait_s": 0.0}  # nvme_wait_s: within the optimizer spans
+                     "rollback_s": 0.0, "nvme_wait_s": 0.0,  # nvme_wait_s: within the optimizer spans
+                     "updated_params": 0.0}  # parameters the host AdamW updated (for its Gparam/s)
         self.counters = dict  # the engine installs a callable returning cumulative counts (speculated steps)
         self._lock = threading.Lock()
         self._step_start = None
@@ -91,11 +92,15 @@ class StepTimer:
             host = dict(self.host)
             for key in self.host:
                 self.host[key] = 0.0
+        # the host update's rate: parameters updated (after the norm and speculatively) per second of updating
+        busy = host["optimizer_s"] + host["speculative_s"]
+        rate = host["updated_params"] / 1e9 / busy if host["updated_params"] and busy > 0 else 0.0
         self.last = {"step_s": wall, "h2d_s": h2d, "compute_s": compute, "d2h_s": d2h, "comm_s": self._sum("comm"),
                      "cpu_optimizer_s": host["optimizer_s"], "cpu_grad_landing_s": host["landing_s"],
                      "wait_for_optimizer_s": host["wait_for_optimizer_s"],
                      "cpu_speculative_optimizer_s": host["speculative_s"], "cpu_rollback_s": host["rollback_s"],
                      "cpu_nvme_wait_s": host["nvme_wait_s"],
+                     "cpu_optimizer_gparam_s": rate,
                      "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None, **self.counters()}
         for spans in self.spans.values():
             spans.clear()
@@ -109,7 +114,8 @@ class StepTimer:
                 f"H2D {b['h2d_s']*1e3:.0f} | D2H {b['d2h_s']*1e3:.0f} | "
                 + (f"collectives {b['comm_s']*1e3:.0f} | " if b.get("comm_s") else "")
                 + f"CPU optim {b['cpu_optimizer_s']*1e3:.0f} "
-                f"(+{b.get('cpu_speculative_optimizer_s', 0)*1e3:.0f} during backward) "
+                f"(+{b.get('cpu_speculative_optimizer_s', 0)*1e3:.0f} during backward"
+                + (f"; {b['cpu_optimizer_gparam_s']:.2f} Gparam/s" if b.get("cpu_optimizer_gparam_s") else "") + ") "
                 + (f"of which NVMe read wait {b['cpu_nvme_wait_s']*1e3:.0f} " if b.get("nvme_read_bytes") else "")
                 + f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms"
                 + (f" | speculated {b['speculated_steps']} rolled back {b['rolled_back_steps']}"

@@ -170,6 +170,12 @@ def test_steps_per_print_and_wall_clock_breakdown(capsys):
         engine.step()
     out = capsys.readouterr().out
     assert "step 4:" in out and "CPU optim" in out and "step 1:" not in out
+    # the host update's rate (issue 26): the streamed layers' trainable parameters per second of updating them
+    b = engine.last_step_breakdown()
+    n_layers = sum(layout.n_train for layout in engine.store.layouts)
+    busy = b["cpu_optimizer_s"] + b["cpu_speculative_optimizer_s"]
+    assert b["cpu_optimizer_gparam_s"] > 0 and abs(b["cpu_optimizer_gparam_s"] - n_layers / 1e9 / busy) < 1e-9
+    assert "Gparam/s" in out
     # DeepSpeed's progress line, every steps_per_print optimizer steps
     progress = [line for line in out.splitlines() if "step=" in line]
     assert len(progress) == 2 and "step=2, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]" in progress[0]
