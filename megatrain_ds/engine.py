@@ -10,8 +10,11 @@ Reading order: ``__init__`` (how the model is split and where each tensor lives)
 """
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -195,6 +198,41 @@ class LogitsNotComputed:
         return "LogitsNotComputed(fused loss: logits were never formed)"
 
 
+_LIVE_TIERS: "weakref.WeakSet[MegaTrainEngine]" = weakref.WeakSet()  # engines with an NVMe tier, not destroyed
+EXIT_FLUSH_TIMEOUT_S = 30.0
+
+
+def _close_tiers_at_exit(engine: "MegaTrainEngine") -> None:
+    """A script that never calls ``destroy()`` (most DeepSpeed scripts) must still exit: at interpreter exit the
+    thread pools are joined first (``concurrent.futures``' own exit hook), after which the NVMe tier's queued writes
+    could not be issued and the old finalizer waited on them for ever. This hook runs before that one (threading's
+    exit hooks run last registered first): it waits for the engine's queued updates while the I/O threads still
+    run, then flushes (bounded) and removes the swap folder."""
+    if not _LIVE_TIERS:
+        try:
+            threading._register_atexit(_close_live_tiers)
+        except (AttributeError, RuntimeError):  # no such hook (another Python), or already shutting down
+            atexit.register(_close_live_tiers)
+    _LIVE_TIERS.add(engine)
+
+
+def _close_live_tiers() -> None:
+    for engine in list(_LIVE_TIERS):
+        tier = engine.store.tier
+        if tier is None or tier.io is None:
+            continue
+        try:
+            engine.synchronize()  # the queued optimizer tasks, which read and write the tier
+        except BaseException as exc:  # noqa: BLE001 - at exit: report, then still close
+            print(f"[megatrain_ds] at exit: the engine's queued work failed ({type(exc).__name__}: {exc}); the "
+                  "NVMe tier is closed anyway", flush=True)
+        try:
+            tier.close(timeout=EXIT_FLUSH_TIMEOUT_S)
+        except BaseException as exc:  # noqa: BLE001
+            print(f"[megatrain_ds] at exit: {exc}; the swap folder was removed", flush=True)
+    _LIVE_TIERS.clear()
+
+
 def _to_device(value, device):
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
@@ -283,6 +321,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             print("[megatrain_ds] bf16 master weights (bf16.bf16_master_weights_and_grads): the streamed layers' "
                   "masters are bf16 (12 host bytes per parameter instead of 16); updates below bf16's resolution "
                   "round away. Speculative steps and GPU-held optimizer state are off in this mode.", flush=True)
+        if self.store.tier is not None:  # its writes must land, and its file go, even without destroy()
+            _close_tiers_at_exit(self)
         if self.store.tier is not None and self.dp.rank == 0:
             tier = self.store.tier
             what = "fp32 masters and Adam moments" if self.store.masters_on_disk else "Adam moments"

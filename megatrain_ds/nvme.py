@@ -34,7 +34,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import itertools
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -240,7 +242,9 @@ class NvmeMoments:
         self.region_bytes = max((layer_disk_bytes(n, settings.masters) for n in self.n_train.values()), default=0)
         check_path(settings.nvme_path, total)
         _clean_stale(os.path.join(settings.nvme_path, SWAP_DIR))
-        self.folder = os.path.join(settings.nvme_path, SWAP_DIR, f"rank{rank}-{os.getpid()}")
+        # one folder per tier (engine), not per process: a policy and a reference engine in one process on the same
+        # nvme_path each get their own file (the pid stays last: _clean_stale reads it)
+        self.folder = os.path.join(settings.nvme_path, SWAP_DIR, f"rank{rank}-{next(_TIER_IDS)}-{os.getpid()}")
         os.makedirs(self.folder, exist_ok=True)
         self.path = os.path.join(self.folder, "moments.swp")
         self._finalizer = weakref.finalize(self, _remove_folder, self.folder)
@@ -423,11 +427,18 @@ class NvmeMoments:
                 self.lock.wait()
             self._check()
 
-    def flush(self) -> None:
-        """Wait for every write in flight (and read), raising the first I/O error."""
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for every write in flight (and read), raising the first I/O error; with ``timeout`` (s), an
+        ``NvmeError`` naming what is still in flight once it has passed (at exit: the I/O threads may be gone)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             while any(b.state in ("reading", "writing") for b in self.buffers):
-                self.lock.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    busy = [f"layer {b.layer} {b.state}" for b in self.buffers if b.state in ("reading", "writing")]
+                    raise NvmeError(f"NVMe tier: {', '.join(busy)} still in flight after {timeout:.0f} s "
+                                    f"({self.path})")
+                self.lock.wait(left)
             self._check()
 
     def read(self, i: int) -> tuple[torch.Tensor, ...]:
@@ -454,20 +465,28 @@ class NvmeMoments:
         if flush:
             self.flush()
 
-    def close(self) -> None:
-        """Wait for the writes in flight, close the file and delete the swap folder (idempotent)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the writes in flight (at most ``timeout`` s), close the file and delete the swap folder
+        (idempotent; the folder goes even when the wait fails)."""
         if self.io is None:
             return
         try:
-            self.flush()
+            self.flush(timeout)
         finally:
             io, self.io = self.io, None
             io.close()
             self._finalizer()
 
 
+_TIER_IDS = itertools.count()
+
+
 def _remove_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+    try:  # the swap root too, once no tier (of any process) uses it
+        os.rmdir(os.path.dirname(folder))
+    except OSError:
+        pass
 
 
 def _clean_stale(root: str) -> None:

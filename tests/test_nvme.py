@@ -197,7 +197,7 @@ def test_bad_nvme_path_fails_at_initialize(tmp_path, monkeypatch):
     with pytest.raises(nvme_mod.NvmeError, match="cannot allocate"):
         init(tmp_path)
     monkeypatch.undo()
-    assert os.listdir(tmp_path / nvme_mod.SWAP_DIR) == []
+    assert not (tmp_path / nvme_mod.SWAP_DIR).exists()  # its folder and the (then empty) swap root
     # every layer fits in RAM (nvme_layers 0): a bad path is still an error at initialize
     cfg = _config(tmp_path / "missing", layers=0)
     with pytest.raises(nvme_mod.NvmeError, match="does not exist"):
@@ -248,3 +248,51 @@ def test_nvme_config_errors_name_the_key(tmp_path):
         cfg["megatrain"][key] = value
         with pytest.raises(ConfigError, match=f"megatrain.{key}"):
             megatrain_ds.initialize(model=tiny_hf("llama", layers=LAYERS), config=cfg)
+
+
+def test_two_engines_on_one_nvme_path_each_train_as_alone(tmp_path):
+    """A policy and a reference engine (or two jobs) given the same nvme_path: each tier has its own swap file (the
+    second used to truncate the first's, issue 27), so each engine's state equals its solo run's bit for bit."""
+    for k in range(2):
+        (tmp_path / f"solo{k}").mkdir()
+    solo = [_run(_config(tmp_path / f"solo{k}", ga=1), steps=3, seed=k) for k in range(2)]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    engines = [megatrain_ds.initialize(model=tiny_hf("llama", layers=LAYERS, seed=k),
+                                       config=_config(shared, ga=1))[0] for k in range(2)]
+    assert engines[0].store.tier.path != engines[1].store.tier.path
+    for ids in _batches(3):  # interleaved: each step of one engine between two of the other's
+        for engine in engines:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+    for engine, (_, masters) in zip(engines, solo):
+        got = engine.master_state_dict()
+        assert all(torch.equal(got[k], v) for k, v in masters.items())
+        engine.destroy()
+    assert not (shared / nvme_mod.SWAP_DIR).exists()
+
+
+def test_a_script_without_destroy_exits_and_leaves_no_swap_folder(tmp_path):
+    """Most DeepSpeed scripts never call destroy(): at exit the queued updates and writes finish while the I/O
+    threads still run, and the swap folder goes (it used to hang for ever in the finalizer's flush)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import megatrain_ds
+        from tests.test_nvme import _batches, _config
+        from tests.models import tiny_hf
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=5), config=_config({str(tmp_path)!r}, ga=1))
+        for ids in _batches(3):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        print("trained", flush=True)
+    """))
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(script)], cwd=repo, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-2000:]
+    assert not (tmp_path / nvme_mod.SWAP_DIR).exists(), list((tmp_path / nvme_mod.SWAP_DIR).iterdir())
