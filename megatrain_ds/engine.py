@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import threading
 import warnings
 import weakref
@@ -196,6 +197,48 @@ class LogitsNotComputed:
 
     def __repr__(self) -> str:
         return "LogitsNotComputed(fused loss: logits were never formed)"
+
+
+class _deferred_interrupt:
+    """Context manager: from ``hold()`` to the end of the block, Ctrl-C (SIGINT) is recorded instead of raised, and
+    raised as the previous handler would (KeyboardInterrupt) when the block is done; a second Ctrl-C meanwhile is
+    raised at once (the user insists). Main thread only (signals are delivered there); elsewhere a no-op."""
+
+    def __init__(self) -> None:
+        self.previous, self.received = None, 0
+
+    def hold(self) -> None:
+        if self.previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGINT)
+        if previous in (signal.SIG_IGN, None):  # ignored, or set from outside Python: leave it alone
+            return
+        self.previous = previous
+        signal.signal(signal.SIGINT, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.received += 1
+        if self.received > 1:
+            self._restore()
+            raise KeyboardInterrupt
+
+    def _restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous, previous = None, self.previous
+            return previous
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        previous = self._restore()
+        if self.received == 1 and kind is None and previous is not None:
+            if previous is signal.SIG_DFL:
+                raise KeyboardInterrupt
+            previous(signal.SIGINT, None)  # Python's default_int_handler raises KeyboardInterrupt
+        return False
 
 
 _LIVE_TIERS: "weakref.WeakSet[MegaTrainEngine]" = weakref.WeakSet()  # engines with an NVMe tier, not destroyed
@@ -533,8 +576,18 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     # ------------------------------------------------------------------ step
     def step(self, lr_kwargs=None) -> None:
-        """At an accumulation boundary: queue clip + AdamW (host) and advance counters and scheduler."""
+        """At an accumulation boundary: queue clip + AdamW (host) and advance counters and scheduler.
+
+        Once the update is queued it will be applied, so a Ctrl-C (KeyboardInterrupt) that arrives after that is
+        held until the counters, scheduler and monitors agree with the weights, then raised: a checkpoint the
+        script saves in its ``except KeyboardInterrupt:`` has step N+1's weights with ``global_steps`` N+1
+        (it had N, and a resume repeated a batch)."""
+        with _deferred_interrupt() as deferred:
+            self._step(lr_kwargs, deferred)
+
+    def _step(self, lr_kwargs, deferred) -> None:
         if self.is_gradient_accumulation_boundary():
+            deferred.hold()  # from here the step completes before a Ctrl-C is raised (see step())
             skipped = False
             if self.executor.check.active:  # the recompute check's errors, before any update is queued
                 self._read_recompute_check()
@@ -681,7 +734,15 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         return None if self._last_norm is None else self._last_norm.result()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients accumulated since the last step (DeepSpeed's engine.zero_grad)."""
+        """DeepSpeed's ``engine.zero_grad()``: the gradients of the accumulation window are the engine's, and it
+        keeps them until the window's step (DeepSpeed's ZeRO keeps its accumulated partitions), so a script that
+        calls it after every micro-step trains with the configured accumulation as on DeepSpeed. What it clears:
+        ``.grad`` a backward outside the engine left on the resident parameters."""
+        for p in self.resident.params:
+            p.grad = None
+
+    def _drop_window(self) -> None:
+        """Drop the gradients accumulated since the last step (a failed backward, a refused step)."""
         self._settle_speculation()
         for p in self.resident.params:  # a failed backward may have left autograd's partial sums here
             p.grad = None
@@ -701,7 +762,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             for fut in self.executor.sq_norm:
                 if fut is not None:
                     fut.exception()  # the landings queued by the backward have run
-            self.zero_grad()  # rolls back speculated layers first
+            self._drop_window()  # rolls back speculated layers first
             raise
 
     def _discard_gradients(self) -> None:
@@ -711,7 +772,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         for fut in self.executor.sq_norm:
             if fut is not None:
                 fut.exception()  # waits; an error of the landing itself is not this error
-        self.zero_grad()
+        self._drop_window()
         if self.executor.activations is not None:
             self.executor.activations.clear()
         warnings.warn("engine.backward() raised: the gradients accumulated since the last step were discarded "

@@ -72,17 +72,18 @@ def test_boundary_override_persists_until_changed():
     engine.destroy()
 
 
-def test_zero_grad_drops_the_accumulated_gradient():
-    """Window of 2: [batch 0, zero_grad, batch 1] must step like [batch 1 alone] (its loss / 2)."""
+def test_zero_grad_keeps_the_accumulated_gradient_as_deepspeed():
+    """Window of 2: [batch 0, zero_grad, batch 1] steps like [batch 0, batch 1]: DeepSpeed's engine.zero_grad()
+    keeps the window (its ZeRO partitions hold the accumulated gradient until the step), so must we (issue 27)."""
     a, b = _engine(ga=2), _engine(ga=2)
     ids0, ids1 = _ids(0), _ids(1)
-    a.backward(a(input_ids=ids0, labels=ids0).loss)
-    a.zero_grad()
-    a.backward(a(input_ids=ids1, labels=ids1).loss)
-    a.step(), a.step()  # the second call is the window's boundary
-    b.set_gradient_accumulation_boundary(True)
-    b.backward(b(input_ids=ids1, labels=ids1).loss)
-    b.step()
+    for engine in (a, b):
+        engine.backward(engine(input_ids=ids0, labels=ids0).loss)
+        engine.step()
+        if engine is a:
+            a.zero_grad()
+        engine.backward(engine(input_ids=ids1, labels=ids1).loss)
+        engine.step()
     assert a.global_steps == b.global_steps == 1
     _assert_same_training(a, b)
 

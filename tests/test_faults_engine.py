@@ -154,3 +154,56 @@ def test_loss_backward_outside_the_engine_is_refused():
             e.backward(loss)
         e.step()
     assert engine.get_global_grad_norm() == pytest.approx(clean.get_global_grad_norm(), rel=1e-6)
+
+
+def test_ctrl_c_inside_step_leaves_counters_that_match_the_weights(tmp_path):
+    """Ctrl-C while step() waits for the norm (issue 27: in 7 of 10 trials a checkpoint saved in the script's
+    `except KeyboardInterrupt:` held step N+1's weights with global_steps N): the step completes, then the
+    KeyboardInterrupt is raised; the saved checkpoint resumes exactly."""
+    import os
+    import signal
+    import threading
+
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())
+    reference, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())
+    ids = _ids(0)
+    reference.backward(_lm_loss(reference, ids))
+    reference.step()
+    engine.backward(_lm_loss(engine, ids))
+    queue_step = engine.optimizer.step
+
+    def step_then_signal():  # the signal arrives while step() waits for the norm (the update is queued)
+        future = queue_step()
+        threading.Timer(0.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        __import__("time").sleep(0.2)  # it is delivered here, inside step()
+        return future
+    engine.optimizer.step = step_then_signal
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.optimizer.step = queue_step
+    assert engine.global_steps == 1 and engine.micro_steps == 1
+    a, b = engine.master_state_dict(), reference.master_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the queued update was applied: step 1's weights
+    engine.save_checkpoint(str(tmp_path))  # what the script's except-KeyboardInterrupt does
+    resumed, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.global_steps == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the script's handler is back
+
+
+def test_zero_grad_mid_window_keeps_the_window_as_deepspeed():
+    """DeepSpeed's engine.zero_grad() keeps the accumulation window's gradient (issue 27): a script calling it after
+    every micro-step trains with the configured accumulation, as on DeepSpeed."""
+    cfg = dict(_config(), gradient_accumulation_steps=2)
+    a, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
+    b, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
+    for engine, zero in ((a, True), (b, False)):
+        for k in range(4):
+            engine.backward(_lm_loss(engine, _ids(k)))
+            engine.step()
+            if zero:
+                engine.zero_grad()
+    assert a.global_steps == b.global_steps == 2
+    assert a.get_global_grad_norm() == b.get_global_grad_norm()
+    x, y = a.master_state_dict(), b.master_state_dict()
+    assert all(torch.equal(x[k], y[k]) for k in x)
