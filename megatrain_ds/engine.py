@@ -540,6 +540,14 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward through the head, the streamed layers (recompute + grad) and the embeddings."""
+        done = getattr(self, "_backward_done_for", None)
+        if done is not None and done[0]() is loss and not done[1]:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: engine.backward() already ran on this loss "
+                "without retain_graph=True, and its graph is freed (PyTorch and DeepSpeed refuse this too). The "
+                "first backward's gradient is kept. Pass retain_graph=True to the first backward to go through "
+                "the graph again, or compute the loss again")
+        user_loss = loss
         final = self.is_gradient_accumulation_boundary()
         self.executor.final_micro = final
         ga = self.config_settings.gradient_accumulation_steps
@@ -572,6 +580,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.streams.wait(self.streams.compute(), self.streams.record(self.streams.d2h))
         self.resident.evacuate(self.worker, final)
         self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
+        self._backward_done_for = (weakref.ref(user_loss), retain_graph)  # a second backward of it is refused
         return loss
 
     # ------------------------------------------------------------------ step

@@ -68,6 +68,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.grads is None:  # the gradients were handed out by the first backward and freed with it
+            raise RuntimeError("Trying to backward through the fused LM-head loss a second time: its gradients were "
+                               "freed by the first backward (use retain_graph=True, or compute the loss again)")
         grad_h, grad_w, grad_b, scale = ctx.grads
         ctx.grads = None
         g = grad_loss * scale

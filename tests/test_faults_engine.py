@@ -207,3 +207,21 @@ def test_zero_grad_mid_window_keeps_the_window_as_deepspeed():
     assert a.get_global_grad_norm() == b.get_global_grad_norm()
     x, y = a.master_state_dict(), b.master_state_dict()
     assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_backward_twice_on_one_loss_says_retain_graph_and_keeps_the_first_gradient():
+    """PyTorch and DeepSpeed refuse a second backward through a freed graph with the retain_graph message and keep
+    the first gradient (issue 27: a TypeError from loss.py, and the first gradient was discarded)."""
+    once, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())
+    twice, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())
+    ids = _ids(0)
+    once.backward(_lm_loss(once, ids))
+    loss = _lm_loss(twice, ids)
+    twice.backward(loss)
+    with pytest.raises(RuntimeError, match="second time.*retain_graph=True"):
+        twice.backward(loss)
+    for engine in (once, twice):
+        engine.step()
+    assert twice.get_global_grad_norm() == once.get_global_grad_norm()
+    a, b = once.master_state_dict(), twice.master_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
