@@ -276,6 +276,16 @@ def _close_live_tiers() -> None:
     _LIVE_TIERS.clear()
 
 
+def _refuse_empty_sequences(args: tuple, kwargs: dict) -> None:
+    """A batch whose token ids hold no token (shape (B, 0)) fails deep inside the model (transformers: "IndexError:
+    index -1 is out of bounds"); say what it is before anything runs."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and not ids.is_floating_point() and ids.shape[-1] == 0:
+        raise ValueError(f"engine(...): input_ids has shape {tuple(ids.shape)}, an empty sequence: there is nothing "
+                         "to compute. Skip empty batches in the data pipeline (e.g. drop samples with no tokens in "
+                         "the collator); the engine's state is unchanged")
+
+
 def _to_device(value, device):
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
@@ -478,6 +488,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        _refuse_empty_sequences(args, kwargs)
         self._settle_speculation()  # a forward between backward() and step() sees the pre-step weights
         self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
         if self.config_settings.fp16_auto_cast:  # DeepSpeed's fp16.auto_cast: floating positional inputs to half

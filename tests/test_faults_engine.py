@@ -225,3 +225,14 @@ def test_backward_twice_on_one_loss_says_retain_graph_and_keeps_the_first_gradie
     assert twice.get_global_grad_norm() == once.get_global_grad_norm()
     a, b = once.master_state_dict(), twice.master_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_empty_sequence_is_refused_by_name():
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())
+    empty = torch.zeros((2, 0), dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(2, 0\), an empty sequence"):
+        engine(input_ids=empty, labels=empty)
+    ids = _ids(0)  # and the engine goes on
+    engine.backward(_lm_loss(engine, ids))
+    engine.step()
+    assert engine.global_steps == 1
