@@ -323,6 +323,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                      weight_decay=settings.weight_decay)
         groups = _param_groups(model, model_parameters, defaults) if settings else []
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
+        # what initialize decided to train (its layout and optimizer state follow): a later requires_grad_(False)
+        # on one of them is refused at the next forward (_check_trained), not silently ignored
+        self._trained = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
 
         adopt_zero3_model(model)  # built under real DeepSpeed's zero.Init (HfDeepSpeedConfig): made whole
         # 1. Split: streamed layers (host flat buffers) vs resident params (device copies).
@@ -489,6 +492,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         _refuse_empty_sequences(args, kwargs)
+        self._check_trained()
         self._settle_speculation()  # a forward between backward() and step() sees the pre-step weights
         self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
         if self.config_settings.fp16_auto_cast:  # DeepSpeed's fp16.auto_cast: floating positional inputs to half
@@ -503,6 +507,17 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         except torch.OutOfMemoryError as exc:
             self._explain_oom(exc)
             raise
+
+    def _check_trained(self) -> None:
+        """A parameter initialize set up for training whose requires_grad was turned off since: its flat layout,
+        optimizer state and gradient landing are fixed at initialize, so it would go on training; refuse by name."""
+        frozen = [n for n, p in self._trained if not p.requires_grad]
+        if frozen:
+            raise RuntimeError(
+                f"requires_grad_(False) after initialize on {len(frozen)} parameter(s) megatrain_ds trains "
+                f"({', '.join(frozen[:4])}{', ...' if len(frozen) > 4 else ''}): the set of trained parameters is "
+                "fixed at initialize (their host layout and optimizer state). Freeze them before initialize (e.g. "
+                "build a new engine for the new set), or turn requires_grad back on")
 
     def _explain_oom(self, exc: BaseException) -> None:
         """A device OOM after "auto" used the memory the first step left free: say which keys give it back."""

@@ -236,3 +236,16 @@ def test_an_empty_sequence_is_refused_by_name():
     engine.backward(_lm_loss(engine, ids))
     engine.step()
     assert engine.global_steps == 1
+
+
+def test_freezing_a_trained_parameter_after_initialize_is_refused():
+    """requires_grad_(False) after initialize used to be ignored (the parameter kept training, issue 27)."""
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())
+    engine.module.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"requires_grad_\(False\) after initialize on 1 parameter.*"
+                                           r"model\.layers\.0\.mlp\.up_proj\.weight"):
+        engine(input_ids=_ids(0), labels=_ids(0))
+    engine.module.model.layers[0].mlp.up_proj.weight.requires_grad_(True)  # turned back on: trains as before
+    engine.backward(_lm_loss(engine, _ids(0)))
+    engine.step()
+    assert engine.global_steps == 1
