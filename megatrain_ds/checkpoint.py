@@ -62,6 +62,8 @@ import torch
 import torch.distributed as dist
 
 from .adapters import is_peft_model, save_adapter
+from .checksums import HashingWriter, write_manifest
+from .checksums import verify as verify_checksums
 from .checkpoint_files import CheckpointMismatchError, _Checkpoint, _partition, _read, model_file, optim_file
 from .checkpoint_files import BF16_OPTIM_FILE, MODEL_FILE, OPTIM_FILE, fp32_state_dict  # noqa: F401 (re-exported)
 
@@ -145,11 +147,14 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _save(obj, path: str) -> None:
+def _save(obj, path: str) -> str:
+    """Write ``obj`` with torch.save, fsynced; returns the SHA-256 of the bytes written (checksums.py)."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        writer = HashingWriter(f)
+        torch.save(obj, writer)
         f.flush()
         os.fsync(f.fileno())
+    return writer.hexdigest()
 
 
 def _rng_state() -> dict:
@@ -587,8 +592,9 @@ def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, e
                 "zero_stage": 3, "partition_count": world.size, "fp32_flat_groups": state.fp32,
                 "optimizer_state_dict": state.optimizer_state()},
                 "rng": _rng_state(), "ds_version": ds_version}
-            _save(model_states, os.path.join(tmp, model_file(world.rank)))
-            _save(optim_states, os.path.join(tmp, optim_file(world.rank)))
+            digests = {model_file(world.rank): _save(model_states, os.path.join(tmp, model_file(world.rank))),
+                       optim_file(world.rank): _save(optim_states, os.path.join(tmp, optim_file(world.rank)))}
+            write_manifest(tmp, world.rank, digests)  # verified by load_checkpoint before it reads
             del model_states, optim_states
             state.close()
             _fsync_dir(tmp)
@@ -840,6 +846,7 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = 
         return None, None
     ckpt, error = None, None
     try:
+        verify_checksums(path, world.rank, world.size)  # a corrupted file is refused before anything is read
         ckpt = _read(path, world.rank, world.size)
         _validate(engine, ckpt, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                   load_module_only)

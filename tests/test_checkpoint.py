@@ -63,6 +63,7 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
     assert first.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 7})
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
     assert sorted(os.listdir(tmp_path / "ckpt" / "global_step3")) == [
+        "zero_pp_rank_0_checksums.sha256",  # checksums.py: verified by the load
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     script = tmp_path / "resume.py"
     script.write_text(RESUMER.format(repo=str(HERE.parent)))

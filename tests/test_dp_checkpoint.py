@@ -188,8 +188,9 @@ def test_the_two_rank_layout_is_deepspeeds_and_zero_to_fp32_reads_it(runs):
     from megatrain_ds.checkpoint import fp32_state_dict
 
     ckpt, folder = runs["tmp"] / "ck2", runs["tmp"] / "ck2" / "global_step2"
-    assert sorted(os.listdir(folder)) == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
-                                          for r in (0, 1) for kind in ("model", "optim")]
+    assert sorted(os.listdir(folder)) == sorted([f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
+                                                 for r in (0, 1) for kind in ("model", "optim")] +
+                                                [f"zero_pp_rank_{r}_checksums.sha256" for r in (0, 1)])
     want = torch.load(str(runs["tmp"] / "two.json") + ".at_save.pt")
     for r in (0, 1):
         states = torch.load(folder / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", weights_only=False)
@@ -249,3 +250,24 @@ def test_a_two_rank_checkpoint_that_does_not_fit_changes_nothing(runs, tmp_path)
     os.remove(broken / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with pytest.raises(FileNotFoundError, match="saved by 2 ranks, but .*zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         _script().main(["--ga", "2", "--no-train", "--out", str(tmp_path / "x.json"), "--resume", str(broken)])
+
+
+def test_a_corrupted_rank_file_of_a_two_rank_checkpoint_is_refused(runs, tmp_path):
+    """Each rank's save records its files' SHA-256; a load verifies every rank's manifest before reading (issue 27)."""
+    import megatrain_ds
+    from megatrain_ds.checksums import ChecksumError
+
+    broken = tmp_path / "ck"
+    shutil.copytree(runs["tmp"] / "ck2", broken)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray((broken / "global_step2" / name).read_bytes())
+    data[len(data) // 3] ^= 0x01
+    (broken / "global_step2" / name).write_bytes(bytes(data))
+    engine, *_ = megatrain_ds.initialize(model=_script().model(1),  # the saving run's model, another init
+                                         config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
+    before = {k: v.clone() for k, v in engine.master_state_dict().items()}
+    with pytest.raises(ChecksumError, match=f"{name} is corrupted"):
+        engine.load_checkpoint(str(broken))
+    after = engine.master_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()) and engine.global_steps == 0
+    engine.destroy()
