@@ -27,6 +27,7 @@ class HashingWriter:
 
     def __init__(self, f) -> None:
         self.f, self.sha = f, hashlib.sha256()
+        self.name = getattr(f, "name", None)  # the path, as a file object has it
 
     def write(self, data) -> int:
         self.sha.update(data)
