@@ -475,6 +475,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                                "nvme_written_bytes": tier.written_bytes} if tier else {})}
         self.executor.timer = self.timer
         self.micro_steps = 0
+        self.window_micro_steps = 0  # micro-steps of the current accumulation window (its partial gradient)
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0  # steps skipped on non-finite gradients (every precision; fp16 overflow)
@@ -621,7 +622,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self._step(lr_kwargs, deferred)
 
     def _step(self, lr_kwargs, deferred) -> None:
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        self.window_micro_steps = 0 if boundary else self.window_micro_steps + 1
+        if boundary:
             deferred.hold()  # from here the step completes before a Ctrl-C is raised (see step())
             skipped = False
             if self.executor.check.active:  # the recompute check's errors, before any update is queued

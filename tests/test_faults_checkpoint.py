@@ -347,3 +347,35 @@ def test_a_flipped_byte_is_refused_naming_the_file_and_the_engine_is_untouched(t
     with pytest.raises(ChecksumError, match=rf"{OPTIM_FILE} is corrupted: .*Nothing was loaded"):
         target.load_checkpoint(str(tmp_path))
     _assert_same(before, _snapshot(target))
+
+
+def test_a_save_inside_an_accumulation_window_resumes_with_the_whole_window(tmp_path):
+    """Issue 27: micro_steps came back but the window's partial gradient did not, so the first step after the resume
+    used half a window. Now the save says so, and the resume restarts the window (as DeepSpeed's does): it steps
+    exactly as a resume from the boundary before it."""
+    cfg = dict(CFG, gradient_accumulation_steps=2)
+
+    def micro(engine, seed):
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    inside, boundary = (megatrain_ds.initialize(model=_llama(), config=cfg)[0] for _ in range(2))
+    for engine in (inside, boundary):
+        micro(engine, 0), micro(engine, 1)  # one whole window: step 1
+    micro(inside, 2)  # and half of the next
+    with pytest.warns(UserWarning, match=r"after 1 micro-step\(s\) of an accumulation window of 2"):
+        inside.save_checkpoint(str(tmp_path / "inside"))
+    boundary.save_checkpoint(str(tmp_path / "boundary"))
+    resumed = []
+    for name in ("inside", "boundary"):
+        engine = megatrain_ds.initialize(model=_llama(seed=1), config=cfg)[0]
+        if name == "inside":
+            with pytest.warns(UserWarning, match="the window restarts at its first micro-step"):
+                engine.load_checkpoint(str(tmp_path / name))
+        else:
+            engine.load_checkpoint(str(tmp_path / name))
+        assert engine.global_steps == 1 and not engine.is_gradient_accumulation_boundary()
+        micro(engine, 3), micro(engine, 4)
+        assert engine.global_steps == 2
+        resumed.append(engine.master_state_dict())
+    assert all(torch.equal(resumed[0][k], resumed[1][k]) for k in resumed[0])
