@@ -379,3 +379,34 @@ def test_a_save_inside_an_accumulation_window_resumes_with_the_whole_window(tmp_
         assert engine.global_steps == 2
         resumed.append(engine.master_state_dict())
     assert all(torch.equal(resumed[0][k], resumed[1][k]) for k in resumed[0])
+
+
+def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Issue 27: a full disk surfaced as torch's `inline_container.cc:672 unexpected pos`. Now: the file, the bytes
+    needed and free, and the previous checkpoint intact and loadable (the unfinished folder removed)."""
+    import errno
+
+    from megatrain_ds import checksums
+
+    engine = _engine(_llama())
+    _train(engine, 1)
+    engine.save_checkpoint(str(tmp_path))  # global_step1: the previous checkpoint
+    _train(engine, 1)
+    real_write, budget = checksums.HashingWriter.write, {"left": 4096}
+
+    def write(self, data):  # the disk fills up after a few KiB of the next save
+        budget["left"] -= len(data)
+        if budget["left"] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+    monkeypatch.setattr(checksums.HashingWriter, "write", write)
+    with pytest.raises(OSError, match=r"disk is full writing .*global_step2\.tmp-\d+/zero_pp_rank_0_mp_rank_00_"
+                                      r"model_states\.pt: it needs about .* GiB are free there.*previous checkpoint "
+                                      r"and 'latest' are intact"):
+        engine.save_checkpoint(str(tmp_path))
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step1"]  # no unfinished folder
+    resumed = _engine(_llama(seed=1))
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.global_steps == 1
