@@ -180,6 +180,14 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
+def _module_states(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``module`` entry as DeepSpeed's ZeRO-3 writes it: every state_dict name, a parameter as an empty tensor of
+    its dtype (its values are in the optimizer files' fp32 partitions), a buffer with its values. Real DeepSpeed's
+    ``load_checkpoint`` loads it into its partitioned module strictly, so a megatrain_ds checkpoint resumes there."""
+    return {name: buffers[name] if name in buffers else torch.empty(0, dtype=t.dtype)
+            for name, t in module.state_dict(keep_vars=True).items()}
+
+
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -602,7 +610,7 @@ def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, e
             buffers = {n: b.detach().cpu() for n, b in _persistent_buffers(engine.module).items()}
             scaler = engine.config_settings.loss_scaler
             model_states = {
-                "module": buffers, "buffer_names": list(buffers), "param_shapes": [
+                "module": _module_states(engine.module, buffers), "buffer_names": list(buffers), "param_shapes": [
                     {p.name: p.shape for p in group} for group in groups],
                 # None when excluded, as DeepSpeed writes it: the loader then expects no frozen weights
                 "frozen_param_shapes": None if exclude_frozen else {p.name: p.shape for p in frozen},
