@@ -69,9 +69,9 @@ from .checkpoint_files import BF16_OPTIM_FILE, MODEL_FILE, OPTIM_FILE, fp32_stat
 
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
-_RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "lr_scheduler",
-             "loss_scaler", "ds_config", "ds_version", "megatrain_version", "hf_config", "buffer_names", "param_shapes",
-             "frozen_param_shapes", "frozen_param_fragments", "shared_params",
+_RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "window_micro_steps", "skipped_steps",
+             "lr_scheduler", "loss_scaler", "ds_config", "ds_version", "megatrain_version", "hf_config",
+             "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
              "optimizer", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
              "sparse_tensor_module_names", "checkpoint_parallel_dimensions", "universal_checkpoint_info"}
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")  # what an interrupted save leaves
@@ -148,13 +148,44 @@ def _fsync_dir(path: str) -> None:
 
 
 def _save(obj, path: str) -> str:
-    """Write ``obj`` with torch.save, fsynced; returns the SHA-256 of the bytes written (checksums.py)."""
-    with open(path, "wb") as f:
-        writer = HashingWriter(f)
-        torch.save(obj, writer)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``obj`` with torch.save, fsynced; returns the SHA-256 of the bytes written (checksums.py). A full disk
+    (ENOSPC, or torch's "unexpected pos" once a write came up short) is an OSError naming the file, the bytes it
+    needs and those free; the caller removes the unfinished folder, and the previous checkpoint stays as it was."""
+    try:
+        with open(path, "wb") as f:
+            writer = HashingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:
+        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in str(exc)
+        if not full:
+            raise
+        free = shutil.disk_usage(os.path.dirname(path) or ".").free
+        raise OSError(errno.ENOSPC, f"save_checkpoint: the disk is full writing {path}: it needs about "
+                      f"{_tensor_bytes(obj) / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free there. This save is "
+                      "abandoned (its folder removed); the previous checkpoint and 'latest' are intact. Free space "
+                      "or save to another disk") from exc
     return writer.hexdigest()
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in a checkpoint payload (dicts, lists, tuples): about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _module_states(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``module`` entry as DeepSpeed's ZeRO-3 writes it: every state_dict name, a parameter as an empty tensor of
+    its dtype (its values are in the optimizer files' fp32 partitions), a buffer with its values. Real DeepSpeed's
+    ``load_checkpoint`` loads it into its partitioned module strictly, so a megatrain_ds checkpoint resumes there."""
+    return {name: buffers[name] if name in buffers else torch.empty(0, dtype=t.dtype)
+            for name, t in module.state_dict(keep_vars=True).items()}
 
 
 def _rng_state() -> dict:
@@ -519,6 +550,11 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         raise ValueError(f"save_checkpoint: the ranks asked for different tags {tags}; every rank must save the same "
                          "tag (DeepSpeed's checkpoint tag validation)")
     engine.sync_masters_to_host()
+    if engine.window_micro_steps and world.rank == 0:
+        warnings.warn(f"save_checkpoint after {engine.window_micro_steps} micro-step(s) of an accumulation window of "
+                      f"{engine.config_settings.gradient_accumulation_steps}: the window's partial gradient is not "
+                      "saved; a resume restarts the window (save at a boundary, right after engine.step() closes a "
+                      "window, to lose nothing)", stacklevel=3)
     # rank 0 makes the one temporary folder every rank writes into (named with its pid)
     tmp, error = None, None
     if world.rank == 0:
@@ -574,7 +610,7 @@ def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, e
             buffers = {n: b.detach().cpu() for n, b in _persistent_buffers(engine.module).items()}
             scaler = engine.config_settings.loss_scaler
             model_states = {
-                "module": buffers, "buffer_names": list(buffers), "param_shapes": [
+                "module": _module_states(engine.module, buffers), "buffer_names": list(buffers), "param_shapes": [
                     {p.name: p.shape for p in group} for group in groups],
                 # None when excluded, as DeepSpeed writes it: the loader then expects no frozen weights
                 "frozen_param_shapes": None if exclude_frozen else {p.name: p.shape for p in frozen},
@@ -582,6 +618,8 @@ def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, e
                 "shared_params": _shared_params(engine.module),
                 "global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+                # a save inside an accumulation window: its partial gradient is not saved, the resume restarts it
+                "window_micro_steps": engine.window_micro_steps,
                 "dp_world_size": world.size, "mp_world_size": 1,
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
@@ -817,8 +855,15 @@ def _apply(engine, ckpt: _Checkpoint, load_optimizer: bool, load_scheduler: bool
     settings = engine.config_settings
     engine.global_steps = states["global_steps"]
     engine.global_samples = states.get("global_samples", engine.global_steps * settings.train_batch_size)
-    # DeepSpeed does not save micro_steps: a checkpoint is taken at an accumulation boundary
-    engine.micro_steps = states.get("micro_steps", engine.global_steps * settings.gradient_accumulation_steps)
+    # DeepSpeed does not save micro_steps: a checkpoint is taken at an accumulation boundary. One saved inside a window
+    # holds none of its partial gradient, so the resumed run restarts that window (as DeepSpeed's does)
+    partial = int(states.get("window_micro_steps", 0) or 0)
+    engine.micro_steps = states.get("micro_steps", engine.global_steps * settings.gradient_accumulation_steps) - partial
+    engine.window_micro_steps = 0
+    if partial and world.rank == 0:
+        warnings.warn(f"{ckpt.path} was saved after {partial} micro-step(s) of an accumulation window, whose partial "
+                      "gradient a checkpoint does not hold: the window restarts at its first micro-step (as "
+                      "DeepSpeed's resume does)", stacklevel=3)
     engine.skipped_steps = states.get("skipped_steps", 0)
     if settings.loss_scaler is not None and ckpt.loss_scaler:
         for key, value in ckpt.loss_scaler.items():

@@ -276,6 +276,24 @@ def _close_live_tiers() -> None:
     _LIVE_TIERS.clear()
 
 
+def _refuse_a_model_in_use(model: nn.Module) -> None:
+    """A second initialize() on a model an engine streams (its layers route into that engine, their weights live in
+    its host buffers), or streamed until destroy(): say so, and what to do, instead of failing to find its layers."""
+    from .zero import _Z3_VIEW
+    if any(getattr(m.__dict__.get("forward"), "_megatrain_executor", False) for m in model.modules()):
+        raise RuntimeError(
+            f"initialize(): this {type(model).__name__} is already trained by a megatrain_ds engine (its layers' "
+            "weights live in that engine's host memory). For evaluation use that engine itself (engine.eval() under "
+            "torch.no_grad(), or engine.module.generate); for a second engine, build it from another instance of the "
+            "model (from_pretrained again, or a copy.deepcopy made before the first initialize)")
+    if any(getattr(p, "_z3_optimizer", None) is _Z3_VIEW for p in model.parameters()):
+        raise RuntimeError(
+            f"initialize(): this {type(model).__name__} was trained by a megatrain_ds engine that was destroyed: its "
+            "parameters hold no weights (they lived in that engine's host memory). Build the new engine from a "
+            "fresh model with the trained weights: save_checkpoint / save_16bit_model before destroy(), then "
+            "load_checkpoint into the new engine or from_pretrained the exported folder")
+
+
 def _refuse_empty_sequences(args: tuple, kwargs: dict) -> None:
     """A batch whose token ids hold no token (shape (B, 0)) fails deep inside the model (transformers: "IndexError:
     index -1 is out of bounds"); say what it is before anything runs."""
@@ -327,6 +345,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         # on one of them is refused at the next forward (_check_trained), not silently ignored
         self._trained = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
 
+        _refuse_a_model_in_use(model)
         adopt_zero3_model(model)  # built under real DeepSpeed's zero.Init (HfDeepSpeedConfig): made whole
         # 1. Split: streamed layers (host flat buffers) vs resident params (device copies).
         self.block_name, layers = find_block_list(model)
@@ -475,6 +494,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                                "nvme_written_bytes": tier.written_bytes} if tier else {})}
         self.executor.timer = self.timer
         self.micro_steps = 0
+        self.window_micro_steps = 0  # micro-steps of the current accumulation window (its partial gradient)
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0  # steps skipped on non-finite gradients (every precision; fp16 overflow)
@@ -621,7 +641,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self._step(lr_kwargs, deferred)
 
     def _step(self, lr_kwargs, deferred) -> None:
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        self.window_micro_steps = 0 if boundary else self.window_micro_steps + 1
+        if boundary:
             deferred.hold()  # from here the step completes before a Ctrl-C is raised (see step())
             skipped = False
             if self.executor.check.active:  # the recompute check's errors, before any update is queued

@@ -347,3 +347,66 @@ def test_a_flipped_byte_is_refused_naming_the_file_and_the_engine_is_untouched(t
     with pytest.raises(ChecksumError, match=rf"{OPTIM_FILE} is corrupted: .*Nothing was loaded"):
         target.load_checkpoint(str(tmp_path))
     _assert_same(before, _snapshot(target))
+
+
+def test_a_save_inside_an_accumulation_window_resumes_with_the_whole_window(tmp_path):
+    """Issue 27: micro_steps came back but the window's partial gradient did not, so the first step after the resume
+    used half a window. Now the save says so, and the resume restarts the window (as DeepSpeed's does): it steps
+    exactly as a resume from the boundary before it."""
+    cfg = dict(CFG, gradient_accumulation_steps=2)
+
+    def micro(engine, seed):
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    inside, boundary = (megatrain_ds.initialize(model=_llama(), config=cfg)[0] for _ in range(2))
+    for engine in (inside, boundary):
+        micro(engine, 0), micro(engine, 1)  # one whole window: step 1
+    micro(inside, 2)  # and half of the next
+    with pytest.warns(UserWarning, match=r"after 1 micro-step\(s\) of an accumulation window of 2"):
+        inside.save_checkpoint(str(tmp_path / "inside"))
+    boundary.save_checkpoint(str(tmp_path / "boundary"))
+    resumed = []
+    for name in ("inside", "boundary"):
+        engine = megatrain_ds.initialize(model=_llama(seed=1), config=cfg)[0]
+        if name == "inside":
+            with pytest.warns(UserWarning, match="the window restarts at its first micro-step"):
+                engine.load_checkpoint(str(tmp_path / name))
+        else:
+            engine.load_checkpoint(str(tmp_path / name))
+        assert engine.global_steps == 1 and not engine.is_gradient_accumulation_boundary()
+        micro(engine, 3), micro(engine, 4)
+        assert engine.global_steps == 2
+        resumed.append(engine.master_state_dict())
+    assert all(torch.equal(resumed[0][k], resumed[1][k]) for k in resumed[0])
+
+
+def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Issue 27: a full disk surfaced as torch's `inline_container.cc:672 unexpected pos`. Now: the file, the bytes
+    needed and free, and the previous checkpoint intact and loadable (the unfinished folder removed)."""
+    import errno
+
+    from megatrain_ds import checksums
+
+    engine = _engine(_llama())
+    _train(engine, 1)
+    engine.save_checkpoint(str(tmp_path))  # global_step1: the previous checkpoint
+    _train(engine, 1)
+    real_write, budget = checksums.HashingWriter.write, {"left": 4096}
+
+    def write(self, data):  # the disk fills up after a few KiB of the next save
+        budget["left"] -= len(data)
+        if budget["left"] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+    monkeypatch.setattr(checksums.HashingWriter, "write", write)
+    with pytest.raises(OSError, match=r"disk is full writing .*global_step2\.tmp-\d+/zero_pp_rank_0_mp_rank_00_"
+                                      r"model_states\.pt: it needs about .* GiB are free there.*previous checkpoint "
+                                      r"and 'latest' are intact"):
+        engine.save_checkpoint(str(tmp_path))
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step1"]  # no unfinished folder
+    resumed = _engine(_llama(seed=1))
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.global_steps == 1

@@ -249,3 +249,17 @@ def test_freezing_a_trained_parameter_after_initialize_is_refused():
     engine.backward(_lm_loss(engine, _ids(0)))
     engine.step()
     assert engine.global_steps == 1
+
+
+def test_initialize_twice_on_one_model_says_what_happened_and_what_to_do():
+    """Issue 27: a second initialize() on the same model failed with "has no nn.ModuleList of blocks"."""
+    model = tiny_hf("llama")
+    engine, *_ = megatrain_ds.initialize(model=model, config=_config())
+    with pytest.raises(RuntimeError, match="already trained by a megatrain_ds engine.*For evaluation use that engine"):
+        megatrain_ds.initialize(model=model, config=_config())
+    engine.backward(_lm_loss(engine, _ids(0)))  # the first engine is untouched by the refused call
+    engine.step()
+    assert engine.global_steps == 1
+    engine.destroy()
+    with pytest.raises(RuntimeError, match="engine that was destroyed: its parameters hold no weights"):
+        megatrain_ds.initialize(model=model, config=_config())
