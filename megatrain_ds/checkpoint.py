@@ -62,7 +62,8 @@ import torch
 import torch.distributed as dist
 
 from .adapters import is_peft_model, save_adapter
-from .checksums import HashingWriter, write_manifest
+from .checksums import save_file as _save
+from .checksums import write_manifest
 from .checksums import verify as verify_checksums
 from .checkpoint_files import CheckpointMismatchError, _Checkpoint, _partition, _read, model_file, optim_file
 from .checkpoint_files import BF16_OPTIM_FILE, MODEL_FILE, OPTIM_FILE, fp32_state_dict  # noqa: F401 (re-exported)
@@ -145,39 +146,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _save(obj, path: str) -> str:
-    """Write ``obj`` with torch.save, fsynced; returns the SHA-256 of the bytes written (checksums.py). A full disk
-    (ENOSPC, or torch's "unexpected pos" once a write came up short) is an OSError naming the file, the bytes it
-    needs and those free; the caller removes the unfinished folder, and the previous checkpoint stays as it was."""
-    try:
-        with open(path, "wb") as f:
-            writer = HashingWriter(f)
-            torch.save(obj, writer)
-            f.flush()
-            os.fsync(f.fileno())
-    except (OSError, RuntimeError) as exc:
-        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in str(exc)
-        if not full:
-            raise
-        free = shutil.disk_usage(os.path.dirname(path) or ".").free
-        raise OSError(errno.ENOSPC, f"save_checkpoint: the disk is full writing {path}: it needs about "
-                      f"{_tensor_bytes(obj) / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free there. This save is "
-                      "abandoned (its folder removed); the previous checkpoint and 'latest' are intact. Free space "
-                      "or save to another disk") from exc
-    return writer.hexdigest()
-
-
-def _tensor_bytes(obj) -> int:
-    """Bytes of the tensors in a checkpoint payload (dicts, lists, tuples): about what torch.save writes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
 
 
 def _module_states(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

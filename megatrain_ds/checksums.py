@@ -1,4 +1,4 @@
-"""Checkpoint checksums: recorded as the files are written, verified before a load reads them.
+"""Checkpoint files written with their checksums (``save_file``), and verified before a load reads them (``verify``).
 
 A flipped byte in an optimizer file used to load without a word (masters off by up to 0.25; DeepSpeed does not check
 either). Each rank's ``save_checkpoint`` hashes its files while writing them (SHA-256 of the bytes as they go to the
@@ -10,9 +10,13 @@ load as before.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import os
+import shutil
+
+import torch
 
 MANIFEST = "zero_pp_rank_{rank}_checksums.sha256"
 _CHUNK = 1 << 24  # 16 MiB per read when verifying
@@ -38,6 +42,39 @@ class HashingWriter:
 
     def hexdigest(self) -> str:
         return self.sha.hexdigest()
+
+
+def save_file(obj, path: str) -> str:
+    """Write ``obj`` with torch.save, fsynced; returns the SHA-256 of the bytes written (checksums.py). A full disk
+    (ENOSPC, or torch's "unexpected pos" once a write came up short) is an OSError naming the file, the bytes it
+    needs and those free; the caller removes the unfinished folder, and the previous checkpoint stays as it was."""
+    try:
+        with open(path, "wb") as f:
+            writer = HashingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:
+        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in str(exc)
+        if not full:
+            raise
+        free = shutil.disk_usage(os.path.dirname(path) or ".").free
+        raise OSError(errno.ENOSPC, f"save_checkpoint: the disk is full writing {path}: it needs about "
+                      f"{_tensor_bytes(obj) / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free there. This save is "
+                      "abandoned (its folder removed); the previous checkpoint and 'latest' are intact. Free space "
+                      "or save to another disk") from exc
+    return writer.hexdigest()
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in a checkpoint payload (dicts, lists, tuples): about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def write_manifest(folder: str, rank: int, digests: dict[str, str]) -> str:
