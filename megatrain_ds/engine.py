@@ -28,6 +28,7 @@ from .export import consolidated_state_dict, save_16bit_model
 from .device_state import DeviceOptimizerState
 from .dp import DataParallel
 from .host_state import HostLayerStore
+from .host_update import lands_fp32, resolve_kernel
 from .lifecycle import close_tiers_at_exit, deferred_interrupt, refuse_a_model_in_use, refuse_empty_sequences
 from .loss import linear_cross_entropy
 from .loss_scale import cast_inputs_half
@@ -271,7 +272,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         ga = config.gradient_accumulation_steps
         self.streams = make_streams(device)
         pin = device.type == "cuda"
-        grad_dtype = torch.float32 if (mt.fp32_grad_landing or stream_fp32) else None
+        self.host_kernel = resolve_kernel(mt.host_kernel)  # built now (about a second), not in the first step
+        # GA 1: gradients land in fp32 or as the GPU made them (the compute dtype; host_update.lands_fp32)
+        grad_dtype = torch.float32 if lands_fp32(mt.fp32_grad_landing, stream_fp32, self.host_kernel) \
+            else compute_dtype
         owned = self.dp.owned_mask(len(layers))
         self.capacity = _check_capacity(config, layouts, model, layers, shared_ids, group_of, device, self.dp) \
             if settings is not None else None  # refused here, before any buffer, when the state cannot fit
@@ -371,7 +375,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if settings is not None:
             self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
             self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
-                                config.loss_scaler, optimizer_worker=self.opt_worker, dp=self.dp)
+                                config.loss_scaler, optimizer_worker=self.opt_worker, dp=self.dp,
+                                kernel=self.host_kernel)
             # a speculative step is undone exactly only on fp32 masters (bf16 rounding would not come back)
             self.optimizer.policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters,
                                                       mt.speculation_backoff)

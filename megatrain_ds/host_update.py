@@ -15,7 +15,16 @@ the state is all fp32 and there is no separate wire copy, the kernel runs once o
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -55,10 +64,16 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 
 def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    a: int, b: int, hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None,
-                   grad_scratch: torch.Tensor, master_scratch: torch.Tensor, block: int = BLOCK_ELEMENTS) -> None:
+                   grad_scratch: torch.Tensor, master_scratch: torch.Tensor, block: int = BLOCK_ELEMENTS,
+                   kernel: str = "torch") -> None:
     """AdamW of elements [a, b) of one layer's flat state (fp32 moments; ``master`` fp32 or bf16, ``grad`` in its
     landing dtype), writing ``wire[a:b]`` (the compute-dtype copy the GPU streams) from the new master when given.
-    The scratch buffers hold at least ``block`` fp32 elements."""
+    ``kernel`` "native": one pass of the C kernel ([Note: native host update]); "torch": the fused kernel, in
+    blocks where conversions are needed (the scratch buffers hold at least ``block`` fp32 elements)."""
+    if kernel == "native":
+        native_adam(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], hp, coef, adam_w_mode,
+                    None if wire is None else wire[a:b])
+        return
     convert_grad = grad.dtype != torch.float32
     low_master = master.dtype != torch.float32
     step, scale = adamw_scalars(hp, coef, master.device)
@@ -75,3 +90,168 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
             master[start:end].copy_(w)  # round to nearest, as the whole-layer copy did
         if wire is not None:  # cast from the master as it now is, as refresh_wire casts it
             wire[start:end].copy_(master[start:end] if low_master else w)
+
+
+# [Note: native host update] One pass per layer: the C kernel in csrc/host_adam.c reads the gradient in its landing
+# dtype (bf16, fp16 or fp32), reads and writes the master (fp32, or bf16 in bf16-master mode) and the fp32 moments
+# once, and writes the wire copy (bf16/fp16) in the same pass: no fp32 scratch, no second pass, so the host update
+# moves the bytes it must and no more (bf16 gradient + fp32 master + bf16 wire: 2 + 8 + 8 + 8 + 2 = 28 B/param).
+#
+# Exactness: its arithmetic is torch's fused CPU kernel's, operation for operation (the lerp form of exp_avg, the
+# same three fused multiply-adds, the scalars formed in double and rounded to float), compiled with
+# -ffp-contract=off so that only those fuse. Measured: bit-identical to torch._fused_adamw_/_fused_adam_ on every
+# element (AdamW and Adam-L2, with and without a gradient scale, fp32/bf16/fp16 inputs) with torch 2.13 (this
+# repository's CPU wheel) and torch 2.11 (the GPU box's). A torch build that fused differently would differ by at
+# most 1 ulp per operation: tests/test_host_update.py holds the kernel to torch bit for bit where they agree and
+# to 2 ulp per step otherwise, and to torch AdamW + clip_grad_norm_ over 20 steps.
+#
+# Built at first use with the machine's C compiler (``cc``, or $CC) for this CPU (-march=native), cached per source
+# and CPU in $MEGATRAIN_DS_CACHE (default ~/.cache/megatrain_ds); about a second. Where it cannot be built (no
+# compiler), ``megatrain.host_kernel`` "auto" falls back to the blocked torch path above (exact, slower) and says so
+# once; "native" refuses instead; "torch" never builds it.
+
+_SOURCE = Path(__file__).with_name("csrc") / "host_adam.c"
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+_lib_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+
+
+class NativeKernelError(RuntimeError):
+    """The native host update was required (``megatrain.host_kernel: native``) and could not be built or loaded."""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MEGATRAIN_DS_CACHE") or Path.home() / ".cache" / "megatrain_ds")
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's model and flags (a cache shared by two machines keeps one build
+    per CPU kind)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return "\n".join(lines) or platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler] + _FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"host_adam_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built under a temporary name and renamed: two processes (data-parallel ranks) may build at once
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if proc.returncode != 0:
+            raise OSError(f"{compiler} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built (``native_error()`` says why). Thread-safe; built once."""
+    global _lib, _lib_error
+    with _lib_lock:
+        if _lib is not None or _lib_error is not None:
+            return _lib
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        try:
+            if compiler is None:
+                raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+            lib = ctypes.CDLL(str(_build(compiler)))
+            fn = lib.megatrain_adam
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
+                           ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+                           ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+            _lib = lib
+        except (OSError, subprocess.SubprocessError) as exc:
+            _lib_error = str(exc)
+        return _lib
+
+
+def native_error() -> str | None:
+    return _lib_error
+
+
+def _torch_vector_width() -> int:
+    """Floats per vector in torch's CPU kernels (AVX-512: 16, else 8): its fused Adam treats the last
+    ``n % width`` elements of a tensor in a scalar loop whose exp_avg_sq is not fused; the kernel does the same."""
+    return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability().upper() else 8
+
+
+def _flat(t: torch.Tensor, name: str) -> int:
+    if not t.is_contiguous() or t.device.type != "cpu" or t.dtype not in _DT:
+        raise ValueError(f"native host update: {name} must be a contiguous CPU fp32/bf16/fp16 tensor, got "
+                         f"{t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+    return t.data_ptr()
+
+
+def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None = None,
+                threads: int | None = None) -> None:
+    """One pass of Adam(W) over ``master`` (fp32 or bf16) with ``grad`` (fp32/bf16/fp16) and the fp32 moments,
+    writing ``wire`` (bf16/fp16) from the new master when given; ``coef``: the clip coefficient over the loss
+    scale (the gradient is divided by the fp32 value of ``1 / coef``, as the fused kernel's ``grad_scale``)."""
+    lib = native_library()
+    if lib is None:
+        raise NativeKernelError(f"the native host update is not available: {_lib_error}")
+    n = master.numel()
+    for t, name in ((grad, "grad"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")) + \
+            (((wire, "wire"),) if wire is not None else ()):
+        if t.numel() != n:
+            raise ValueError(f"native host update: {name} has {t.numel()} elements, the master {n}")
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        raise ValueError("native host update: the Adam moments must be fp32")
+    if n == 0:
+        return
+    scale = 1.0 if coef == 1.0 else float(torch.tensor(1.0 / coef, dtype=torch.float32))
+    lib.megatrain_adam(n, _flat(master, "master"), _DT[master.dtype], _flat(grad, "grad"), _DT[grad.dtype],
+                       _flat(exp_avg, "exp_avg"), _flat(exp_avg_sq, "exp_avg_sq"),
+                       None if wire is None else _flat(wire, "wire"), 0 if wire is None else _DT[wire.dtype],
+                       float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"]), float(hp["weight_decay"]),
+                       float(hp["eps"]), float(hp["step"]), scale, int(bool(adam_w_mode)),
+                       int(threads or torch.get_num_threads()), n - n % _torch_vector_width())
+
+
+_said_fallback = False
+
+
+def resolve_kernel(setting: str = "auto") -> str:
+    """``megatrain.host_kernel`` -> "native" or "torch" (building the native kernel now, not in the first step).
+    "auto" falls back to "torch" where it cannot be built, and says so once per process; "native" refuses."""
+    global _said_fallback
+    if setting == "torch":
+        return "torch"
+    if native_library() is not None:
+        return "native"
+    if setting == "native":
+        raise NativeKernelError(f"megatrain.host_kernel=native: the native host update could not be built: "
+                                f"{_lib_error}. Install a C compiler (cc/gcc, or set $CC), or set host_kernel to "
+                                "\"auto\" or \"torch\" (torch's fused AdamW: exact, slower)")
+    if not _said_fallback:
+        _said_fallback = True
+        warnings.warn(f"megatrain_ds: the native host update could not be built ({_lib_error}); using torch's "
+                      "fused AdamW in blocks (exact, slower; fp32 gradient landing where the master streams)",
+                      RuntimeWarning, stacklevel=2)
+    return "torch"
+
+
+def lands_fp32(fp32_grad_landing: bool, stream_fp32: bool, kernel: str) -> bool:
+    """GA 1: whether gradients land in fp32 (the GPU converts) rather than the compute dtype. Asked, explicitly
+    (``fp32_grad_landing``); or where the fp32 master streams and the torch kernel updates it (its fused AdamW
+    wants an fp32 gradient; landing it so saves a host pass). The native kernel reads bf16 gradients in its one
+    pass: 2 host bytes per parameter and half the D2H bytes less. The engine and the planner both ask here."""
+    return bool(fp32_grad_landing or (stream_fp32 and kernel == "torch"))

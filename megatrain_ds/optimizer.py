@@ -216,12 +216,13 @@ class HostAdamW(torch.optim.Optimizer):
         return self.cur_scale
 
     def bind(self, executor, resident: ResidentParams, worker: ThreadPoolExecutor, clip: float,
-             scaler=None, optimizer_worker: ThreadPoolExecutor | None = None, dp=None) -> None:
+             scaler=None, optimizer_worker: ThreadPoolExecutor | None = None, dp=None, kernel: str = "torch") -> None:
         """``worker``: the landing thread (gradient folds, squared norms, the norm task); ``optimizer_worker``:
         the AdamW thread (speculative updates, then the step's update tasks). Two threads so the norm is known
         as soon as the last gradient lands, not after the speculative updates queued before it (the host
         AdamW of a 3B step takes longer than its backward without recompute)."""
         self.executor, self.resident, self.worker, self.clip = executor, resident, worker, float(clip)
+        self.kernel = kernel  # the streamed layers' host update: "native" or "torch" (host_update.resolve_kernel)
         self.dp = dp if dp is not None and dp.active else None  # data parallel: the norm is summed over ranks
         self.opt_worker = optimizer_worker or worker
         self._closing: Future | None = None  # the last step's close task (speculation accounting)
@@ -601,8 +602,8 @@ class HostAdamW(torch.optim.Optimizer):
             self._update_layer(i, hp)
 
     def _update_layer(self, i: int, hp, coef: float | None = None):
-        """Layer i's AdamW, each segment in cache-sized blocks with its conversions and the wire refresh folded in
-        ([Note: blocked host update] in host_update.py): bit-identical to the whole-layer passes."""
+        """Layer i's AdamW, each segment in one pass of the native kernel ([Note: native host update]) or in
+        cache-sized blocks of torch's ([Note: blocked host update]); both bit-identical to torch's fused AdamW."""
         ex, store = self.executor, self.executor.store
         coef = self._coef if coef is None else coef
         ex.schedule.wait_read(i)  # the last H2D reading wire i has finished
@@ -613,7 +614,7 @@ class HostAdamW(torch.optim.Optimizer):
         try:
             for group, a, b in layout.segments:
                 update_segment(master, grad, m, v, a, b, hp[group], coef, self.adam_w_mode, wire, self._tmp,
-                               self._tmp_master)
+                               self._tmp_master, kernel=self.kernel)
             ex.timer.add_host("updated_params", layout.n_train)  # the breakdown's Gparam/s of the host update
         finally:
             store.release_moments(i)  # a disk layer's region is written back behind the next updates

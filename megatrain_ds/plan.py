@@ -79,6 +79,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, TrainConfig, load_config_source, parse_config
+from .host_update import lands_fp32, resolve_kernel
 from .model_map import LayerLayout, UnsupportedModelError, build_layout, find_block_list, shared_parameter_ids
 from .plan_gpu import _DTYPES, ActivationModel, _liger_installed, _meta_twin, _size  # noqa: F401 (re-exported)
 
@@ -230,7 +231,8 @@ def decide(layouts: list[LayerLayout], config: TrainConfig) -> Decisions:
         stream_fp32 = sum(lay.n_frozen for lay in layouts) <= sum(lay.n_train for lay in layouts)
     wire = "fp32" if stream_fp32 else compute
     ga = config.gradient_accumulation_steps
-    grad = "fp32" if (ga > 1 or mt.fp32_grad_landing or stream_fp32) else wire
+    fp32_landing = lands_fp32(mt.fp32_grad_landing, stream_fp32, resolve_kernel(mt.host_kernel))
+    grad = "fp32" if (ga > 1 or fp32_landing) else compute
     n_device = mt.gpu_optimizer_layers
     if n_device == -1:
         ratio = config.offload_optimizer_ratio

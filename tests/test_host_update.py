@@ -58,3 +58,103 @@ def test_blocked_equals_whole_layer_passes(grad_dtype, master_dtype, with_wire, 
     if with_wire:
         assert torch.equal(got_wire, want_wire)
     assert not torch.equal(got[0], _state(n, 0, grad_dtype, master_dtype)[0])  # it did update
+
+
+# --- the native kernel ([Note: native host update]) ------------------------------------------------------------------
+from megatrain_ds import host_update  # noqa: E402
+
+
+def _ulps(x: torch.Tensor, y: torch.Tensor) -> int:
+    """Largest distance in units of the last place between two fp32 (or bf16/fp16, compared in fp32) tensors."""
+    a, b = x.float().view(torch.int32).long(), y.float().view(torch.int32).long()
+    return int((a - b).abs().max()) if a.numel() else 0
+
+
+def _native_or_skip():
+    if host_update.native_library() is None:  # no C compiler: the engine falls back (tested below)
+        pytest.skip(f"native host update not built here: {host_update.native_error()}")
+
+
+# torch's CPU kernels were measured here with AVX2 dispatch (the CI machines', this repository's CPU wheel): the
+# native kernel equals them bit for bit. Under another dispatch (AVX-512) the compiler may have fused torch's
+# arithmetic differently: the stated bound there is 2 ulp per step.
+_BIT_EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT")
+
+
+@pytest.mark.parametrize("grad_dtype,master_dtype,wire_dtype", [
+    (torch.bfloat16, torch.float32, None),  # the default: fp32 master streams, bf16 gradients land
+    (torch.bfloat16, torch.float32, torch.bfloat16),  # bf16 wire
+    (torch.float32, torch.float32, None),  # fp32 landing
+    (torch.float32, torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, None),  # bf16-master mode (the master is the wire)
+    (torch.float16, torch.float32, torch.float16),  # fp16 compute
+])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+@pytest.mark.parametrize("coef,step,wd", [(1.0, 1, 0.01), (0.37, 7, 0.0), (1 / 1024, 300, 0.1)])
+def test_native_equals_torch_fused(grad_dtype, master_dtype, wire_dtype, adam_w_mode, coef, step, wd):
+    """One step of the native kernel against torch's fused kernel on the same values (the gradient converted to
+    fp32, the master to fp32 and back): master, moments and wire equal. Odd length: torch's scalar tail too."""
+    _native_or_skip()
+    n = 40_013
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=wd, step=step)
+    master, grad, m, v = _state(n, 1, grad_dtype, master_dtype)
+    grad_before = grad.clone()
+    want_p, want_m, want_v = master.clone().float(), m.clone(), v.clone()
+    st, scale = adamw_scalars(hp, coef, torch.device("cpu"))
+    fused_adam([want_p], [grad.float().clone()], [want_m], [want_v], hp, st, scale, adam_w_mode)
+    wire = None if wire_dtype is None else torch.zeros(n, dtype=wire_dtype)
+    host_update.native_adam(master, grad, m, v, hp, coef, adam_w_mode, wire=wire, threads=3)
+    assert torch.equal(grad, grad_before)  # read, never written (torch's kernel writes the scaled gradient back)
+    got = {"master": master.float(), "exp_avg": m, "exp_avg_sq": v}
+    want = {"master": want_p.to(master_dtype).float(), "exp_avg": want_m, "exp_avg_sq": want_v}
+    for name in got:
+        if _BIT_EXACT:
+            assert torch.equal(got[name], want[name]), (name, _ulps(got[name], want[name]))
+        else:
+            assert _ulps(got[name], want[name]) <= 2, name
+    if wire is not None:
+        assert torch.equal(wire, master.to(wire_dtype))  # the wire is the new master, rounded as copy_ rounds
+    assert not torch.equal(master, _state(n, 1, grad_dtype, master_dtype)[0])
+
+
+def test_native_propagates_non_finite_like_torch():
+    """A NaN or inf gradient element poisons that element as torch's kernel does (the fp16 skip happens before
+    the update; this is what an unskipped bad element does), and the bf16 rounding keeps NaN a NaN."""
+    _native_or_skip()
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3)
+    master, grad, m, v = _state(1_003, 2, torch.float32, torch.float32)
+    grad[[5, 700]] = torch.tensor([float("nan"), float("inf")])
+    want = [master.clone(), m.clone(), v.clone()]
+    st, scale = adamw_scalars(hp, 1.0, torch.device("cpu"))
+    fused_adam([want[0]], [grad.clone()], [want[1]], [want[2]], hp, st, scale, True)
+    wire = torch.zeros(1_003, dtype=torch.bfloat16)
+    host_update.native_adam(master, grad, m, v, hp, 1.0, True, wire=wire)
+    for x, y in zip((master, m, v), want):
+        assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+    assert wire[5].isnan() and wire[700].isnan()
+
+
+def test_native_refuses_mismatched_state():
+    _native_or_skip()
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    master, grad, m, v = _state(100, 3, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="grad has 99 elements"):
+        host_update.native_adam(master, grad[:99], m, v, hp, 1.0, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        host_update.native_adam(master, grad.view(10, 10).t(), m, v, hp, 1.0, True)
+
+
+def test_kernel_setting_without_a_compiler(monkeypatch, tmp_path):
+    """No C compiler: "auto" falls back to torch's kernel (said once) and lands fp32 gradients where the master
+    streams; "native" refuses, naming the setting and what to do."""
+    monkeypatch.setattr(host_update, "_lib", None)
+    monkeypatch.setattr(host_update, "_lib_error", None)
+    monkeypatch.setattr(host_update, "_said_fallback", False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MEGATRAIN_DS_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert host_update.resolve_kernel("auto") == "torch"
+    with pytest.raises(host_update.NativeKernelError, match="megatrain.host_kernel=native"):
+        host_update.resolve_kernel("native")
+    assert host_update.resolve_kernel("torch") == "torch"
+    assert host_update.lands_fp32(False, True, "torch") and not host_update.lands_fp32(False, True, "native")

@@ -65,7 +65,8 @@ def test_bf16_tracks_fp32_reference(options):
 
 
 @pytest.mark.parametrize("ga,bf16,options,expected", [
-    (1, True, {}, 16), (4, True, {}, 16), (1, False, {}, 16), (4, False, {}, 16),
+    (1, True, {}, 14), (4, True, {}, 16), (1, False, {}, 16), (4, False, {}, 16),
+    (1, True, {"host_kernel": "torch"}, 16),
     (1, True, BF16_WIRE, 16), (4, True, BF16_WIRE, 18), (1, True, {**BF16_WIRE, "fp32_grad_landing": True}, 18)])
 def test_host_bytes_per_parameter(ga, bf16, options, expected):
     engine = _run_engine(tiny_hf("llama"), _batches(), 0, ga=ga, bf16=bf16, megatrain=options)[1]

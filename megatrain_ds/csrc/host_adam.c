@@ -1,0 +1,159 @@
+/* One pass of Adam/AdamW over a layer's host state: [Note: native host update] in megatrain_ds/host_update.py.
+ *
+ * Reads the gradient in the dtype it landed in (fp32, bf16 or fp16), reads and writes the master (fp32, or bf16 in
+ * bf16-master mode) and the fp32 moments once, and writes the compute-dtype wire copy (bf16 or fp16) when there is
+ * one, all in the same pass. The arithmetic is torch's fused CPU Adam kernel's, operation for operation, with the
+ * same fused multiply-adds (compiled with -ffp-contract=off: only the fmaf() calls below fuse), so that the result
+ * equals torch._fused_adamw_ on the same fp32 values (host_update.py says where this is checked and the bound).
+ * Built at first use by host_update.py with the machine's C compiler; threads: POSIX, one contiguous range each.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+typedef struct {
+    int64_t n;
+    void *master; int master_dt;      /* fp32 or bf16 */
+    const void *grad; int grad_dt;    /* fp32, bf16 or fp16 */
+    float *exp_avg, *exp_avg_sq;
+    void *wire; int wire_dt;          /* NULL, bf16 or fp16 */
+    float keep;                       /* AdamW: 1 - lr * weight_decay (rounded from double); 1 otherwise (exact) */
+    float wd;                         /* Adam (L2): weight_decay */
+    float beta1_w;                    /* lerp weight 1 - beta1 */
+    float beta2, c2;                  /* beta2, 1 - beta2 */
+    float neg_step_size, bc2_sqrt, eps;
+    float grad_scale;                 /* divide the gradient by this (1: none; g / 1 is g, bit for bit) */
+    int adamw;
+    int64_t tail_from;                /* torch's vector loop stops here (n rounded down to its vector width) */
+} job_t;
+
+typedef struct { const job_t *job; int64_t begin, end; } range_t;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN -> quiet NaN (as torch) */
+    uint32_t u; memcpy(&u, &f, 4);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return isnan(f) ? (uint16_t)0x7FC0 : r;
+}
+
+static inline float load_val(const void *p, int dt, int64_t i) {
+    if (dt == DT_F32) return ((const float *)p)[i];
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return (float)((const _Float16 *)p)[i];
+}
+
+static inline void store_val(void *p, int dt, int64_t i, float v) {
+    if (dt == DT_F32) ((float *)p)[i] = v;
+    else if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((_Float16 *)p)[i] = (_Float16)v;
+}
+
+/* The element update, in torch's order: the loss-scale/clip division, the decay (AdamW: the master scaled first;
+ * Adam: fma(p, wd, g)), exp_avg as lerp toward g with weight 1 - beta1 (fma(w, g - m, m) for w < 0.5, else
+ * fma(w - 1, g - m, g)), exp_avg_sq = fma(c2 * g, g, v * beta2) (in torch's scalar tail loop:
+ * fma(v, beta2, c2 * g * g)), denom = sqrt(v) / sqrt(bc2) + eps, and p + (-step_size * m) / denom. */
+#define ADAM_BODY(LOAD_P, LOAD_G, STORE_P, STORE_W, TAIL)                                      \
+    for (int64_t i = r->begin; i < body_end; i++) {                                           \
+        float g = LOAD_G / j->grad_scale;                                                     \
+        float p = LOAD_P;                                                                     \
+        g = l2 ? fmaf(p, j->wd, g) : g;                                                       \
+        p = p * j->keep;                                                                      \
+        float m = m_[i];                                                                      \
+        m = fmaf(coeff, g - m, small ? m : g);                                                \
+        float v = TAIL ? fmaf(v_[i], j->beta2, j->c2 * g * g)                                 \
+                       : fmaf(j->c2 * g, g, v_[i] * j->beta2);                                \
+        m_[i] = m; v_[i] = v;                                                                 \
+        float denom = sqrtf(v) / j->bc2_sqrt + j->eps;                                        \
+        p = p + (j->neg_step_size * m) / denom;                                               \
+        STORE_P; STORE_W;                                                                     \
+    }
+
+#define GENERIC_BODY(TAIL)                                                                    \
+    {                                                                                         \
+        void *P = j->master; const void *G = j->grad;                                         \
+        ADAM_BODY(load_val(P, j->master_dt, i), load_val(G, j->grad_dt, i),                   \
+                  store_val(P, j->master_dt, i, p), if (j->wire) store_val(j->wire, j->wire_dt, i, p), TAIL) \
+    }
+
+static void *run_range(void *arg) {
+    const range_t *r = (const range_t *)arg;
+    const job_t *j = r->job;
+    range_t tail = {j, r->begin > j->tail_from ? r->begin : j->tail_from, r->end};
+    int64_t body_end = r->end < j->tail_from ? r->end : j->tail_from;
+    float *restrict m_ = j->exp_avg, *restrict v_ = j->exp_avg_sq;
+    const float w = j->beta1_w;
+    const int small = fabsf(w) < 0.5f;  /* the lerp's two forms, as torch picks them */
+    const float coeff = small ? w : w - 1.0f;
+    const int l2 = !j->adamw && j->wd != 0.0f;  /* Adam's L2 term; AdamW scales the master by keep (1 without decay) */
+    /* the common layouts get their own loops, so the compiler vectorizes them without per-element dtype tests */
+    if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && !j->wire) {
+        float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad;
+        ADAM_BODY(P[i], G[i], P[i] = p, (void)0, 0)
+    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_BF16 && !j->wire) {
+        float *restrict P = (float *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad;
+        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, (void)0, 0)
+    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_BF16 && j->wire_dt == DT_BF16) {
+        float *restrict P = (float *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad;
+        uint16_t *restrict W = (uint16_t *)j->wire;
+        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, W[i] = f32_to_bf16(p), 0)
+    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && j->wire_dt == DT_BF16) {
+        float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad;
+        uint16_t *restrict W = (uint16_t *)j->wire;
+        ADAM_BODY(P[i], G[i], P[i] = p, W[i] = f32_to_bf16(p), 0)
+    } else if (j->master_dt == DT_BF16 && j->grad_dt == DT_BF16 && !j->wire) {
+        uint16_t *P = (uint16_t *)j->master; const uint16_t *G = (const uint16_t *)j->grad;
+        ADAM_BODY(bf16_to_f32(P[i]), bf16_to_f32(G[i]), P[i] = f32_to_bf16(p), (void)0, 0)
+    } else { /* any other combination (fp16 gradients or wire, ...): the same arithmetic, per-element dtypes */
+        GENERIC_BODY(0)
+    }
+    if (r->end > j->tail_from) { /* torch's scalar tail loop: exp_avg_sq fused the other way */
+        int64_t body_end = r->end;
+        r = &tail;
+        GENERIC_BODY(1)
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 256
+
+/* Updates elements [0, n); elements from tail_from on as torch's scalar tail loop does them. Returns 0; a range
+ * whose thread could not be started is run by the calling thread, so the update is always whole. */
+int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int grad_dt, float *exp_avg,
+                   float *exp_avg_sq, void *wire, int wire_dt, double lr, double beta1, double beta2,
+                   double weight_decay, double eps, double step, float grad_scale, int adamw, int threads,
+                   int64_t tail_from) {
+    job_t j;
+    /* the scalars as torch's kernel forms them: in double, then rounded to float where they enter the math */
+    double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
+    double step_size = lr / bc1;
+    j.n = n; j.master = master; j.master_dt = master_dt; j.grad = grad; j.grad_dt = grad_dt;
+    j.exp_avg = exp_avg; j.exp_avg_sq = exp_avg_sq; j.wire = wire; j.wire_dt = wire_dt;
+    j.keep = (adamw && weight_decay != 0.0) ? (float)(1.0 - lr * weight_decay) : 1.0f; j.wd = (float)weight_decay;
+    j.beta1_w = (float)(1.0 - beta1); j.beta2 = (float)beta2; j.c2 = (float)(1.0 - beta2);
+    j.neg_step_size = (float)(-step_size); j.bc2_sqrt = (float)sqrt(bc2); j.eps = (float)eps;
+    j.grad_scale = grad_scale; j.adamw = adamw; j.tail_from = tail_from < 0 ? n : tail_from;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int64_t per = (n + threads - 1) / threads;
+    per = (per + 63) & ~(int64_t)63; /* 64 elements: ranges start on cache lines */
+    range_t ranges[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    int k = 0;
+    for (int64_t a = 0; a < n; a += per, k++) {
+        ranges[k].job = &j; ranges[k].begin = a; ranges[k].end = a + per < n ? a + per : n;
+    }
+    for (int t = 1; t < k; t++) started[t] = pthread_create(&tid[t], NULL, run_range, &ranges[t]) == 0;
+    if (k > 0) run_range(&ranges[0]);
+    for (int t = 1; t < k; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else run_range(&ranges[t]); /* no thread: this one runs the range itself */
+    }
+    return 0;
+}
