@@ -16,10 +16,12 @@ import time
 
 import torch
 
+from megatrain_ds import host_update
 from megatrain_ds.host_update import adamw_scalars, fused_adam, update_segment
 
 LAYOUTS = {  # name: (grad dtype, master dtype, wire dtype or None)
-    "fp32 grad, fp32 master (default: one call)": (torch.float32, torch.float32, None),
+    "fp32 grad, fp32 master (torch kernel default)": (torch.float32, torch.float32, None),
+    "bf16 grad, fp32 master (native default)": (torch.bfloat16, torch.float32, None),
     "bf16 grad, fp32 master, bf16 wire": (torch.bfloat16, torch.float32, torch.bfloat16),
     "fp32 grad, fp32 master, bf16 wire": (torch.float32, torch.float32, torch.bfloat16),
     "bf16 grad, bf16 master (bf16-master mode)": (torch.bfloat16, torch.bfloat16, None),
@@ -71,16 +73,43 @@ def main(argv=None) -> int:
     blocks = [int(b) for b in args.blocks.split(",")]
     scratch_g, scratch_m = torch.empty(n), torch.empty(n)
     print(f"host update of {n / 1e6:.0f} M params, {torch.get_num_threads()} threads, coef {args.coef}: Gparam/s")
-    print(f"{'layout':<46}{'passes':>9}" + "".join(f"{'blk ' + str(b >> 10) + 'K':>11}" for b in blocks))
+    native = host_update.native_library() is not None
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}; native kernel: "
+          + ("built" if native else f"not built ({host_update.native_error()})"))
+    if native:
+        print("native vs torch's fused kernel, one step on the same values (1M + 13 elements): " + _exactness())
+    print(f"{'layout':<46}{'passes':>9}" + "".join(f"{'blk ' + str(b >> 10) + 'K':>11}" for b in blocks)
+          + (f"{'native':>9}" if native else ""))
     for name, dtypes in LAYOUTS.items():
         t = _tensors(n, *dtypes)
         row = [_median_s(lambda: _passes(*t, scratch_g, scratch_m, args.coef), args.repeats)]
         for b in blocks:
             row.append(_median_s(lambda: update_segment(t[0], t[1], t[2], t[3], 0, n, HP, args.coef, True, t[4],
                                                         scratch_g, scratch_m, block=b), args.repeats))
-        print(f"{name:<46}" + "".join(f"{n / s / 1e9:>{9 if k == 0 else 11}.2f}" for k, s in enumerate(row)),
-              flush=True)
+        if native:
+            row.append(_median_s(lambda: host_update.native_adam(t[0], t[1], t[2], t[3], HP, args.coef, True,
+                                                                 wire=t[4]), args.repeats))
+        print(f"{name:<46}" + "".join(f"{n / s / 1e9:>{9 if k in (0, len(blocks) + 1) else 11}.2f}"
+                                      for k, s in enumerate(row)), flush=True)
     return 0
+
+
+def _exactness() -> str:
+    """Elements differing from torch._fused_adamw_/_fused_adam_ (master, exp_avg, exp_avg_sq), over AdamW and Adam-L2,
+    with and without a gradient scale, fp32/bf16/fp16 gradients."""
+    differing, total = 0, 0
+    n = (1 << 20) + 13
+    for adam_w in (True, False):
+        for coef in (1.0, 0.37):
+            for gdt in (torch.float32, torch.bfloat16, torch.float16):
+                master, grad, m, v, _ = _tensors(n, gdt, torch.float32, None)
+                want = [master.clone(), m.clone(), v.clone()]
+                step, scale = adamw_scalars(HP, coef, master.device)
+                fused_adam([want[0]], [grad.float().clone()], [want[1]], [want[2]], HP, step, scale, adam_w)
+                host_update.native_adam(master, grad, m, v, HP, coef, adam_w)
+                differing += sum(int((x != y).sum()) for x, y in zip((master, m, v), want))
+                total += 3 * n
+    return f"{differing} of {total} differ" + (" (bit-identical)" if differing == 0 else "")
 
 
 if __name__ == "__main__":

@@ -40,5 +40,11 @@ case $phase in
   7b)    model=qwen2.5-7b
          h2h_call 110 megatrain --systems megatrain --tokens-per-step 16384 --warmup 1 --steps 2
          h2h_call 200 zero3 --systems zero3 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
+  # issue 26: 7B with fp32 masters on a 128 GiB box (bf16 gradients landed: 14 host bytes/param), clip 1.0; then
+  # bf16-master mode (12)
+  7bhost) model=qwen2.5-7b
+         h2h_call 300 fp32masters --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3
+         h2h_call 270 bf16masters --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 \
+             --ds-config '{"bf16": {"enabled": true, "bf16_master_weights_and_grads": true}}' ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

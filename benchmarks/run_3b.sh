@@ -14,6 +14,8 @@
 #   check     the recompute check's cost at 16K (issue 25): check_recompute false / true / false (engine defaults)
 #   small10g  10 GiB of the GPU free (--gpu-memory-limit 10), 8K, clip 1.0: megatrain host-only, defaults, ZeRO-3
 #   checkall  the same, host-only with every layer recomputed (keep_activations 0): off, on, off, on
+#   hu26a     issue 26: host_update_bench (native kernel exactness + Gparam/s), then 16K clip 1.0: ZeRO-3, host-only,
+#             defaults;  hu26b: host-only and defaults at clip 1e9, host-only with host_kernel torch, ZeRO-3 clip 1e9
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
@@ -78,5 +80,19 @@ case $phase in
             --warmup 2 --steps 4
         h2h_call 260 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
             --steps 4 ;;
+  hu26a)  # issue 26: the native host update. Its exactness and Gparam/s on the box's CPU, then 3B/16K, clip 1.0
+        # (fires every step on the harness's random data): ZeRO-3, megatrain host-only, megatrain defaults
+        python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \
+            | grep -v -i warn | tee -a "$log"
+        h2h_call 240 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  hu26b)  # the same with clipping that never fires (speculation engages), and the torch kernel for the ratio
+        h2h_call 100 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
+            --steps 4
+        h2h_call 100 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 hostonly_torchkernel --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 \
+            --warmup 2 --steps 4 --megatrain-options '{"host_kernel": "torch"}'
+        h2h_call 240 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
