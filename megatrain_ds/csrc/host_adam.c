@@ -60,17 +60,17 @@ static inline void store_val(void *p, int dt, int64_t i, float v) {
  * fma(v, beta2, c2 * g * g)), denom = sqrt(v) / sqrt(bc2) + eps, and p + (-step_size * m) / denom. */
 #define ADAM_BODY(LOAD_P, LOAD_G, STORE_P, STORE_W, TAIL)                                      \
     for (int64_t i = r->begin; i < body_end; i++) {                                           \
-        float g = LOAD_G / j->grad_scale;                                                     \
+        float g = LOAD_G / grad_scale;                                                     \
         float p = LOAD_P;                                                                     \
-        g = l2 ? fmaf(p, j->wd, g) : g;                                                       \
-        p = p * j->keep;                                                                      \
+        g = l2 ? fmaf(p, wd, g) : g;                                                       \
+        p = p * keep;                                                                      \
         float m = m_[i];                                                                      \
         m = fmaf(coeff, g - m, small ? m : g);                                                \
-        float v = TAIL ? fmaf(v_[i], j->beta2, j->c2 * g * g)                                 \
-                       : fmaf(j->c2 * g, g, v_[i] * j->beta2);                                \
+        float v = TAIL ? fmaf(v_[i], beta2, c2 * g * g)                                 \
+                       : fmaf(c2 * g, g, v_[i] * beta2);                                \
         m_[i] = m; v_[i] = v;                                                                 \
-        float denom = sqrtf(v) / j->bc2_sqrt + j->eps;                                        \
-        p = p + (j->neg_step_size * m) / denom;                                               \
+        float denom = sqrtf(v) / bc2_sqrt + eps;                                        \
+        p = p + (neg_step_size * m) / denom;                                               \
         STORE_P; STORE_W;                                                                     \
     }
 
@@ -91,6 +91,9 @@ static void *run_range(void *arg) {
     const int small = fabsf(w) < 0.5f;  /* the lerp's two forms, as torch picks them */
     const float coeff = small ? w : w - 1.0f;
     const int l2 = !j->adamw && j->wd != 0.0f;  /* Adam's L2 term; AdamW scales the master by keep (1 without decay) */
+    /* the scalars in locals: the loops then read nothing through j, which a store might seem to alias */
+    const float grad_scale = j->grad_scale, wd = j->wd, keep = j->keep, beta2 = j->beta2, c2 = j->c2;
+    const float bc2_sqrt = j->bc2_sqrt, eps = j->eps, neg_step_size = j->neg_step_size;
     /* the common layouts get their own loops, so the compiler vectorizes them without per-element dtype tests */
     if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && !j->wire) {
         float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad;
