@@ -66,7 +66,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     p.add_argument("--coef", type=float, default=0.37, help="clip coefficient (1.0: none)")
+    p.add_argument("--tail-forms", action="store_true",
+                   help="only: which fusion of torch's scalar tail loop this torch build has (host_update.TAIL_FORM)")
     args = p.parse_args(argv)
+    if args.tail_forms:
+        return _tail_forms()
     if args.threads:
         torch.set_num_threads(args.threads)
     n = int(args.params)
@@ -94,7 +98,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def _exactness() -> str:
+def _tail_forms() -> int:
+    """Elements differing from torch's kernel, for each tail_form (csrc/host_adam.c's tail_update): the one with 0
+    is this build's (put it in host_update.TAIL_FORM under the capability printed)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    print(f"torch {torch.__version__}, CPU capability {cap}: elements differing from torch's fused kernel by tail_form")
+    for form in range(16):
+        if form & 3 == 3:
+            continue
+        print(f"  tail_form {form:2d}: {_exactness(form)}", flush=True)
+    return 0
+
+
+def _exactness(tail_form: int | None = None) -> str:
     """Elements differing from torch._fused_adamw_/_fused_adam_ (master, exp_avg, exp_avg_sq), over AdamW and Adam-L2,
     with and without a gradient scale, fp32/bf16/fp16 gradients."""
     differing, total = 0, 0
@@ -102,11 +118,12 @@ def _exactness() -> str:
     for adam_w in (True, False):
         for coef in (1.0, 0.37):
             for gdt in (torch.float32, torch.bfloat16, torch.float16):
+                torch.manual_seed(0)
                 master, grad, m, v, _ = _tensors(n, gdt, torch.float32, None)
                 want = [master.clone(), m.clone(), v.clone()]
                 step, scale = adamw_scalars(HP, coef, master.device)
                 fused_adam([want[0]], [grad.float().clone()], [want[1]], [want[2]], HP, step, scale, adam_w)
-                host_update.native_adam(master, grad, m, v, HP, coef, adam_w)
+                host_update.native_adam(master, grad, m, v, HP, coef, adam_w, tail_form=tail_form)
                 differing += sum(int((x != y).sum()) for x, y in zip((master, m, v), want))
                 total += 3 * n
     return f"{differing} of {total} differ" + (" (bit-identical)" if differing == 0 else "")

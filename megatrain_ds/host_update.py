@@ -175,7 +175,7 @@ def native_library() -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
                            ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                           ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+                           ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
             _lib = lib
         except (OSError, subprocess.SubprocessError) as exc:
             _lib_error = str(exc)
@@ -184,6 +184,12 @@ def native_library() -> ctypes.CDLL | None:
 
 def native_error() -> str | None:
     return _lib_error
+
+
+# How torch's CPU build fused the scalar tail loop of its fused Adam kernel, by the CPU dispatch it runs
+# (csrc/host_adam.c's tail_update; found with ``python -m benchmarks.host_update_bench --tail-forms``): AVX2 (torch
+# 2.13's CPU wheel, measured here) fuses exp_avg_sq as fma(v, beta2, c2*g*g). Others default to the same form.
+TAIL_FORM = {"AVX2": 0, "DEFAULT": 0}
 
 
 def _torch_vector_width() -> int:
@@ -201,7 +207,7 @@ def _flat(t: torch.Tensor, name: str) -> int:
 
 def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None = None,
-                threads: int | None = None) -> None:
+                threads: int | None = None, tail_form: int | None = None) -> None:
     """One pass of Adam(W) over ``master`` (fp32 or bf16) with ``grad`` (fp32/bf16/fp16) and the fp32 moments,
     writing ``wire`` (bf16/fp16) from the new master when given; ``coef``: the clip coefficient over the loss
     scale (the gradient is divided by the fp32 value of ``1 / coef``, as the fused kernel's ``grad_scale``)."""
@@ -223,7 +229,9 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                        None if wire is None else _flat(wire, "wire"), 0 if wire is None else _DT[wire.dtype],
                        float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"]), float(hp["weight_decay"]),
                        float(hp["eps"]), float(hp["step"]), scale, int(bool(adam_w_mode)),
-                       int(threads or torch.get_num_threads()), n - n % _torch_vector_width())
+                       int(threads or torch.get_num_threads()), n - n % _torch_vector_width(),
+                       TAIL_FORM.get(torch.backends.cpu.get_cpu_capability().upper(), 0) if tail_form is None
+                       else tail_form)
 
 
 _said_fallback = False

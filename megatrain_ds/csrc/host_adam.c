@@ -28,6 +28,7 @@ typedef struct {
     float grad_scale;                 /* divide the gradient by this (1: none; g / 1 is g, bit for bit) */
     int adamw;
     int64_t tail_from;                /* torch's vector loop stops here (n rounded down to its vector width) */
+    int tail_form;                    /* how torch's build fused its scalar tail loop (tail_update) */
 } job_t;
 
 typedef struct { const job_t *job; int64_t begin, end; } range_t;
@@ -56,9 +57,9 @@ static inline void store_val(void *p, int dt, int64_t i, float v) {
 
 /* The element update, in torch's order: the loss-scale/clip division, the decay (AdamW: the master scaled first;
  * Adam: fma(p, wd, g)), exp_avg as lerp toward g with weight 1 - beta1 (fma(w, g - m, m) for w < 0.5, else
- * fma(w - 1, g - m, g)), exp_avg_sq = fma(c2 * g, g, v * beta2) (in torch's scalar tail loop:
- * fma(v, beta2, c2 * g * g)), denom = sqrt(v) / sqrt(bc2) + eps, and p + (-step_size * m) / denom. */
-#define ADAM_BODY(LOAD_P, LOAD_G, STORE_P, STORE_W, TAIL)                                      \
+ * fma(w - 1, g - m, g)), exp_avg_sq = fma(c2 * g, g, v * beta2), denom = sqrt(v) / sqrt(bc2) + eps, and
+ * p + (-step_size * m) / denom. */
+#define ADAM_BODY(LOAD_P, LOAD_G, STORE_P, STORE_W)                                            \
     for (int64_t i = r->begin; i < body_end; i++) {                                           \
         float g = LOAD_G / grad_scale;                                                     \
         float p = LOAD_P;                                                                     \
@@ -66,25 +67,41 @@ static inline void store_val(void *p, int dt, int64_t i, float v) {
         p = p * keep;                                                                      \
         float m = m_[i];                                                                      \
         m = fmaf(coeff, g - m, small ? m : g);                                                \
-        float v = TAIL ? fmaf(v_[i], beta2, c2 * g * g)                                 \
-                       : fmaf(c2 * g, g, v_[i] * beta2);                                \
+        float v = fmaf(c2 * g, g, v_[i] * beta2);                                             \
         m_[i] = m; v_[i] = v;                                                                 \
         float denom = sqrtf(v) / bc2_sqrt + eps;                                        \
         p = p + (neg_step_size * m) / denom;                                               \
         STORE_P; STORE_W;                                                                     \
     }
 
-#define GENERIC_BODY(TAIL)                                                                    \
-    {                                                                                         \
-        void *P = j->master; const void *G = j->grad;                                         \
-        ADAM_BODY(load_val(P, j->master_dt, i), load_val(G, j->grad_dt, i),                   \
-                  store_val(P, j->master_dt, i, p), if (j->wire) store_val(j->wire, j->wire_dt, i, p), TAIL) \
+/* torch's scalar tail loop (the last n mod vector-width elements of a tensor): the same operations, which the
+ * compiler that built torch fused differently, by build. ``tail_form`` says how (host_update.py's table, measured per
+ * CPU dispatch by benchmarks/host_update_bench.py): bits 0-1 exp_avg_sq (0: fma(v, beta2, c2*g*g); 1: fma(c2*g, g,
+ * v*beta2); 2: v*beta2 + c2*g*g), bit 2 Adam's L2 term unfused (g + p*wd), bit 3 exp_avg unfused (m + w*(g - m)). */
+static void tail_update(const job_t *j, int64_t begin, int64_t end, float coeff, int small, int l2) {
+    const int form = j->tail_form;
+    for (int64_t i = begin; i < end; i++) {
+        float g = load_val(j->grad, j->grad_dt, i) / j->grad_scale;
+        float p = load_val(j->master, j->master_dt, i);
+        if (l2) g = (form & 4) ? g + p * j->wd : fmaf(p, j->wd, g);
+        p = p * j->keep;
+        float m = j->exp_avg[i], v = j->exp_avg_sq[i], base = small ? m : g;
+        m = (form & 8) ? base + coeff * (g - m) : fmaf(coeff, g - m, base);
+        switch (form & 3) {
+            case 0: v = fmaf(v, j->beta2, j->c2 * g * g); break;
+            case 1: v = fmaf(j->c2 * g, g, v * j->beta2); break;
+            default: v = v * j->beta2 + j->c2 * g * g; break;
+        }
+        j->exp_avg[i] = m; j->exp_avg_sq[i] = v;
+        p = p + (j->neg_step_size * m) / (sqrtf(v) / j->bc2_sqrt + j->eps);
+        store_val(j->master, j->master_dt, i, p);
+        if (j->wire) store_val(j->wire, j->wire_dt, i, p);
     }
+}
 
 static void *run_range(void *arg) {
     const range_t *r = (const range_t *)arg;
     const job_t *j = r->job;
-    range_t tail = {j, r->begin > j->tail_from ? r->begin : j->tail_from, r->end};
     int64_t body_end = r->end < j->tail_from ? r->end : j->tail_from;
     float *restrict m_ = j->exp_avg, *restrict v_ = j->exp_avg_sq;
     const float w = j->beta1_w;
@@ -97,29 +114,28 @@ static void *run_range(void *arg) {
     /* the common layouts get their own loops, so the compiler vectorizes them without per-element dtype tests */
     if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && !j->wire) {
         float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad;
-        ADAM_BODY(P[i], G[i], P[i] = p, (void)0, 0)
+        ADAM_BODY(P[i], G[i], P[i] = p, (void)0)
     } else if (j->master_dt == DT_F32 && j->grad_dt == DT_BF16 && !j->wire) {
         float *restrict P = (float *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad;
-        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, (void)0, 0)
+        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, (void)0)
     } else if (j->master_dt == DT_F32 && j->grad_dt == DT_BF16 && j->wire_dt == DT_BF16) {
         float *restrict P = (float *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad;
         uint16_t *restrict W = (uint16_t *)j->wire;
-        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, W[i] = f32_to_bf16(p), 0)
+        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, W[i] = f32_to_bf16(p))
     } else if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && j->wire_dt == DT_BF16) {
         float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad;
         uint16_t *restrict W = (uint16_t *)j->wire;
-        ADAM_BODY(P[i], G[i], P[i] = p, W[i] = f32_to_bf16(p), 0)
+        ADAM_BODY(P[i], G[i], P[i] = p, W[i] = f32_to_bf16(p))
     } else if (j->master_dt == DT_BF16 && j->grad_dt == DT_BF16 && !j->wire) {
         uint16_t *P = (uint16_t *)j->master; const uint16_t *G = (const uint16_t *)j->grad;
-        ADAM_BODY(bf16_to_f32(P[i]), bf16_to_f32(G[i]), P[i] = f32_to_bf16(p), (void)0, 0)
+        ADAM_BODY(bf16_to_f32(P[i]), bf16_to_f32(G[i]), P[i] = f32_to_bf16(p), (void)0)
     } else { /* any other combination (fp16 gradients or wire, ...): the same arithmetic, per-element dtypes */
-        GENERIC_BODY(0)
+        void *P = j->master; const void *G = j->grad;
+        ADAM_BODY(load_val(P, j->master_dt, i), load_val(G, j->grad_dt, i), store_val(P, j->master_dt, i, p),
+                  if (j->wire) store_val(j->wire, j->wire_dt, i, p))
     }
-    if (r->end > j->tail_from) { /* torch's scalar tail loop: exp_avg_sq fused the other way */
-        int64_t body_end = r->end;
-        r = &tail;
-        GENERIC_BODY(1)
-    }
+    if (r->end > j->tail_from)
+        tail_update(j, r->begin > j->tail_from ? r->begin : j->tail_from, r->end, coeff, small, l2);
     return NULL;
 }
 
@@ -130,7 +146,7 @@ static void *run_range(void *arg) {
 int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int grad_dt, float *exp_avg,
                    float *exp_avg_sq, void *wire, int wire_dt, double lr, double beta1, double beta2,
                    double weight_decay, double eps, double step, float grad_scale, int adamw, int threads,
-                   int64_t tail_from) {
+                   int64_t tail_from, int tail_form) {
     job_t j;
     /* the scalars as torch's kernel forms them: in double, then rounded to float where they enter the math */
     double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
@@ -141,6 +157,7 @@ int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int
     j.beta1_w = (float)(1.0 - beta1); j.beta2 = (float)beta2; j.c2 = (float)(1.0 - beta2);
     j.neg_step_size = (float)(-step_size); j.bc2_sqrt = (float)sqrt(bc2); j.eps = (float)eps;
     j.grad_scale = grad_scale; j.adamw = adamw; j.tail_from = tail_from < 0 ? n : tail_from;
+    j.tail_form = tail_form;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     int64_t per = (n + threads - 1) / threads;
