@@ -1,13 +1,14 @@
 """The way back: real DeepSpeed ZeRO-3 resumes a checkpoint megatrain_ds saved (docs/wayback.md; wayback.py).
 
-One module fixture makes every run (tests/scripts/wayback_run.py; CPU, gloo, fp32: the exact mode, whose losses two
-engines can compare to 1e-5; a bf16 run was checked by hand, see docs/wayback.md). The DeepSpeed JSON config: ZeRO-3, offload_optimizer cpu (DeepSpeed steps
-with its CPU Adam), AdamW, WarmupLR, gradient clipping 1.0, and a sub_group_size small enough that DeepSpeed's
-sub-groups cut across layers. For N = 1 (megatrain_ds in this process) and N = 2 (megatrain_ds data parallel under
-torchrun), megatrain_ds trains 3 steps, saves, trains 3 more (the uninterrupted run); then, from the checkpoint,
-with another init, (a) real DeepSpeed on N ranks and (b) megatrain_ds each train the same 3 steps. Their losses
-agree step by step, rank by rank, within 1e-5 relative (and with the uninterrupted run). DeepSpeed's runs start
-beside the saving runs (their start-up is most of their time) and wait for the checkpoint's ``latest``.
+One module fixture makes every run (tests/scripts/wayback_run.py; CPU, gloo, fp32: the exact mode, whose losses
+two engines can compare to 1e-5; a bf16 run was checked by hand, see docs/wayback.md). The DeepSpeed JSON config:
+ZeRO-3, offload_optimizer cpu (DeepSpeed steps with its CPU Adam), AdamW, WarmupLR, gradient clipping 1.0, and a
+sub_group_size small enough that DeepSpeed's sub-groups cut across layers. For N = 1 (megatrain_ds in this process)
+and N = 2 (megatrain_ds data parallel, one process per rank with torchrun's environment), megatrain_ds trains 3
+steps, saves, trains 3 more (the uninterrupted run); then, from the checkpoint, with another init, (a) real
+DeepSpeed on N ranks and (b) megatrain_ds each train the same 3 steps. Their losses agree step by step, rank by
+rank, within 1e-5 relative (and with the uninterrupted run). DeepSpeed's runs start beside the saving runs (their
+start-up is most of their time) and wait for the checkpoint's ``latest``.
 """
 import importlib.util
 import json

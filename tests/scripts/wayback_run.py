@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 wayback_run.py --engine megatrain --config ds.json --save CKPT --out run   # 2 ranks
     torchrun --nproc_per_node 2 wayback_run.py --engine deepspeed --config ds.json --resume CKPT --out ds
 
-(one rank: ``main(argv)`` in the test's own process for megatrain_ds; DeepSpeed under a one-process world).
+(the test starts one process per rank with torchrun's environment instead; one rank of megatrain_ds: ``main(argv)``
+in the test's own process).
 
 - megatrain_ds (``--save``): a model of seed 0 trains 3 steps, saves CKPT, trains 3 more (the uninterrupted run:
   ``straight``, 6 losses), then a fresh engine around a model of seed 1 loads CKPT and trains the same 3 steps
