@@ -5,27 +5,29 @@
     save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt  buffers, parameter shapes, frozen parameters,
                                                               counters, scheduler, loss scaler, client state
     save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt  fp32 master weights as ``fp32_flat_groups``,
-                                                              Adam moments, group hyperparameters, RNG
+                                                              Adam state, DeepSpeed's loss scaler, RNG
+                                                              (``bf16_zero_pp_rank_...`` in bf16 runs, as DS)
+    save_dir/<tag>/zero_pp_rank_<r>_checksums.sha256           the SHA-256 of both files (checksums.py)
 
 one pair of files per rank r of the run that saved (N ranks: r = 0 .. N-1). The default tag is
-``global_step<global_steps>``. The fp32 masters are written as DeepSpeed ZeRO-3 with N processes writes them: flat fp32
-groups, each consumed in its ``param_shapes`` entry's order, where rank r's group holds, for each of its
-parameters, rank r's ZeRO-3 partition (``ceil(numel / N)`` elements, zero-padded past the end), so DeepSpeed's
-``zero_to_fp32`` reads a megatrain_ds checkpoint of any rank count. Each streamed layer's trainable region is
-one group, then each trained resident parameter; frozen parameters go in ``frozen_param_fragments`` (rank r's
-partition of each, as ZeRO-3's ``ds_tensor``), tied names in ``shared_params``.
+``global_step<global_steps>``. The optimizer file is what real DeepSpeed ZeRO-3 on N ranks writes, and reads back
+by position in its ``load_checkpoint`` (wayback.py computes its layout; docs/wayback.md): its fp32 sub-groups
+(the trained parameters in its optimizer groups' order, cut at ``zero_optimization.sub_group_size``), each a flat
+fp32 tensor holding, for each of its parameters, rank r's ZeRO-3 partition (``ceil(numel / N)`` elements,
+zero-padded past the end), listed in ``param_shapes``; the torch state dict of its CPU Adam (one state per
+sub-group: step and moments, partitioned as the masters); its loss-scaler object. megatrain_ds reads the same
+files (one set serves both), as does DeepSpeed's ``zero_to_fp32``. Frozen parameters go in
+``frozen_param_fragments`` (rank r's partition of each, as ZeRO-3's ``ds_tensor``), tied names in
+``shared_params``; ``module`` lists every state_dict name as DeepSpeed's does (empty parameters, buffers with
+their values), and ``deepspeed_resume`` why DeepSpeed could not resume it (empty: it can).
 
-- One rank: the groups are views of the host master (``torch.save`` writes the underlying buffer once, no second
-  copy in RAM), the moments ``HostAdamW.host_state_dict()``'s flat buffers (the layers' moments laid out as their
-  fp32 groups, then one tensor per resident parameter). Frozen weights are copied into a scratch file (below):
-  a view of the master would put the whole master buffer into the model-states file.
-- N ranks (data parallel, dp.py): a layer's state is held by its owner rank only, so the owner scatters each
-  rank its partitions of the layer (masters, moments, frozen weights) over the gloo group, one layer at a time
-  (transient memory: one layer). Each rank collects its partitions in files of the temporary folder mapped
-  shared (page cache, not process memory; allocated up front, so a full disk fails the save instead of
-  faulting a write), ``torch.save``s them and deletes the scratch files. Its ``exp_avg``/``exp_avg_sq`` are
-  flat over all its groups (resident ones included: ``resident_exp_avg`` lists are empty), partitioned as the
-  groups. Resident parameters are replicated: each rank cuts its partitions locally.
+Each rank collects its partitions in files of the temporary folder mapped shared (page cache, not process memory;
+allocated up front, so a full disk fails the save instead of faulting a write), ``torch.save``s them and deletes
+the scratch files (a sub-group spans layers: even one rank copies its state there). With N ranks (data parallel,
+dp.py) a layer's state is held by its owner rank only, so the owner scatters each rank its partitions of the layer
+(masters, moments, frozen weights) over the gloo group, one layer at a time (transient memory: one layer).
+Resident parameters are replicated: each rank cuts its partitions locally. (megatrain_ds before the way back wrote
+one group per layer and its own flat moments; those files still load.)
 
 Writing. A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
 file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
@@ -61,6 +63,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import wayback
 from .adapters import is_peft_model, save_adapter
 from .checksums import save_file as _save
 from .checksums import write_manifest
@@ -74,7 +77,8 @@ _RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "window_
              "lr_scheduler", "loss_scaler", "ds_config", "ds_version", "megatrain_version", "hf_config",
              "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
              "optimizer", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
-             "sparse_tensor_module_names", "checkpoint_parallel_dimensions", "universal_checkpoint_info"}
+             "sparse_tensor_module_names", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+             "deepspeed_resume"}
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")  # what an interrupted save leaves
 _MAX_LISTED = 20  # problems listed in one error
 
@@ -305,28 +309,32 @@ class _Param:
         return self.shape.numel()
 
 
-def _plan(engine) -> tuple[list[list[_Param]], list[_Param]]:
-    """(trained groups, frozen parameters) in the order ZeRO-3 lists them in ``param_shapes`` and
-    ``frozen_param_shapes``: each streamed layer's trainable parameters (one group per layer, in its flat
-    buffer's order), then each trained resident parameter (a group of its own); frozen ones layer by layer, then
-    the resident ones (not trained: in no optimizer group)."""
-    groups, frozen = [], []
+def _plan(engine, world: int, sub_group_size: int) -> tuple[list[list[_Param]], list[int], list[_Param]]:
+    """(trained sub-groups, each one's optimizer param group, frozen parameters) as ZeRO-3 lists them in
+    ``param_shapes`` and ``frozen_param_shapes``: the trained parameters in real DeepSpeed's sub-groups for
+    ``world`` ranks (wayback.py: its parameter order and ``sub_group_size``), which its ``load_checkpoint`` copies
+    by position; frozen ones (requires_grad False or in no optimizer group) layer by layer, then the resident
+    ones."""
+    trained, frozen = {}, []
     for i, layout in enumerate(engine.store.layouts):
-        trained = []
         for slot in layout.slots:
             start = slot.offset if slot.trainable else layout.n_train + slot.offset
             param = _Param(f"{engine.block_name}.{i}.{slot.name}", torch.Size(slot.shape), i, start)
-            (trained if slot.trainable else frozen).append(param)
-        if trained:
-            groups.append(trained)
+            if slot.trainable:
+                trained[param.name] = param
+            else:
+                frozen.append(param)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     for k, (p, grad) in enumerate(zip(engine.resident.params, engine.resident.grad)):
         param = _Param(names[id(p)], torch.Size(p.shape), None, k)
         if grad is None:
             frozen.append(param)
         else:
-            groups.append([param])
-    return groups, frozen
+            trained[param.name] = param
+    groups = [[trained[names[id(p)]] for p in group["params"] if names.get(id(p)) in trained]
+              for group in (engine.optimizer.param_groups if engine.optimizer is not None else [])]
+    subs = wayback.sub_groups(groups, lambda p: p.numel, world, sub_group_size)
+    return [params for _, params in subs], [g for g, _ in subs], frozen
 
 
 def _source(engine, param: _Param, kind: str) -> torch.Tensor:
@@ -347,154 +355,126 @@ def _source(engine, param: _Param, kind: str) -> torch.Tensor:
 
 
 class _RankState:
-    """What this rank writes: its ``fp32_flat_groups``, moments (flat over the groups) and frozen fragments.
+    """What this rank writes: its ``fp32_flat_groups`` and moments (one flat tensor per sub-group each) and its
+    frozen fragments, all in files of the temporary folder mapped shared (``_scratch``): page cache, not process
+    memory.
 
-    One rank: views of the host state (nothing copied), frozen fragments copied into a scratch file (a view of
-    the master would make ``torch.save`` write the whole master buffer into the model-states file). N ranks: this
-    rank's ZeRO-3 partitions of every parameter, collected in scratch files (``_scratch``) by ``fill``."""
+    Sub-group k holds, for each of its parameters in order, this rank's ZeRO-3 partition (``ceil(numel / N)``
+    elements, zero past the end): ``offset[name]`` is where in the flat regions (master, exp_avg, exp_avg_sq:
+    the sub-groups one after the other). A streamed layer's state is held by its owner rank only, which scatters
+    every rank its partitions of the layer (one layer at a time); with one rank, and for the replicated resident
+    parameters, each rank cuts its partitions itself. The sub-groups are DeepSpeed's (``_plan``), not the layers,
+    so even one rank copies its masters and moments here (DeepSpeed's flat partition spans layers)."""
 
     def __init__(self, engine, world: _World, folder: str, groups: list[list[_Param]], frozen: list[_Param],
                  moments: bool) -> None:
-        self.engine, self.world, self.groups, self.frozen, self.moments = engine, world, groups, frozen, moments
+        self.engine, self.world, self.groups, self.frozen = engine, world, groups, frozen
+        self.kinds = ("master", "exp_avg", "exp_avg_sq") if moments else ("master",)
         self.folder = folder
         self.paths: list[str] = []
         n = world.size
         self.sizes = [sum(_partition(p.numel, n) for p in group) for group in groups]  # per group, per rank
         self.group_start = [sum(self.sizes[:k]) for k in range(len(groups))]
-        total = sum(self.sizes)
-        self.frozen_start, offset = [], 0
+        self.offset, offset = {}, 0
+        for group in groups:
+            for p in group:
+                self.offset[p.name] = offset
+                offset += _partition(p.numel, n)
+        total = offset
+        self.frozen_start, offset = {}, 0
         for p in frozen:
-            self.frozen_start.append(offset)
+            self.frozen_start[p.name] = offset
             offset += _partition(p.numel, n)
         # frozen weights are kept in the compute dtype (host_state.py: a compact store; the resident ones on the
         # device), and written so, as DeepSpeed writes its 16-bit frozen fragments; fp32 in fp32 mode
         frozen_dtype = engine.store.wire_dtype if engine.store.compact else torch.float32
         self.frozen_buf = _scratch(folder, f".frozen-rank{world.rank}.scratch", offset, self.paths, frozen_dtype)
-        self.regions = []  # master, exp_avg, exp_avg_sq: each flat over this rank's groups
-        if n > 1:
-            buf = _scratch(folder, f".optim-rank{world.rank}.scratch", total * (3 if moments else 1), self.paths)
-            self.regions = list(buf.split(total)) if total else [buf] * (3 if moments else 1)
+        buf = _scratch(folder, f".optim-rank{world.rank}.scratch", total * len(self.kinds), self.paths)
+        self.regions = list(buf.split(total)) if total else [buf] * len(self.kinds)
 
-    # one rank ------------------------------------------------------------------------------------------------
-    def _views(self) -> None:
-        engine = self.engine
-        self.fp32 = []
-        for group in self.groups:
-            first = group[0]
-            if first.layer is None:
-                self.fp32.append(engine.resident.master[first.start].detach().cpu().reshape(-1))
-            else:  # the layer's trainable region: its parameters lie in it in the group's order
-                master = engine.store.read_master(first.layer)[:sum(p.numel for p in group)]
-                # bf16-master mode: written as fp32 groups, as DeepSpeed's; an NVMe layer's: a copy, kept in a file
-                if master.dtype != torch.float32 or engine.store.master_on_disk(first.layer):
-                    master = _scratch(self.folder, f".master{first.layer}-rank{self.world.rank}.scratch",
-                                      master.numel(), self.paths).copy_(master)
-                self.fp32.append(master)
-        for p, start in zip(self.frozen, self.frozen_start):
-            self.frozen_buf[start:start + p.numel].copy_(_source(engine, p, "master"))
+    def _size(self, p: _Param) -> int:
+        return _partition(p.numel, self.world.size)
 
-    # N ranks -------------------------------------------------------------------------------------------------
-    def _payload(self, train: list[_Param], frozen: list[_Param], rank: int, out: torch.Tensor) -> None:
-        """Rank ``rank``'s partitions of one layer (or resident group): masters, moments, then frozen weights."""
-        n, offset = self.world.size, 0
-        for kind in ("master", "exp_avg", "exp_avg_sq") if self.moments else ("master",):
+    def _own(self, train: list[_Param], frozen: list[_Param]) -> None:
+        """This rank's partitions of parameters whose state it holds, cut straight into its regions."""
+        rank, n = self.world.rank, self.world.size
+        for region, kind in zip(self.regions, self.kinds):
             for p in train:
-                size = _partition(p.numel, n)
-                _cut(out[offset:offset + size], _source(self.engine, p, kind), rank, n)
+                at = self.offset[p.name]
+                _cut(region[at:at + self._size(p)], _source(self.engine, p, kind), rank, n)
+        for p in frozen:
+            at = self.frozen_start[p.name]
+            _cut(self.frozen_buf[at:at + self._size(p)], _source(self.engine, p, "master"), rank, n)
+
+    def _payload(self, train: list[_Param], frozen: list[_Param], rank: int, out: torch.Tensor) -> None:
+        """Rank ``rank``'s partitions of one layer: masters, moments, then frozen weights."""
+        n, offset = self.world.size, 0
+        for kind in self.kinds:
+            for p in train:
+                _cut(out[offset:offset + self._size(p)], _source(self.engine, p, kind), rank, n)
+                offset += self._size(p)
+        for p in frozen:
+            _cut(out[offset:offset + self._size(p)], _source(self.engine, p, "master"), rank, n)
+            offset += self._size(p)
+
+    def _place(self, train: list[_Param], frozen: list[_Param], received: torch.Tensor) -> None:
+        """A received ``_payload`` into this rank's regions, each parameter at its offset."""
+        offset = 0
+        for region in self.regions:
+            for p in train:
+                at, size = self.offset[p.name], self._size(p)
+                region[at:at + size].copy_(received[offset:offset + size])
                 offset += size
         for p in frozen:
-            size = _partition(p.numel, n)
-            _cut(out[offset:offset + size], _source(self.engine, p, "master"), rank, n)
+            at, size = self.frozen_start[p.name], self._size(p)
+            self.frozen_buf[at:at + size].copy_(received[offset:offset + size])
             offset += size
 
-    def _place(self, k: int | None, frozen: list[int], received: torch.Tensor) -> None:
-        """This rank's partitions of group ``k`` (None: none) and of the frozen parameters ``frozen`` (indices)
-        into its regions."""
-        offset = 0
-        if k is not None:
-            start, size = self.group_start[k], self.sizes[k]
-            for region in self.regions:
-                region[start:start + size].copy_(received[offset:offset + size])
-                offset += size
-        for j in frozen:
-            start, size = self.frozen_start[j], _partition(self.frozen[j].numel, self.world.size)
-            self.frozen_buf[start:start + size].copy_(received[offset:offset + size])
-            offset += size
-
-    def _partitions(self) -> None:
-        world, engine = self.world, self.engine
-        n_layers = len(engine.store.layouts)
-        group_of = {g[0].layer: k for k, g in enumerate(self.groups) if g[0].layer is not None}
-        frozen_of: dict[int | None, list[int]] = {}
-        for j, p in enumerate(self.frozen):
-            frozen_of.setdefault(p.layer, []).append(j)
-        kinds = 3 if self.moments else 1
-        for i in range(n_layers):  # the owner scatters each rank its partitions of layer i
-            k, fz = group_of.get(i), frozen_of.get(i, [])
-            width = (self.sizes[k] * kinds if k is not None else 0) + sum(
-                _partition(self.frozen[j].numel, world.size) for j in fz)
-            if width == 0:
-                continue
-            owner, received, chunks = world.owner(i), torch.empty(width, dtype=torch.float32), None
-            if world.rank == owner:
-                send = torch.empty(world.size, width, dtype=torch.float32)
-                train = self.groups[k] if k is not None else []
-                for rank in range(world.size):
-                    self._payload(train, [self.frozen[j] for j in fz], rank, send[rank])
-                chunks = list(send.unbind(0))
-            dist.scatter(received, chunks, src=world.peer(owner), group=world.group)
-            self._place(k, fz, received)
-        # resident parameters are replicated: this rank cuts its own partitions
-        for k, group in enumerate(self.groups):
-            if group[0].layer is None:
-                received = torch.empty(self.sizes[k] * kinds, dtype=torch.float32)
-                self._payload(group, [], world.rank, received)
-                self._place(k, [], received)
-        for j in frozen_of.get(None, []):
-            received = torch.empty(_partition(self.frozen[j].numel, world.size), dtype=torch.float32)
-            self._payload([], [self.frozen[j]], world.rank, received)
-            self._place(None, [j], received)
-        master = self.regions[0]
-        self.fp32 = [master[start:start + size] for start, size in zip(self.group_start, self.sizes)]
+    def _exchange(self, i: int, train: list[_Param], frozen: list[_Param]) -> None:
+        """Layer i's owner scatters every rank its partitions of the layer (a collective of every rank)."""
+        world = self.world
+        width = sum(self._size(p) for p in train) * len(self.kinds) + sum(self._size(p) for p in frozen)
+        owner, received, chunks = world.owner(i), torch.empty(width, dtype=torch.float32), None
+        if world.rank == owner:
+            send = torch.empty(world.size, width, dtype=torch.float32)
+            for rank in range(world.size):
+                self._payload(train, frozen, rank, send[rank])
+            chunks = list(send.unbind(0))
+        dist.scatter(received, chunks, src=world.peer(owner), group=world.group)
+        self._place(train, frozen, received)
 
     def fill(self) -> None:
-        """Collective with N ranks (every rank, layers in order); views with one."""
-        if self.world.size == 1:
-            self._views()
-        else:
-            self._partitions()
-        n = self.world.size
-        self.fragments = {p.name: self.frozen_buf[start:start + (p.numel if n == 1 else _partition(p.numel, n))]
-                          for p, start in zip(self.frozen, self.frozen_start)}
+        """Collective with N ranks (every rank, layers in order)."""
+        by_layer: dict[int | None, tuple[list, list]] = {}
+        for p in [p for group in self.groups for p in group]:
+            by_layer.setdefault(p.layer, ([], []))[0].append(p)
+        for p in self.frozen:
+            by_layer.setdefault(p.layer, ([], []))[1].append(p)
+        for i in range(len(self.engine.store.layouts)):
+            train, frozen = by_layer.get(i, ([], []))
+            if not train and not frozen:
+                continue
+            if self.world.size == 1:
+                self._own(train, frozen)
+            else:
+                self._exchange(i, train, frozen)
+        self._own(*by_layer.get(None, ([], [])))  # resident parameters are replicated
+        self.fragments = {p.name: self.frozen_buf[self.frozen_start[p.name]:][:self._size(p)] for p in self.frozen}
+        self.flat = [[region[start:start + size] for start, size in zip(self.group_start, self.sizes)]
+                     for region in self.regions]  # per kind, per sub-group
+        self.fp32 = self.flat[0]
 
-    def optimizer_state(self) -> dict | None:
+    def optimizer_state(self, group_of: list[int]) -> dict | None:
+        """The optimizer state as DeepSpeed ZeRO-3's CPU Adam saves it (wayback.py); megatrain_ds reads it too."""
         optimizer = self.engine.optimizer
         if optimizer is None:
             return None
-        state = optimizer.host_state_dict()
-        if self.world.size > 1:  # the moments flat over every group (resident ones too), partitioned as them
-            state.update(exp_avg=self.regions[1], exp_avg_sq=self.regions[2], resident_exp_avg=[],
-                         resident_exp_avg_sq=[])
-        elif self.engine.store.tier is not None:  # some layers' moments are on the NVMe tier: the same flat buffers,
-            state.update(zip(("exp_avg", "exp_avg_sq"), self._flat_moments()))  # assembled in a scratch file
-        return state
-
-    def _flat_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One rank with an NVMe tier: the streamed layers' moments flat (as ``store.exp_avg`` would be without the
-        tier), assembled layer by layer in a scratch file (page cache, not process memory)."""
-        store = self.engine.store
-        flat = _scratch(self.folder, f".moments-rank{self.world.rank}.scratch", 2 * store.n_train, self.paths)
-        m_all, v_all = flat[:store.n_train], flat[store.n_train:]
-        for i, layout in enumerate(store.layouts):
-            if layout.n_train:
-                m, v = store.read_moments(i)
-                store.train_slice(m_all, i).copy_(m)
-                store.train_slice(v_all, i).copy_(v)
-        return m_all, v_all
+        return wayback.optimizer_state(optimizer.param_groups, group_of, optimizer.step_count, self.flat[1],
+                                       self.flat[2])
 
     def close(self) -> None:
         """Delete the scratch files (their pages are dropped unwritten) once the files are saved."""
-        self.fp32 = self.fragments = self.regions = self.frozen_buf = None
+        self.fp32 = self.flat = self.fragments = self.regions = self.frozen_buf = None
         for path in self.paths:
             try:
                 os.remove(path)
@@ -561,11 +541,32 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     return True
 
 
+def _untrained(engine, frozen: list[_Param]) -> list[str]:
+    """Frozen here (in no optimizer group) although they require grad: DeepSpeed ZeRO-3 would not restore them."""
+    params = dict(engine.module.named_parameters())
+    return [p.name for p in frozen if p.numel and p.name in params and params[p.name].requires_grad]
+
+
+def _deepspeed_resume(engine, world: _World, frozen: list[_Param], zero) -> list[str]:
+    """Why real DeepSpeed could not resume this checkpoint (wayback.py); said once per engine, on rank 0, when the
+    config is a ZeRO-3 one (a run that could go back to DeepSpeed as it is)."""
+    problems = wayback.resume_problems(engine.config, _untrained(engine, frozen), zero)
+    zero3 = not any(p.startswith("zero_optimization.stage") for p in problems)
+    if problems and zero3 and world.rank == 0 and not getattr(engine, "_said_deepspeed_resume", False):
+        engine._said_deepspeed_resume = True
+        warnings.warn("save_checkpoint: megatrain_ds resumes this checkpoint, real DeepSpeed ZeRO-3 could not: "
+                      + "; ".join(problems) + " (recorded as 'deepspeed_resume' in the model-states files)",
+                      stacklevel=5)  # the caller of engine.save_checkpoint
+    return problems
+
+
 def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, exclude_frozen: bool,
                       megatrain_version: str, ds_version: str) -> None:
-    groups, frozen = _plan(engine)
+    zero = wayback.zero_config(engine.config)  # DeepSpeed's reading of it: the layout its ZeRO-3 would have
+    groups, group_of, frozen = _plan(engine, world.size, wayback.sub_group_size(zero))
     state, error = None, None
     try:
+        problems = _deepspeed_resume(engine, world, frozen, zero)
         state = _RankState(engine, world, tmp, groups, [] if exclude_frozen else frozen,
                            moments=engine.optimizer is not None)
     except Exception as exc:  # noqa: BLE001
@@ -591,15 +592,21 @@ def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, e
                 "dp_world_size": world.size, "mp_world_size": 1,
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
+                "deepspeed_resume": problems,  # empty: real DeepSpeed ZeRO-3 resumes it (docs/wayback.md)
                 "ds_config": engine.config, "ds_version": ds_version, "megatrain_version": megatrain_version,
                 "hf_config": engine.module.config.to_dict()
                 if hasattr(getattr(engine.module, "config", None), "to_dict") else None, **dict(client_state or {})}
             optim_states = {"optimizer_state_dict": {
-                "zero_stage": 3, "partition_count": world.size, "fp32_flat_groups": state.fp32,
-                "optimizer_state_dict": state.optimizer_state()},
+                # what DeepSpeed ZeRO-3's _rigid_load_state_dict reads, in its layout (wayback.py)
+                "zero_stage": 3, "partition_count": world.size, "loss_scaler": wayback.loss_scaler(
+                    scaler, engine.compute_dtype), "dynamic_loss_scale": bool(scaler is not None and scaler.dynamic),
+                "overflow": False, "fp32_flat_groups": state.fp32,
+                "optimizer_state_dict": state.optimizer_state(group_of)},
                 "rng": _rng_state(), "ds_version": ds_version}
+            # DeepSpeed names the optimizer file bf16_... in bf16 runs, and a bf16 engine looks for that name only
+            optim_name = optim_file(world.rank, bf16=engine.compute_dtype == torch.bfloat16)
             digests = {model_file(world.rank): _save(model_states, os.path.join(tmp, model_file(world.rank))),
-                       optim_file(world.rank): _save(optim_states, os.path.join(tmp, optim_file(world.rank)))}
+                       optim_name: _save(optim_states, os.path.join(tmp, optim_name))}
             write_manifest(tmp, world.rank, digests)  # verified by load_checkpoint before it reads
             del model_states, optim_states
             state.close()

@@ -7,11 +7,12 @@ real DeepSpeed.
 checkpoint.py's ``load_checkpoint`` checks it against the engine, then writes it. Two sources are read, told apart
 by their optimizer state:
 
-- megatrain_ds: moments as flat buffers (checkpoint.py);
-- DeepSpeed ZeRO-3 saved by N ranks (its ``stage3._rigid_state_dict``): each rank's torch optimizer state dict,
+- megatrain_ds before the way back (wayback.py): moments as flat buffers;
+- DeepSpeed ZeRO-3 saved by N ranks (its ``stage3._rigid_state_dict``), and megatrain_ds now, which writes that
+  layout (checkpoint.py) so that DeepSpeed resumes it: each rank's torch optimizer state dict,
   one flat ``exp_avg``/``exp_avg_sq`` per sub-group (rank r's partitions, as its ``fp32_flat_groups``),
-  sub-group k aligned with ``fp32_flat_groups[k]`` and ``param_shapes[k]``; no RNG and no ``micro_steps``
-  (derived from the step count).
+  sub-group k aligned with ``fp32_flat_groups[k]`` and ``param_shapes[k]`` (DeepSpeed's own files hold no RNG
+  and no ``micro_steps``: derived from the step count).
 
 ``fp32_state_dict(path)`` reads the whole fp32 weights of a folder saved by any number of ranks. What the writer
 shares with the reader is here too: the file names, ``CheckpointMismatchError``, ZeRO-3's partition size.
@@ -37,9 +38,10 @@ def model_file(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
-def optim_file(rank: int) -> str:
-    """Rank ``rank``'s optimizer-states file name (as written; DeepSpeed's bf16 runs prefix it with ``bf16_``)."""
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_file(rank: int, bf16: bool = False) -> str:
+    """Rank ``rank``'s optimizer-states file name; ``bf16_`` first in bf16 runs (DeepSpeed's name then: its bf16
+    engine reads no other)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
 class CheckpointMismatchError(RuntimeError):

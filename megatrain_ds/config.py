@@ -459,9 +459,10 @@ def _precision(cfg: dict, notes: list[str]) -> tuple[str, LossScaler | None, boo
 
 # zero_optimization keys that mean something to a host-resident streaming engine; every other key DeepSpeed
 # accepts (bucket sizes, overlap_comm, prefetch/persistence thresholds, ...) tunes ZeRO's partitioning and
-# collectives, which do not exist here: accepted, named in the not-acted-on warning.
+# collectives, which do not exist here: accepted, named in the not-acted-on warning. sub_group_size lays out the
+# checkpoint's fp32 partitions as real DeepSpeed's would be (wayback.py), so that DeepSpeed can resume it.
 ZERO_KEYS_USED = {"stage", "offload_param", "offload_optimizer", "stage3_gather_16bit_weights_on_model_save",
-                  "gather_16bit_weights_on_model_save"}
+                  "gather_16bit_weights_on_model_save", "sub_group_size"}
 
 
 def _nvme(cfg: dict, block: dict, notes: list[str]):

@@ -74,7 +74,8 @@ def test_bf16_masters_checkpoint_resume_exact(tmp_path):
     train_lm(engine, token_batches(2))
     engine.save_checkpoint(str(tmp_path), tag="t")
     engine.destroy()
-    optim = torch.load(tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    # bf16 runs name it bf16_..., as DeepSpeed does (its bf16 engine reads no other name)
+    optim = torch.load(tmp_path / "t" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
     groups = optim["optimizer_state_dict"]["fp32_flat_groups"]
     assert all(g.dtype == torch.float32 for g in groups)  # as DeepSpeed writes them
     resumed, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=_config())
