@@ -130,7 +130,11 @@ def test_native_propagates_non_finite_like_torch():
     wire = torch.zeros(1_003, dtype=torch.bfloat16)
     host_update.native_adam(master, grad, m, v, hp, 1.0, True, wire=wire)
     for x, y in zip((master, m, v), want):
-        assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+        assert torch.equal(x.isnan(), y.isnan())
+        if _BIT_EXACT:
+            assert torch.equal(x.nan_to_num(), y.nan_to_num())
+        else:
+            assert _ulps(x.nan_to_num(), y.nan_to_num()) <= 2
     assert wire[5].isnan() and wire[700].isnan()
 
 
