@@ -66,11 +66,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     p.add_argument("--coef", type=float, default=0.37, help="clip coefficient (1.0: none)")
+    p.add_argument("--native-threads", default=None, metavar="N,N,...",
+                   help="only: the native kernel's Gparam/s at each thread count (bf16 grad, fp32 master, no wire)")
     p.add_argument("--tail-forms", action="store_true",
                    help="only: which fusion of torch's scalar tail loop this torch build has (host_update.TAIL_FORM)")
     args = p.parse_args(argv)
     if args.tail_forms:
         return _tail_forms()
+    if args.native_threads:
+        return _native_threads(int(args.params), [int(t) for t in args.native_threads.split(",")], args)
     if args.threads:
         torch.set_num_threads(args.threads)
     n = int(args.params)
@@ -95,6 +99,17 @@ def main(argv=None) -> int:
                                                                  wire=t[4]), args.repeats))
         print(f"{name:<46}" + "".join(f"{n / s / 1e9:>{9 if k in (0, len(blocks) + 1) else 11}.2f}"
                                       for k, s in enumerate(row)), flush=True)
+    return 0
+
+
+def _native_threads(n: int, counts: list[int], args) -> int:
+    """The default layout's update at each thread count: what megatrain.host_threads should be on this box."""
+    t = _tensors(n, torch.bfloat16, torch.float32, None)
+    print(f"native host update, {n / 1e6:.0f} M params, bf16 grad + fp32 master, coef {args.coef}: Gparam/s by threads")
+    for k in counts:
+        s = _median_s(lambda: host_update.native_adam(t[0], t[1], t[2], t[3], HP, args.coef, True, threads=k),
+                      args.repeats)
+        print(f"  {k:3d} threads: {n / s / 1e9:.2f}", flush=True)
     return 0
 
 
