@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -890,9 +889,11 @@ def plan_model(model: nn.Module, config: TrainConfig, *, seq: int | None = None,
 
 # ------------------------------------------------------------------------------------------------- the CLI
 def load_model_config(spec: str, layers: int | None = None):
-    """(display name, transformers config) for MODEL: a harness shape name (benchmarks/shapes.py), a folder with a
+    """(display name, transformers config) for MODEL: a shape name (megatrain_ds/shapes.py), a folder with a
     config.json, a config.json path, or a hub id whose config is in the local Hugging Face cache."""
     from transformers import AutoConfig
+
+    from . import shapes
 
     if os.path.isdir(spec) or os.path.isfile(spec):
         path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
@@ -903,21 +904,14 @@ def load_model_config(spec: str, layers: int | None = None):
         except Exception as exc:
             raise SystemExit(f"megatrain-ds plan: cannot read {path}: {exc}") from None
         return _with_layers(cfg, layers), spec
-    try:
-        shapes = importlib.import_module("benchmarks.shapes")
-    except ImportError:
-        shapes = None
-    if shapes is not None and spec in shapes.SHAPE_NAMES:
+    if spec in shapes.SHAPE_NAMES:
         return shapes.make_config(spec, layers=layers), spec
     try:
         cfg = AutoConfig.from_pretrained(spec, local_files_only=True)
     except Exception as exc:
-        known = (f"a harness shape ({', '.join(shapes.SHAPE_NAMES)})" if shapes is not None else
-                 "a harness shape (benchmarks/shapes.py is not importable: shape names work from the megatrain_ds "
-                 "repository root)")
-        raise SystemExit(f"megatrain-ds plan: {spec!r} is not {known}, a folder with config.json, a config.json "
-                         f"path, or a hub id in the local Hugging Face cache ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:300]})") from None
+        raise SystemExit(f"megatrain-ds plan: {spec!r} is not a harness shape ({', '.join(shapes.SHAPE_NAMES)}), a "
+                         f"folder with config.json, a config.json path, or a hub id in the local Hugging Face cache "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from None
     return _with_layers(cfg, layers), spec
 
 
