@@ -101,3 +101,18 @@ def test_benchmarks_shapes_reexports_the_package_registry():
 
     for name in ("SHAPES", "MOE_SHAPES", "MOE_CONFIGS", "SHAPE_NAMES", "make_config"):
         assert getattr(bench_shapes, name) is getattr(shapes, name)
+
+
+def test_bench_outside_the_repository_says_where_to_run_it(tmp_path):
+    """``megatrain-ds bench`` (the one command that needs benchmarks/) from a folder without the harness: a message
+    that says the harness ships with the repository, not a traceback."""
+    pkg = tmp_path / "site"
+    pkg.mkdir()
+    os.symlink(PACKAGE, pkg / "megatrain_ds")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MEGATRAIN_DS")}
+    env["PYTHONPATH"] = str(pkg)
+    out = subprocess.run([sys.executable, "-m", "megatrain_ds.cli", "bench", "--model", "tiny"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "megatrain-ds bench: the benchmark harness (the benchmarks/ folder) is not importable" in out.stderr
+    assert "from the repository root" in out.stderr
