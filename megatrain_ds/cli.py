@@ -86,6 +86,23 @@ def convert(checkpoint_dir: str, out_dir: str, tag: str | None = None, dtype: st
     return files
 
 
+def _bench(argv: list[str]) -> int:
+    """``megatrain-ds bench``: the head-to-head harness, benchmarks/h2h.py. The harness is not part of the installed
+    package (the one place the package imports ``benchmarks``, lazily): it is found only when the current folder is
+    the megatrain_ds repository root (or the root is on PYTHONPATH)."""
+    try:
+        from benchmarks.h2h import main as h2h_main
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", "benchmarks.h2h"):  # the harness is there; something it imports is not
+            raise SystemExit(f"megatrain-ds bench: the harness (benchmarks/h2h.py) needs {exc.name!r}, which is not "
+                             f"installed ({exc}); `pip install -e .[bench,test]` installs its extras") from None
+        raise SystemExit(f"megatrain-ds bench: the benchmark harness (the benchmarks/ folder) is not importable from "
+                         f"{os.getcwd()}: it ships with the megatrain_ds repository, not with the installed package. "
+                         f"Run `megatrain-ds bench ...` (or `python -m benchmarks.h2h ...`) from the repository root, "
+                         f"or put the root on PYTHONPATH. `megatrain-ds plan` and `convert` work anywhere.") from None
+    return h2h_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatrain-ds", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,20 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
     sub.add_parser("bench", help="the head-to-head harness (python -m benchmarks.h2h), run from the repo root",
                    add_help=False)
-    from .plan import add_arguments as add_plan_arguments
+    from .plan_cli import add_arguments as add_plan_arguments
     add_plan_arguments(sub.add_parser("plan", help="predict host RAM, disk and GPU memory before anything is built "
                                                    "(no GPU needed)"))
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        try:
-            from benchmarks.h2h import main as h2h_main
-        except ImportError:
-            raise SystemExit("megatrain-ds bench: run it from the megatrain_ds repository root (the harness lives "
-                             "in benchmarks/, next to the package)") from None
-        return h2h_main(argv[1:])
+        return _bench(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "plan":
-        from .plan import run as run_plan
+        from .plan_cli import run as run_plan
         return run_plan(args)
     files = convert(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size)
     print(f"wrote {len(files)} safetensors file(s) and config.json to {args.out_dir}")

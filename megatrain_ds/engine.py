@@ -30,6 +30,7 @@ from .dp import DataParallel
 from .host_state import HostLayerStore
 from .host_update import lands_fp32, resolve_kernel
 from .lifecycle import close_tiers_at_exit, deferred_interrupt, refuse_a_model_in_use, refuse_empty_sequences
+from .log import ALL_RANKS, log, logger
 from .loss import linear_cross_entropy
 from .loss_scale import cast_inputs_half
 from .model_map import build_layout, find_block_list, plain_lm_head, shared_parameter_ids
@@ -289,20 +290,19 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                     nvme_backend=mt.nvme_backend,
                                     master_dtype=compute_dtype if config.bf16_masters else torch.float32)
         self.precision_mode = "bf16 masters" if config.bf16_masters else "fp32 masters"  # named in the step line
-        if config.bf16_masters and self.dp.rank == 0:
-            print("[megatrain_ds] bf16 master weights (bf16.bf16_master_weights_and_grads): the streamed layers' "
-                  "masters are bf16 (12 host bytes per parameter instead of 16); updates below bf16's resolution "
-                  "round away. Speculative steps and GPU-held optimizer state are off in this mode.", flush=True)
+        if config.bf16_masters:
+            logger.info("bf16 master weights (bf16.bf16_master_weights_and_grads): the streamed layers' "
+                        "masters are bf16 (12 host bytes per parameter instead of 16); updates below bf16's resolution "
+                        "round away. Speculative steps and GPU-held optimizer state are off in this mode.")
         if self.store.tier is not None:  # its writes must land, and its file go, even without destroy()
             close_tiers_at_exit(self)
-        if self.store.tier is not None and self.dp.rank == 0:
+        if self.store.tier is not None:
             tier = self.store.tier
             what = "fp32 masters and Adam moments" if self.store.masters_on_disk else "Adam moments"
-            print(f"[megatrain_ds] NVMe tier: the {what} of layers {self.store.disk_from}..{len(layers) - 1} "
-                  f"({n_disk} of {len(layers)}) live in {tier.path} ({tier.file_bytes / 2**30:.2f} GiB, "
-                  f"{tier.backend}, {len(tier.buffers)} staging buffers of {tier.region_bytes / 2**20:.0f} MiB, "
-                  f"pipeline_read={config.nvme.pipeline_read}, pipeline_write={config.nvme.pipeline_write})",
-                  flush=True)
+            logger.info(f"NVMe tier: the {what} of layers {self.store.disk_from}..{len(layers) - 1} "
+                        f"({n_disk} of {len(layers)}) live in {tier.path} ({tier.file_bytes / 2**30:.2f} GiB, "
+                        f"{tier.backend}, {len(tier.buffers)} staging buffers of {tier.region_bytes / 2**20:.0f} MiB, "
+                        f"pipeline_read={config.nvme.pipeline_read}, pipeline_write={config.nvme.pipeline_write})")
         # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
         # Its threads are placed (placement.py) on CUDA only: on the CPU the main thread computes the model itself
         # (data parallel: each local rank within its own share of the host's cores)
@@ -401,11 +401,11 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         # DeepSpeed's monitors (tensorboard / wandb / csv_monitor / comet blocks), when one is enabled
         self.monitor = Monitor(config.monitor) if config.monitor is not None else None
         mem = self.host_memory()
-        if self.optimizer is not None and mem["base"] > mem["trainable"] and self.dp.rank == 0:  # LoRA-style
-            print(f"[megatrain_ds] frozen base: {_count(mem['base'])} parameters kept in {compute_dtype} only; "
-                  f"{_count(mem['trainable'])} trainable with fp32 master + AdamW; host state "
-                  f"{mem['total_bytes'] / 2**30:.2f} GiB = {mem['bytes_per_base_param']:.3f} bytes per base "
-                  "parameter" + (" (this rank's layers)" if self.dp.active else ""), flush=True)
+        if self.optimizer is not None and mem["base"] > mem["trainable"]:  # LoRA-style
+            logger.info(f"frozen base: {_count(mem['base'])} parameters kept in {compute_dtype} only; "
+                        f"{_count(mem['trainable'])} trainable with fp32 master + AdamW; host state "
+                        f"{mem['total_bytes'] / 2**30:.2f} GiB = {mem['bytes_per_base_param']:.3f} bytes per base "
+                        "parameter" + (" (this rank's layers)" if self.dp.active else ""))
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -560,7 +560,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 skipped = self.optimizer.last_step_skipped
                 if skipped:  # masters, moments and Adam's step count are untouched (optimizer._norm_task)
                     self.skipped_steps += 1
-                    print(f"[megatrain_ds] {self.optimizer.skip_message}", flush=True)
+                    log(self.optimizer.skip_message, ranks=ALL_RANKS)
             else:
                 self.executor.reset_window()
             self.global_steps += 1
@@ -575,10 +575,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 self.monitor.write_step(self, previous_samples)
             spp = self.config_settings.steps_per_print
             if spp != float("inf") and self.global_steps % spp == 0:  # DeepSpeed's progress line
-                print(f"[megatrain_ds] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
-                      f"mom={self.get_mom()}, {self.precision_mode}", flush=True)
+                log(f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+                    f"mom={self.get_mom()}, {self.precision_mode}", ranks=ALL_RANKS)
                 if self.config_settings.wall_clock_breakdown:
-                    print(f"[megatrain_ds] step {self.global_steps}: {self.timer.format(self.timer.last)}", flush=True)
+                    log(f"step {self.global_steps}: {self.timer.format(self.timer.last)}", ranks=ALL_RANKS)
         self._end_step_surface(self.is_gradient_accumulation_boundary())  # tput_timer.stop, was_step_applied
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
 
@@ -633,8 +633,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             placed.append(f"{n} of {n_layers} layers' optimizer state on the GPU "
                           f"({DeviceOptimizerState.nbytes(self.store, n) / 2**30:.1f} GiB)")
         self._auto_placed = "; ".join(p for p in placed if not p.startswith("0 of"))
-        print(f"[megatrain_ds] placed from the first step's peak ({max(start, 0) / 2**30:.1f} GiB free above it "
-              f"and the reserve): {'; '.join(placed) or 'nothing'}", flush=True)
+        log(f"placed from the first step's peak ({max(start, 0) / 2**30:.1f} GiB free above it "
+            f"and the reserve): {'; '.join(placed) or 'nothing'}", ranks=ALL_RANKS)
 
     def move_layer_state_to_device(self, n: int) -> None:
         """Keep the fp32 master, Adam moments and gradient of the leading ``n`` layers on the device from now on

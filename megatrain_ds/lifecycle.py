@@ -16,6 +16,8 @@ import weakref
 import torch
 from torch import nn
 
+from .log import logger
+
 
 class deferred_interrupt:
     """Context manager: from ``hold()`` to the end of the block, Ctrl-C (SIGINT) is recorded instead of raised, and
@@ -85,12 +87,12 @@ def _close_live_tiers() -> None:
         try:
             engine.synchronize()  # the queued optimizer tasks, which read and write the tier
         except BaseException as exc:  # noqa: BLE001 - at exit: report, then still close
-            print(f"[megatrain_ds] at exit: the engine's queued work failed ({type(exc).__name__}: {exc}); the "
-                  "NVMe tier is closed anyway", flush=True)
+            logger.warning(f"at exit: the engine's queued work failed ({type(exc).__name__}: {exc}); the "
+                           "NVMe tier is closed anyway")
         try:
             tier.close(timeout=EXIT_FLUSH_TIMEOUT_S)
         except BaseException as exc:  # noqa: BLE001
-            print(f"[megatrain_ds] at exit: {exc}; the swap folder was removed", flush=True)
+            logger.warning(f"at exit: {exc}; the swap folder was removed")
     _LIVE_TIERS.clear()
 
 

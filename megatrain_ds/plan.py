@@ -6,7 +6,10 @@
 The model is built on the meta device (no storage), split by ``model_map`` exactly as the engine splits it, and
 every byte the engine will hold is counted from the layouts, by the same rules as the code that allocates it.
 ``check_capacity`` is the same computation for the engine itself, called before it builds its buffers: the CLI and
-the engine print the same table and refuse for the same reasons.
+the engine print the same table and refuse for the same reasons. This module is the byte model (what the engine
+calls, and ``plan_model`` for a built model); the command line (reading MODEL and the config, the arguments, the
+output) is plan_cli.py, whose names (``main``, ``load_model_config``, ``meta_model``, ``load_train_config``, ...)
+this module still answers for.
 
 The model of memory
 -------------------
@@ -66,21 +69,16 @@ masters on NVMe (``offload_param.device: nvme``), whose masters then leave RAM a
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import importlib.util
-import json
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from .config import ConfigError, TrainConfig, load_config_source, parse_config
+from .config import ConfigError, TrainConfig
 from .host_update import lands_fp32, resolve_kernel
-from .model_map import LayerLayout, UnsupportedModelError, build_layout, find_block_list, shared_parameter_ids
+from .model_map import LayerLayout, build_layout, find_block_list, shared_parameter_ids
 from .plan_gpu import _DTYPES, ActivationModel, _liger_installed, _meta_twin, _size  # noqa: F401 (re-exported)
 
 GiB = 2 ** 30
@@ -888,140 +886,21 @@ def plan_model(model: nn.Module, config: TrainConfig, *, seq: int | None = None,
     return pred
 
 
-# ------------------------------------------------------------------------------------------------- the CLI
-def load_model_config(spec: str, layers: int | None = None):
-    """(display name, transformers config) for MODEL: a harness shape name (benchmarks/shapes.py), a folder with a
-    config.json, a config.json path, or a hub id whose config is in the local Hugging Face cache."""
-    from transformers import AutoConfig
-
-    if os.path.isdir(spec) or os.path.isfile(spec):
-        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-        if not os.path.isfile(path):
-            raise SystemExit(f"megatrain-ds plan: {spec} has no config.json")
-        try:
-            cfg = AutoConfig.from_pretrained(path)
-        except Exception as exc:
-            raise SystemExit(f"megatrain-ds plan: cannot read {path}: {exc}") from None
-        return _with_layers(cfg, layers), spec
-    try:
-        shapes = importlib.import_module("benchmarks.shapes")
-    except ImportError:
-        shapes = None
-    if shapes is not None and spec in shapes.SHAPE_NAMES:
-        return shapes.make_config(spec, layers=layers), spec
-    try:
-        cfg = AutoConfig.from_pretrained(spec, local_files_only=True)
-    except Exception as exc:
-        known = (f"a harness shape ({', '.join(shapes.SHAPE_NAMES)})" if shapes is not None else
-                 "a harness shape (benchmarks/shapes.py is not importable: shape names work from the megatrain_ds "
-                 "repository root)")
-        raise SystemExit(f"megatrain-ds plan: {spec!r} is not {known}, a folder with config.json, a config.json "
-                         f"path, or a hub id in the local Hugging Face cache ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:300]})") from None
-    return _with_layers(cfg, layers), spec
+# The command line lives in plan_cli.py (it imports this module); its names, looked up here on first use, keep
+# ``plan.main``, ``from megatrain_ds.plan import meta_model`` and the like working
+_CLI_NAMES = frozenset({"load_model_config", "meta_model", "load_train_config", "default_ds_config", "add_arguments",
+                        "run", "main"})
 
 
-def _with_layers(cfg, layers: int | None):
-    if layers is not None:
-        for key in ("num_hidden_layers", "n_layer", "num_layers"):
-            if hasattr(cfg, key):
-                setattr(cfg, key, int(layers))
-                break
-    return cfg
-
-
-def meta_model(cfg) -> nn.Module:
-    """The model of a transformers config on the meta device: a causal LM, or a sequence classifier when the
-    config names one."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    archs = getattr(cfg, "architectures", None) or []
-    order = [AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModel]
-    if any(a.endswith("ForSequenceClassification") for a in archs):
-        order = [AutoModelForSequenceClassification, AutoModelForCausalLM, AutoModel]
-    errors = []
-    for auto in order:
-        try:
-            with torch.device("meta"):
-                return auto.from_config(cfg)
-        except Exception as exc:  # ValueError: unrecognized configuration class for this auto class
-            errors.append(f"{auto.__name__}: {str(exc).splitlines()[0][:200]}")
-    raise SystemExit("megatrain-ds plan: cannot build the model on the meta device: " + "; ".join(errors))
-
-
-def load_train_config(source, world: int = 1) -> TrainConfig:
-    """A DeepSpeed config (dict or path) parsed by config.py's own ``parse_config`` (bad keys fail as in initialize)."""
-    return parse_config(load_config_source(source), world_size=world, warn=False)
-
-
-def default_ds_config(micro_batch: int, dtype: str) -> dict:
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.01}},
-            "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a harness shape (qwen2.5-7b, tiny, olmoe-1b-7b, ...), a folder with "
-                                      "config.json, a config.json path, or a hub id in the local HF cache")
-    parser.add_argument("--config", default=None, help="DeepSpeed config (JSON/HJSON): micro-batch, GA, precision, "
-                                                       "offload_optimizer, megatrain block")
-    parser.add_argument("--tokens-per-step", type=int, default=None,
-                        help="without --config: tokens per optimizer step over every GPU (default 16384)")
-    parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="without --config (default bf16)")
-    parser.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs on this host (default 1)")
-    parser.add_argument("--layers", type=int, default=None, help="override the model's depth")
-    parser.add_argument("--nvme-path", default=None, help="the NVMe tier's folder (overrides the config's)")
-    parser.add_argument("--host-budget", type=float, default=None, metavar="GiB",
-                        help="host RAM budget (default: megatrain.host_memory_budget, or MemAvailable - 5%% of "
-                             "MemTotal)")
-    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
-                        help="plan for a GPU with this much memory (default: this machine's GPU)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="where the engine computes (default cuda, with or without a GPU here)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    """The ``plan`` subcommand: only the plan goes to stdout (what importing DeepSpeed and transformers print goes to
-    stderr, so ``--json`` output parses). Exit status 0 when the run fits, 1 when it does not."""
-    with contextlib.redirect_stdout(sys.stderr):
-        pred = _plan_from_args(args)
-    print(json.dumps(pred.to_dict(), indent=2, default=str) if args.json else pred.table(), flush=True)
-    return 0 if pred.fits else 1
-
-
-def _plan_from_args(args: argparse.Namespace) -> Prediction:
-    if args.config and args.tokens_per_step is not None:
-        raise SystemExit("megatrain-ds plan: give --config or --tokens-per-step, not both (the config holds the "
-                         "micro-batch)")
-    if args.gpus < 1 or args.seq < 1:
-        raise SystemExit("megatrain-ds plan: --gpus and --seq must be >= 1")
-    if args.config:
-        try:
-            config = load_train_config(args.config, world=args.gpus)
-        except ConfigError as exc:
-            raise SystemExit(f"megatrain-ds plan: config {args.config}: {exc}") from None
-    else:
-        tokens = args.tokens_per_step or 16384
-        micro = max(1, tokens // (args.seq * args.gpus))
-        config = load_train_config(default_ds_config(micro, args.dtype), world=args.gpus)
-    hf_config, name = load_model_config(args.model, args.layers)
-    model = meta_model(hf_config)
-    gpu_memory = int(args.gpu_memory * GiB) if args.gpu_memory else None
-    try:
-        pred = plan_model(model, config, seq=args.seq, device=args.device, world=args.gpus,
-                          nvme_path=args.nvme_path, host_budget=args.host_budget, gpu_memory=gpu_memory, name=name)
-    except (ConfigError, UnsupportedModelError) as exc:
-        raise SystemExit(f"megatrain-ds plan: {exc}") from None
-    return pred
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatrain-ds plan", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(sys.argv[1:] if argv is None else argv))
+def __getattr__(name: str):
+    if name in _CLI_NAMES:
+        from . import plan_cli
+        return getattr(plan_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from megatrain_ds.plan_cli import main as _main
+    sys.exit(_main())
