@@ -15,7 +15,7 @@ import torch
 from . import checkpointing, comm, ops, runtime, utils, zero
 from .surface import module_getattr as __getattr__  # other deepspeed.<name>: DeepSpeed's, or an error naming it
 from .comm import init_distributed
-from .config import ConfigError, OptimizerSettings, TrainConfig, parse_config, warn_not_acted_on
+from .config import ConfigError, OptimizerSettings, TrainConfig, collective_timeout_of, parse_config, warn_not_acted_on
 from .engine import MegaTrainEngine
 from .model_map import UnsupportedModelError
 from .recompute_check import RecomputeMismatch
@@ -67,7 +67,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     local_rank = getattr(args, "local_rank", None)
     if isinstance(local_rank, int) and local_rank >= 0:  # deepspeed launcher passes --local_rank
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    init_distributed(distributed_port=distributed_port)
+    # a process group made here waits megatrain.collective_timeout in a collective (dp.py's Note), NCCL's included
+    init_distributed(distributed_port=distributed_port, timeout=collective_timeout_of(config))
     launched = int(os.environ.get("WORLD_SIZE", comm.get_world_size()) or 1)
     if launched != comm.get_world_size():  # e.g. a group of one made before WORLD_SIZE was set: never train apart
         raise RuntimeError(f"WORLD_SIZE is {launched} but torch.distributed's process group has "

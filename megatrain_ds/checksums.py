@@ -32,10 +32,15 @@ class HashingWriter:
     def __init__(self, f) -> None:
         self.f, self.sha = f, hashlib.sha256()
         self.name = getattr(f, "name", None)  # the path, as a file object has it
+        self.error = None  # what a write raised: torch.save's zip writer hides it behind "unexpected pos"
 
     def write(self, data) -> int:
-        self.sha.update(data)
-        return self.f.write(data)
+        try:
+            self.sha.update(data)
+            return self.f.write(data)
+        except BaseException as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -47,7 +52,11 @@ class HashingWriter:
 def save_file(obj, path: str) -> str:
     """Write ``obj`` with torch.save, fsynced; returns the SHA-256 of the bytes written (checksums.py). A full disk
     (ENOSPC, or torch's "unexpected pos" once a write came up short) is an OSError naming the file, the bytes it
-    needs and those free; the caller removes the unfinished folder, and the previous checkpoint stays as it was."""
+    needs and those free; another write error is an OSError naming the file; the caller removes the unfinished
+    folder, and the previous checkpoint stays as it was. torch.save's zip writer turns whatever a write raised into
+    its RuntimeError "unexpected pos": the write's own exception is raised instead, so a Ctrl-C in the middle of a
+    file is the script's KeyboardInterrupt (the fault driver found it reported as a full disk)."""
+    writer = None
     try:
         with open(path, "wb") as f:
             writer = HashingWriter(f)
@@ -55,8 +64,21 @@ def save_file(obj, path: str) -> str:
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as exc:
-        full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in str(exc)
+        hidden = writer.error if writer is not None else None  # what the write raised, under torch's RuntimeError
+        if hidden is None and isinstance(exc, RuntimeError):  # raised before the write's body ran (a Ctrl-C lands at
+            hidden = _hidden_cause(exc)  # a call's first instruction): torch keeps it as the context
+        if hidden is not None and not isinstance(hidden, Exception):  # Ctrl-C (KeyboardInterrupt) mid-write: the
+            raise hidden from None  # script's except KeyboardInterrupt gets it (it was a "disk is full" OSError)
+        cause = hidden if hidden is not None else exc
+        full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+            hidden is None and "unexpected pos" in str(exc))  # a short write that raised nothing
         if not full:
+            if isinstance(cause, OSError):  # EIO, EROFS, ...: named with the file (a write's error names none)
+                raise OSError(cause.errno, f"save_checkpoint: writing {path} failed: {cause.strerror or cause}. "
+                              "This save is abandoned (its folder removed); the previous checkpoint and 'latest' "
+                              "are intact") from exc
+            if hidden is not None:
+                raise hidden from exc  # the write's own error, not torch's "unexpected pos"
             raise
         free = shutil.disk_usage(os.path.dirname(path) or ".").free
         raise OSError(errno.ENOSPC, f"save_checkpoint: the disk is full writing {path}: it needs about "
@@ -64,6 +86,17 @@ def save_file(obj, path: str) -> str:
                       "abandoned (its folder removed); the previous checkpoint and 'latest' are intact. Free space "
                       "or save to another disk") from exc
     return writer.hexdigest()
+
+
+def _hidden_cause(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt (or OSError) torch's writer turned into its RuntimeError, from the exception's chain."""
+    seen, link = set(), exc.__context__ or exc.__cause__
+    while link is not None and id(link) not in seen:
+        if not isinstance(link, Exception) or isinstance(link, OSError):
+            return link
+        seen.add(id(link))
+        link = link.__context__ or link.__cause__
+    return None
 
 
 def _tensor_bytes(obj) -> int:
@@ -105,18 +138,26 @@ def verify(folder: str, rank: int = 0, world: int = 1) -> int:
         saved_rank = os.path.basename(manifest).split("_")[3]  # zero_pp_rank_<r>_checksums.sha256
         if not saved_rank.isdigit() or int(saved_rank) % world != rank:
             continue
-        with open(manifest) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                digest, name = line.rstrip("\n").split("  ", 1)
-                path = os.path.join(folder, name)
-                if not os.path.isfile(path):  # the reader names a missing rank file, with what saved the folder
-                    continue
-                actual = _file_sha256(path)
-                if actual != digest:
-                    raise ChecksumError(
-                        f"{path} is corrupted: its SHA-256 is {actual}, its save recorded {digest} ({manifest}). "
-                        "Nothing was loaded; load an earlier checkpoint (tag=...) or copy this file again")
-                checked += 1
+        with open(manifest, "rb") as f:
+            lines = f.read().split(b"\n")
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:  # "<64 hex digits>  <file name>", as written: anything else is a corrupted manifest
+                digest, name = raw.decode("ascii").split("  ", 1)
+                if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest) or os.sep in name:
+                    raise ValueError
+            except ValueError:  # (UnicodeDecodeError is one)
+                raise ChecksumError(
+                    f"{manifest} is corrupted: line {number} is not '<sha256>  <file name>' ({raw[:100]!r}). "
+                    "Nothing was loaded; load an earlier checkpoint (tag=...) or copy this folder again") from None
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):  # the reader names a missing rank file, with what saved the folder
+                continue
+            actual = _file_sha256(path)
+            if actual != digest:
+                raise ChecksumError(
+                    f"{path} is corrupted: its SHA-256 is {actual}, its save recorded {digest} ({manifest}). "
+                    "Nothing was loaded; load an earlier checkpoint (tag=...) or copy this file again")
+            checked += 1
     return checked

@@ -210,6 +210,12 @@ class MegatrainSettings:
     # 2e-2 (bf16), 1e-2 (fp16)
     nvme_backend: str = "auto"  # the NVMe tier's I/O: "aio" (DeepSpeed's async I/O op; libaio), "threads" (a
     # thread pool over an O_DIRECT file), "auto" (aio when it builds and loads, else threads)
+    collective_timeout: float = 600.0  # data parallel: the seconds a rank waits in one of the engine's collectives
+    # for the other ranks; then CollectiveError naming this rank, the collective (micro-step, step, layer), the
+    # rank(s) that did not arrive and where they last were, and what to do (dp.py, [Note: collective timeouts]). A
+    # rank stalled in the script's own code is caught too (an arrival check at forward() and backward(), the norm in
+    # step()). Keep it above the longest time ranks legitimately drift apart (a slow checkpoint write, evaluation on
+    # one rank); 600 is NCCL's own default wait. Also the timeout of a process group megatrain_ds creates itself
 
     def __post_init__(self) -> None:
         if self.num_slots < 2:
@@ -268,6 +274,9 @@ class MegatrainSettings:
         if not (t == "auto" or (isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0)):
             raise ConfigError(f"megatrain.check_recompute_tolerance must be a relative error > 0 or \"auto\", got "
                               f"{t!r}")
+        t = self.collective_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise ConfigError(f"megatrain.collective_timeout must be a number of seconds > 0, got {t!r}")
         if self.nvme_backend not in ("auto", "aio", "threads"):
             raise ConfigError(f"megatrain.nvme_backend must be \"auto\", \"aio\" or \"threads\", got "
                               f"{self.nvme_backend!r}")
@@ -324,6 +333,21 @@ def load_config_source(config) -> dict:
         except Exception:
             raise ConfigError(f"config {path!r} is neither an existing file nor base64-encoded JSON") from None
     raise ConfigError(f"config must be a dict, a path or a base64 string, got {type(config).__name__}")
+
+
+def collective_timeout_of(config):
+    """``megatrain.collective_timeout`` of a config (dict, path or base64) as a ``timedelta``, for the process group
+    ``initialize`` creates before the config is parsed (its world size is needed first); the default when the key
+    is absent, None when the config cannot be read (``parse_config`` names the problem right after)."""
+    from datetime import timedelta
+
+    try:
+        value = (load_config_source(config).get("megatrain") or {}).get("collective_timeout")
+        seconds = MegatrainSettings(collective_timeout=value).collective_timeout if value is not None else \
+            MegatrainSettings.__dataclass_fields__["collective_timeout"].default
+        return timedelta(seconds=seconds)
+    except Exception:  # noqa: BLE001 - parse_config reports it, with the key
+        return None
 
 
 def _batch(cfg: dict, world: int) -> tuple[int, int, int]:

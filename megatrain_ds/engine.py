@@ -222,7 +222,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.dp = DataParallel(device)  # rank, world, layer ownership (dp.py); world 1: owns everything
+        self.dp = DataParallel(device, config.megatrain.collective_timeout)  # rank, world, layer ownership (dp.py)
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.compute_dtype, torch.float32)
         mt = config.megatrain
         self.compute_dtype = compute_dtype
@@ -409,6 +409,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        self.dp.mark("forward", self.micro_steps, self.global_steps, arrive=True)  # dp.py: collective timeouts
         refuse_empty_sequences(args, kwargs)
         self._check_trained()
         self._settle_speculation()  # a forward between backward() and step() sees the pre-step weights
@@ -484,6 +485,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward through the head, the streamed layers (recompute + grad) and the embeddings."""
+        self.dp.mark("backward", self.micro_steps, self.global_steps, arrive=True)
         done = getattr(self, "_backward_done_for", None)
         if done is not None and done[0]() is loss and not done[1]:
             raise RuntimeError(
@@ -525,6 +527,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.resident.evacuate(self.worker, final)
         self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
         self._backward_done_for = (weakref.ref(user_loss), retain_graph)  # a second backward of it is refused
+        self.dp.mark("backward_done", self.micro_steps, self.global_steps)
         return loss
 
     # ------------------------------------------------------------------ step
@@ -535,8 +538,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         held until the counters, scheduler and monitors agree with the weights, then raised: a checkpoint the
         script saves in its ``except KeyboardInterrupt:`` has step N+1's weights with ``global_steps`` N+1
         (it had N, and a resume repeated a batch)."""
+        self.dp.mark("step", self.micro_steps, self.global_steps)
         with deferred_interrupt() as deferred:
             self._step(lr_kwargs, deferred)
+        self.dp.mark("step_done", self.micro_steps, self.global_steps)
 
     def _step(self, lr_kwargs, deferred) -> None:
         boundary = self.is_gradient_accumulation_boundary()
@@ -819,12 +824,16 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DS's API)
                         exclude_frozen_parameters=False) -> bool:
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        self.dp.mark("save", self.micro_steps, self.global_steps)  # data parallel: its exchanges, bounded (dp.py)
+        with self.dp.watch("save_checkpoint()'s exchange between the ranks"):
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False):
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        self.dp.mark("load", self.micro_steps, self.global_steps)
+        with self.dp.watch("load_checkpoint()'s exchange between the ranks"):
+            return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                   load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False) -> bool:
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)

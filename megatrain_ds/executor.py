@@ -187,6 +187,10 @@ class StreamedLayers:
             slot = self.keep_slots[i] if i in self.keep else \
                 min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
         self.h2d_loads[direction or self._direction][i] += 1  # (the direction of the current _acquire)
+        # the slot holds no layer until its new one is in: an exception (a Ctrl-C) between the copy and the identity
+        # below left it named after its old layer with the new one's weights, and the next forward used them (found
+        # by tests/fault_driver.py)
+        slot.layer, slot.version = -1, -1
         st = self.streams
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
         n = self.layouts[i].numel

@@ -14,6 +14,7 @@ the model is never materialised on the GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import itertools
@@ -222,17 +223,35 @@ class GatheredParameters:
         self._saved = []
 
     def __enter__(self):
+        engines = {id(p._megatrain_home.engine): p._megatrain_home.engine for p in self.params}
+        for engine in engines.values():  # data parallel: where this rank is, should a peer not arrive (dp.py)
+            engine.dp.mark("gather", engine.micro_steps, engine.global_steps)
         for p in self.params:
             self._saved.append((p, p.data, p.ds_status))
-            p.data = p._megatrain_home.read()
+            with _watch(p, "gathering"):
+                p.data = p._megatrain_home.read()
             p.ds_status = _status_enum().AVAILABLE
         return self
 
     def __exit__(self, *exc):
         for p, old, status in reversed(self._saved):
             if self.modifier_rank is not None and exc[0] is None:
-                p._megatrain_home.write(p.data)
+                with _watch(p, "writing back"):
+                    p._megatrain_home.write(p.data)
             p.data = old
             p.ds_status = status
         self._saved.clear()
         return False
+
+
+def _watch(param, doing: str):
+    """Data parallel: gathering or writing back a streamed layer's parameter is a collective over the engine's gloo
+    group, bounded by ``megatrain.collective_timeout``; its failure names the parameter and the ranks that did not
+    arrive (dp.py's ``CollectiveError``)."""
+    home = param._megatrain_home
+    dp = getattr(home.engine, "dp", None)
+    if dp is None or not dp.active:
+        return contextlib.nullcontext()
+    what = (f"layer {home.layer}'s {home.name}" if home.layer is not None else
+            f"resident parameter {home.resident_index} (shape {tuple(param.ds_shape)})")
+    return dp.watch(f"GatheredParameters {doing} {what}")
