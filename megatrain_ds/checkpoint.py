@@ -630,14 +630,20 @@ def _commit(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
     _fsync_dir(save_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    _copy_recovery_scripts(save_dir)
-    if save_latest:
-        latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
-        with open(latest_tmp, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(save_dir, "latest"))
+    try:
+        _copy_recovery_scripts(save_dir)
+        if save_latest:
+            latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
+            with open(latest_tmp, "w") as f:
+                f.write(tag)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(latest_tmp, os.path.join(save_dir, "latest"))
+    except OSError as exc:  # the folder is in place; what failed is a small file beside it: name it and say so
+        name = getattr(exc, "filename", None) or save_dir
+        raise OSError(exc.errno, f"save_checkpoint: writing {name} failed ({exc.strerror or exc}); the checkpoint "
+                      f"folder {final} is complete, but {os.path.join(save_dir, 'latest')} may still name the "
+                      "previous checkpoint (load it with tag=)") from exc
     _fsync_dir(save_dir)
 
 
@@ -652,8 +658,12 @@ def _checkpoint_path(load_dir: str, tag) -> str | None:
                           "this file exists or pass an explicit checkpoint tag when loading a checkpoint.",
                           stacklevel=4)  # the caller of engine.load_checkpoint
             return None
-        with open(latest) as f:
-            tag = f.read().strip()
+        try:
+            with open(latest) as f:
+                tag = f.read().strip()
+        except UnicodeDecodeError as exc:  # a corrupted or foreign file: say which, not a codec's message
+            raise ValueError(f"{latest} does not hold a tag name (unreadable bytes at offset {exc.start}); it should "
+                             f"name a checkpoint folder of {load_dir}: pass tag= to load one explicitly") from None
         if not tag:
             raise FileNotFoundError(f"{latest} is empty: it should name a checkpoint folder of {load_dir}; "
                                     "pass tag= to load one explicitly")
