@@ -288,8 +288,11 @@ def _scratch(folder: str, name: str, numel: int, paths: list[str], dtype: torch.
         try:
             os.posix_fallocate(f.fileno(), 0, nbytes)
         except OSError as exc:  # a file system that cannot preallocate: sized only (ENOSPC is an error)
-            if exc.errno == errno.ENOSPC:
-                raise
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = shutil.disk_usage(folder).free
+                raise OSError(exc.errno, f"save_checkpoint: the disk is full allocating the scratch file {path}: "
+                              f"it needs {nbytes:,} bytes, {free:,} are free; the previous checkpoint is intact",
+                              path) from exc
             f.truncate(nbytes)
     return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 

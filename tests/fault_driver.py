@@ -700,7 +700,11 @@ class FullDisk:
 
         def fallocate(fd, offset, length):
             if disk.left < length:
-                disk.failed_path = disk.failed_path or f"fd {fd}"
+                try:  # the file behind the descriptor (Linux), so the check can ask the error to name it
+                    where = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    where = f"fd {fd}"
+                disk.failed_path = disk.failed_path or where
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             disk.left -= length
             return disk._fallocate(fd, offset, length)
