@@ -16,6 +16,7 @@ the state is all fp32 and there is no separate wire copy, the kernel runs once o
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -194,10 +195,12 @@ def native_error() -> str | None:
 TAIL_FORM = {"AVX2": 0, "DEFAULT": 0, "AVX512": 1}
 
 
-def _torch_vector_width() -> int:
-    """Floats per vector in torch's CPU kernels (AVX-512: 16, else 8): its fused Adam treats the last
-    ``n % width`` elements of a tensor in a scalar loop whose exp_avg_sq is not fused; the kernel does the same."""
-    return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability().upper() else 8
+@functools.lru_cache(maxsize=1)
+def _torch_dispatch() -> tuple[int, int]:
+    """(floats per vector in torch's CPU kernels: AVX-512 16, else 8; the tail form of its build): its fused Adam
+    does the last ``n % width`` elements of a tensor in a scalar loop, which the kernel mirrors (TAIL_FORM)."""
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    return (16 if "AVX512" in cap else 8), TAIL_FORM.get(cap, 0)
 
 
 def _flat(t: torch.Tensor, name: str) -> int:
@@ -226,14 +229,14 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if n == 0:
         return
     scale = 1.0 if coef == 1.0 else float(torch.tensor(1.0 / coef, dtype=torch.float32))
+    width, default_form = _torch_dispatch()
     lib.megatrain_adam(n, _flat(master, "master"), _DT[master.dtype], _flat(grad, "grad"), _DT[grad.dtype],
                        _flat(exp_avg, "exp_avg"), _flat(exp_avg_sq, "exp_avg_sq"),
                        None if wire is None else _flat(wire, "wire"), 0 if wire is None else _DT[wire.dtype],
                        float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"]), float(hp["weight_decay"]),
                        float(hp["eps"]), float(hp["step"]), scale, int(bool(adam_w_mode)),
-                       int(threads or torch.get_num_threads()), n - n % _torch_vector_width(),
-                       TAIL_FORM.get(torch.backends.cpu.get_cpu_capability().upper(), 0) if tail_form is None
-                       else tail_form)
+                       int(threads or torch.get_num_threads()), n - n % width,
+                       default_form if tail_form is None else tail_form)
 
 
 _said_fallback = False

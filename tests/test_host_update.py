@@ -162,3 +162,24 @@ def test_kernel_setting_without_a_compiler(monkeypatch, tmp_path):
         host_update.resolve_kernel("native")
     assert host_update.resolve_kernel("torch") == "torch"
     assert host_update.lands_fp32(False, True, "torch") and not host_update.lands_fp32(False, True, "native")
+
+
+def test_native_split_over_threads_equals_one_thread():
+    """Ranges split over threads (each at least 64 Ki elements, starting on cache lines) give the same bytes as one
+    thread and as torch, tail included."""
+    _native_or_skip()
+    n = 3 * 65_536 + 77
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=5)
+    runs = []
+    for threads in (1, 3):
+        master, grad, m, v = _state(n, 4, torch.bfloat16, torch.float32)
+        wire = torch.zeros(n, dtype=torch.bfloat16)
+        host_update.native_adam(master, grad, m, v, hp, 0.5, True, wire=wire, threads=threads)
+        runs.append((master, m, v, wire))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    master, grad, m, v = _state(n, 4, torch.bfloat16, torch.float32)
+    st, scale = adamw_scalars(hp, 0.5, torch.device("cpu"))
+    fused_adam([master], [grad.float()], [m], [v], hp, st, scale, True)
+    for got, want in zip(runs[1][:3], (master, m, v)):
+        assert torch.equal(got, want) if _BIT_EXACT else _ulps(got, want) <= 2

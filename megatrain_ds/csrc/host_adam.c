@@ -140,6 +140,7 @@ static void *run_range(void *arg) {
 }
 
 #define MAX_THREADS 256
+#define MIN_PER_THREAD 65536
 
 /* Updates elements [0, n); elements from tail_from on as torch's scalar tail loop does them. Returns 0; a range
  * whose thread could not be started is run by the calling thread, so the update is always whole. */
@@ -160,6 +161,9 @@ int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int
     j.tail_form = tail_form;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
+    /* a small segment (a norm's weight, a bias) is not worth a thread start per 64 elements: 64 Ki elements each */
+    if ((int64_t)threads > (n + MIN_PER_THREAD - 1) / MIN_PER_THREAD) threads = (int)((n + MIN_PER_THREAD - 1) / MIN_PER_THREAD);
+    if (threads < 1) threads = 1;
     int64_t per = (n + threads - 1) / threads;
     per = (per + 63) & ~(int64_t)63; /* 64 elements: ranges start on cache lines */
     range_t ranges[MAX_THREADS];
