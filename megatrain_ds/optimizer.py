@@ -282,8 +282,8 @@ class HostAdamW(torch.optim.Optimizer):
         (then the plain update after the norm does it, in forward order) or the step is doomed."""
         if spec.closed or spec.stopped or i in spec.stale:
             return
-        with self.executor.timer.host_span("speculative_s"), _range(f"speculate.L{i}"):
-            self._update_layer(i, spec.hp, spec.coef)
+        with self.executor.timer.host_span("speculative_s") as span, _range(f"speculate.L{i}"):
+            span["updated_params"] = self._update_layer(i, spec.hp, spec.coef)
         spec.done.append(i)
 
     def _unspeculate(self, i: int, spec: Speculation) -> None:
@@ -378,8 +378,8 @@ class HostAdamW(torch.optim.Optimizer):
             return
         self._undo_layer(i, spec)
         if not self._skip:
-            with self.executor.timer.host_span("optimizer_s"):
-                self._update_layer(i, hp)
+            with self.executor.timer.host_span("optimizer_s") as span:
+                span["updated_params"] = self._update_layer(i, hp)
 
     def step(self, closure=None) -> Future:
         """Queue clip + update of every parameter (the engine calls this at accumulation boundaries; going
@@ -598,10 +598,10 @@ class HostAdamW(torch.optim.Optimizer):
             return self._settle(i, hp, spec)
         if self._skip:
             return
-        with self.executor.timer.host_span("optimizer_s"), _range(f"adamw.L{i}"):
-            self._update_layer(i, hp)
+        with self.executor.timer.host_span("optimizer_s") as span, _range(f"adamw.L{i}"):
+            span["updated_params"] = self._update_layer(i, hp)
 
-    def _update_layer(self, i: int, hp, coef: float | None = None):
+    def _update_layer(self, i: int, hp, coef: float | None = None) -> int:
         """Layer i's AdamW, each segment in one pass of the native kernel ([Note: native host update]) or in
         cache-sized blocks of torch's ([Note: blocked host update]); both bit-identical to torch's fused AdamW."""
         ex, store = self.executor, self.executor.store
@@ -615,6 +615,6 @@ class HostAdamW(torch.optim.Optimizer):
             for group, a, b in layout.segments:
                 update_segment(master, grad, m, v, a, b, hp[group], coef, self.adam_w_mode, wire, self._tmp,
                                self._tmp_master, kernel=self.kernel)
-            ex.timer.add_host("updated_params", layout.n_train)  # the breakdown's Gparam/s of the host update
+            return layout.n_train  # the caller's span counts it: the breakdown's Gparam/s of the host update
         finally:
             store.release_moments(i)  # a disk layer's region is written back behind the next updates

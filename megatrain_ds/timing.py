@@ -64,11 +64,19 @@ class StepTimer:
 
     @contextlib.contextmanager
     def host_span(self, key: str):
+        """Time a host span. The body may put counts in the yielded dict (``span["updated_params"] = n``): they
+        are added with the span's seconds under one lock, so a step boundary that falls while a layer is being
+        updated puts both the layer's time and its parameters in the same step (a rate from halves is wrong)."""
         t0 = time.perf_counter()
+        counts: dict = {}
         try:
-            yield
+            yield counts
         finally:
-            self.add_host(key, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                self.host[key] += seconds
+                for name, value in counts.items():
+                    self.host[name] += value
 
     # step boundaries ------------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -100,7 +108,7 @@ class StepTimer:
                      "wait_for_optimizer_s": host["wait_for_optimizer_s"],
                      "cpu_speculative_optimizer_s": host["speculative_s"], "cpu_rollback_s": host["rollback_s"],
                      "cpu_nvme_wait_s": host["nvme_wait_s"],
-                     "cpu_optimizer_gparam_s": rate,
+                     "cpu_optimizer_gparam_s": rate, "cpu_updated_params": int(host["updated_params"]),
                      "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None, **self.counters()}
         for spans in self.spans.values():
             spans.clear()

@@ -173,10 +173,13 @@ def test_steps_per_print_and_wall_clock_breakdown(capsys):
     out = capsys.readouterr().out
     assert "step 4:" in out and "CPU optim" in out and "step 1:" not in out
     # the host update's rate (issue 26): the streamed layers' trainable parameters per second of updating them
+    # A step's window runs from one forward to the next, and the forward waits only for its own layer's update,
+    # so a window may hold a layer of the step before: it counts whole layers, each with its own time.
     b = engine.last_step_breakdown()
-    n_layers = sum(layout.n_train for layout in engine.store.layouts)
+    sizes = {layout.n_train for layout in engine.store.layouts}
+    assert len(sizes) == 1 and b["cpu_updated_params"] > 0 and b["cpu_updated_params"] % sizes.pop() == 0
     busy = b["cpu_optimizer_s"] + b["cpu_speculative_optimizer_s"]
-    assert b["cpu_optimizer_gparam_s"] > 0 and abs(b["cpu_optimizer_gparam_s"] - n_layers / 1e9 / busy) < 1e-9
+    assert abs(b["cpu_optimizer_gparam_s"] - b["cpu_updated_params"] / 1e9 / busy) < 1e-9
     assert "Gparam/s" in out
     # DeepSpeed's progress line, every steps_per_print optimizer steps
     progress = [line for line in out.splitlines() if "step=" in line]
