@@ -178,6 +178,11 @@ def native_library() -> ctypes.CDLL | None:
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
                            ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
                            ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+            undo = lib.megatrain_adam_undo
+            undo.restype = ctypes.c_int
+            undo.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_double] * 7 + \
+                [ctypes.c_int, ctypes.c_int]
             _lib = lib
         except (OSError, subprocess.SubprocessError) as exc:
             _lib_error = str(exc)
@@ -237,6 +242,32 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                        float(hp["eps"]), float(hp["step"]), scale, int(bool(adam_w_mode)),
                        int(threads or torch.get_num_threads()), n - n % width,
                        default_form if tail_form is None else tail_form)
+
+
+def native_adam_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None = None,
+                     threads: int | None = None) -> None:
+    """``speculation.adamw_undo`` in one pass of the C kernel ([Note: native rollback]): the same double arithmetic,
+    bit for bit, on an fp32 ``master`` with ``grad`` (fp32/bf16/fp16) as the step used it; also writes ``wire``
+    (bf16/fp16) from the restored master, as ``refresh_wire`` would."""
+    lib = native_library()
+    if lib is None:
+        raise NativeKernelError(f"the native host update is not available: {_lib_error}")
+    n = master.numel()
+    if master.dtype != torch.float32 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        raise ValueError("native rollback: the master and the Adam moments must be fp32")
+    for t, name in ((grad, "grad"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")) + \
+            (((wire, "wire"),) if wire is not None else ()):
+        if t.numel() != n:
+            raise ValueError(f"native rollback: {name} has {t.numel()} elements, the master {n}")
+    if n == 0:
+        return
+    lib.megatrain_adam_undo(n, _flat(master, "master"), _flat(grad, "grad"), _DT[grad.dtype],
+                            _flat(exp_avg, "exp_avg"), _flat(exp_avg_sq, "exp_avg_sq"),
+                            None if wire is None else _flat(wire, "wire"), 0 if wire is None else _DT[wire.dtype],
+                            float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"]), float(hp["weight_decay"]),
+                            float(hp["eps"]), float(hp["step"]), 0.0 if coef == 1.0 else 1.0 / coef,
+                            int(bool(adam_w_mode)), int(threads or torch.get_num_threads()))
 
 
 _said_fallback = False

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .host_state import _release_all, host_buffer
-from .host_update import adamw_scalars, fused_adam, update_segment
+from .host_update import adamw_scalars, fused_adam, native_adam_undo, update_segment
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
 
@@ -350,14 +350,23 @@ class HostAdamW(torch.optim.Optimizer):
         ex.schedule.wait_read(i)
         layout = store.layouts[i]
         grad = store.grad_of(i)
-        if grad.dtype != torch.float32:
-            grad = self._tmp[:layout.n_train].copy_(grad)
         master, m, v = self._state(i)
         try:
             with ex.timer.host_span("rollback_s"), _range(f"rollback.L{i}"):
-                for group, a, b in layout.segments:
-                    adamw_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef, self.adam_w_mode)
-                store.refresh_wire(i, master)
+                if self.kernel == "native":  # [Note: native rollback]: one pass, the wire copy written in it
+                    wire = None if store.wire_is_master else store.wire_of(i)
+                    for group, a, b in layout.segments:
+                        native_adam_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef,
+                                         self.adam_w_mode, None if wire is None else wire[a:b])
+                    if wire is not None and layout.segments and layout.segments[-1][2] != layout.n_train:
+                        store.refresh_wire(i, master)  # segments not ending at n_train: the rest as before
+                else:
+                    if grad.dtype != torch.float32:
+                        grad = self._tmp[:layout.n_train].copy_(grad)
+                    for group, a, b in layout.segments:
+                        adamw_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef,
+                                   self.adam_w_mode)
+                    store.refresh_wire(i, master)
         finally:
             store.release_moments(i)
 

@@ -36,6 +36,12 @@ import torch
 
 _CHUNK = 1 << 22  # elements per float64 chunk of a rollback (32 MiB per temporary)
 
+# [Note: native rollback] A rollback is on the step's critical path (the settle after the norm undoes a layer, then
+# updates it again), and ``adamw_undo`` below makes about a dozen float64 passes per chunk. Where the native host
+# update is used (``megatrain.host_kernel``), the optimizer undoes a layer with ``host_update.native_adam_undo``
+# instead: csrc/host_adam.c's ``megatrain_adam_undo``, the same double arithmetic operation for operation, in one
+# threaded pass that also writes the wire copy. Bit-identical to ``adamw_undo`` (tests/test_host_update.py).
+
 
 @dataclass(slots=True, eq=False)
 class Speculation:

@@ -183,3 +183,33 @@ def test_native_split_over_threads_equals_one_thread():
     fused_adam([master], [grad.float()], [m], [v], hp, st, scale, True)
     for got, want in zip(runs[1][:3], (master, m, v)):
         assert torch.equal(got, want) if _BIT_EXACT else _ulps(got, want) <= 2
+
+
+# --- the native rollback ([Note: native rollback]) -------------------------------------------------------------------
+@pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, None), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+@pytest.mark.parametrize("coef,step,wd", [(1.0, 1, 0.01), (0.37, 7, 0.0), (1 / 1024, 300, 0.1)])
+def test_native_undo_equals_adamw_undo(grad_dtype, wire_dtype, adam_w_mode, coef, step, wd):
+    """A step undone by the C kernel equals speculation.adamw_undo bit for bit (master, moments), over threads, and
+    writes the wire from the restored master; the undo lands near the state before the step."""
+    from megatrain_ds.speculation import adamw_undo
+    _native_or_skip()
+    n = 3 * 65_536 + 77
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=wd, step=step)
+    master, grad, m, v = _state(n, 5, grad_dtype, torch.float32)
+    before = (master.clone(), m.clone(), v.clone())
+    host_update.native_adam(master, grad, m, v, hp, coef, adam_w_mode)  # the speculative step
+    assert not torch.equal(master, before[0])
+    want = [t.clone() for t in (master, m, v)]
+    adamw_undo(want[0], grad.float(), want[1], want[2], hp, coef, adam_w_mode)
+    wire = None if wire_dtype is None else torch.zeros(n, dtype=wire_dtype)
+    host_update.native_adam_undo(master, grad, m, v, hp, coef, adam_w_mode, wire=wire, threads=3)
+    for got, exp, name in zip((master, m, v), want, ("master", "exp_avg", "exp_avg_sq")):
+        assert torch.equal(got, exp), (name, _ulps(got, exp))
+    if wire is not None:
+        assert torch.equal(wire, master.to(wire_dtype))
+    # undone: back where it was up to rounding (the step itself moved elements by up to lr = 1e-3)
+    assert (master - before[0]).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="must be fp32"):
+        host_update.native_adam_undo(master.bfloat16(), grad, m, v, hp, coef, adam_w_mode)

@@ -31,7 +31,7 @@ typedef struct {
     int tail_form;                    /* how torch's build fused its scalar tail loop (tail_update) */
 } job_t;
 
-typedef struct { const job_t *job; int64_t begin, end; } range_t;
+typedef struct { const void *job; int64_t begin, end; } range_t;
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
@@ -101,7 +101,7 @@ static void tail_update(const job_t *j, int64_t begin, int64_t end, float coeff,
 
 static void *run_range(void *arg) {
     const range_t *r = (const range_t *)arg;
-    const job_t *j = r->job;
+    const job_t *j = (const job_t *)r->job;
     int64_t body_end = r->end < j->tail_from ? r->end : j->tail_from;
     float *restrict m_ = j->exp_avg, *restrict v_ = j->exp_avg_sq;
     const float w = j->beta1_w;
@@ -142,6 +142,31 @@ static void *run_range(void *arg) {
 #define MAX_THREADS 256
 #define MIN_PER_THREAD 65536
 
+/* Runs fn over [0, n) in contiguous ranges, one per thread (64 Ki elements each at least, ranges on cache lines); a
+ * range whose thread could not be started is run by the calling thread, so the work is always whole. */
+static void run_split(int64_t n, int threads, const void *j, void *(*fn)(void *)) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    /* a small segment (a norm's weight, a bias) is not worth a thread start per 64 elements: 64 Ki elements each */
+    if ((int64_t)threads > (n + MIN_PER_THREAD - 1) / MIN_PER_THREAD) threads = (int)((n + MIN_PER_THREAD - 1) / MIN_PER_THREAD);
+    if (threads < 1) threads = 1;
+    int64_t per = (n + threads - 1) / threads;
+    per = (per + 63) & ~(int64_t)63; /* 64 elements: ranges start on cache lines */
+    range_t ranges[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS];
+    int k = 0;
+    for (int64_t a = 0; a < n; a += per, k++) {
+        ranges[k].job = j; ranges[k].begin = a; ranges[k].end = a + per < n ? a + per : n;
+    }
+    for (int t = 1; t < k; t++) started[t] = pthread_create(&tid[t], NULL, fn, &ranges[t]) == 0;
+    if (k > 0) fn(&ranges[0]);
+    for (int t = 1; t < k; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else fn(&ranges[t]); /* no thread: this one runs the range itself */
+    }
+}
+
 /* Updates elements [0, n); elements from tail_from on as torch's scalar tail loop does them. Returns 0; a range
  * whose thread could not be started is run by the calling thread, so the update is always whole. */
 int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int grad_dt, float *exp_avg,
@@ -159,25 +184,58 @@ int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int
     j.neg_step_size = (float)(-step_size); j.bc2_sqrt = (float)sqrt(bc2); j.eps = (float)eps;
     j.grad_scale = grad_scale; j.adamw = adamw; j.tail_from = tail_from < 0 ? n : tail_from;
     j.tail_form = tail_form;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    /* a small segment (a norm's weight, a bias) is not worth a thread start per 64 elements: 64 Ki elements each */
-    if ((int64_t)threads > (n + MIN_PER_THREAD - 1) / MIN_PER_THREAD) threads = (int)((n + MIN_PER_THREAD - 1) / MIN_PER_THREAD);
-    if (threads < 1) threads = 1;
-    int64_t per = (n + threads - 1) / threads;
-    per = (per + 63) & ~(int64_t)63; /* 64 elements: ranges start on cache lines */
-    range_t ranges[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS];
-    int k = 0;
-    for (int64_t a = 0; a < n; a += per, k++) {
-        ranges[k].job = &j; ranges[k].begin = a; ranges[k].end = a + per < n ? a + per : n;
+    run_split(n, threads, &j, run_range);
+    return 0;
+}
+
+
+/* [Note: native rollback] in megatrain_ds/speculation.py: one speculative step undone from the new master and
+ * moments and the gradient the step used, in double, speculation.adamw_undo's arithmetic operation for operation
+ * (no fused multiply-adds), rounded to the fp32 state at the end, with the wire copy (bf16/fp16) written from the
+ * restored master in the same pass. fp32 master only: bf16-master mode does not speculate. */
+typedef struct {
+    float *master, *exp_avg, *exp_avg_sq;
+    const void *grad; int grad_dt;
+    void *wire; int wire_dt;
+    double step_size, bc2_sqrt, eps, keep, wd, c1, b1, c2, b2, grad_div;
+    int adamw, divide;
+} undo_job_t;
+
+static void *undo_range(void *arg) {
+    const range_t *r = (const range_t *)arg;
+    const undo_job_t *u = (const undo_job_t *)r->job;
+    for (int64_t i = r->begin; i < r->end; i++) {
+        double p = u->master[i], m = u->exp_avg[i], v = u->exp_avg_sq[i];
+        double g = (double)load_val(u->grad, u->grad_dt, i);
+        if (u->divide) g = g / u->grad_div;
+        double t = u->step_size * m;
+        p = p + t / (sqrt(v) / u->bc2_sqrt + u->eps);
+        if (u->adamw) p = p / u->keep;
+        else { double d = u->wd * p; g = g + d; }
+        double cg = u->c1 * g;
+        m = (m - cg) / u->b1;
+        double vg = u->c2 * g; vg = vg * g;
+        v = (v - vg) / u->b2;
+        if (v < 0.0) v = 0.0; /* clamp_min(0); a NaN stays NaN */
+        float pf = (float)p;
+        u->master[i] = pf; u->exp_avg[i] = (float)m; u->exp_avg_sq[i] = (float)v;
+        if (u->wire) store_val(u->wire, u->wire_dt, i, pf);
     }
-    for (int t = 1; t < k; t++) started[t] = pthread_create(&tid[t], NULL, run_range, &ranges[t]) == 0;
-    if (k > 0) run_range(&ranges[0]);
-    for (int t = 1; t < k; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else run_range(&ranges[t]); /* no thread: this one runs the range itself */
-    }
+    return NULL;
+}
+
+/* Undoes one step on elements [0, n): lr, betas, eps, weight decay and step as the step had them; grad_div: the
+ * gradient was divided by it (0: not divided, coefficient 1). */
+int megatrain_adam_undo(int64_t n, float *master, const void *grad, int grad_dt, float *exp_avg, float *exp_avg_sq,
+                        void *wire, int wire_dt, double lr, double beta1, double beta2, double weight_decay,
+                        double eps, double step, double grad_div, int adamw, int threads) {
+    undo_job_t u;
+    u.master = master; u.exp_avg = exp_avg; u.exp_avg_sq = exp_avg_sq; u.grad = grad; u.grad_dt = grad_dt;
+    u.wire = wire; u.wire_dt = wire_dt;
+    u.step_size = lr / (1.0 - pow(beta1, step)); u.bc2_sqrt = sqrt(1.0 - pow(beta2, step)); u.eps = eps;
+    u.keep = 1.0 - lr * weight_decay; u.wd = weight_decay;
+    u.c1 = 1.0 - beta1; u.b1 = beta1; u.c2 = 1.0 - beta2; u.b2 = beta2;
+    u.grad_div = grad_div; u.divide = grad_div != 0.0; u.adamw = adamw;
+    run_split(n, threads, &u, undo_range);
     return 0;
 }
