@@ -99,7 +99,22 @@ def main(argv=None) -> int:
                                                                  wire=t[4]), args.repeats))
         print(f"{name:<46}" + "".join(f"{n / s / 1e9:>{9 if k in (0, len(blocks) + 1) else 11}.2f}"
                                       for k, s in enumerate(row)), flush=True)
+    _rollback(n, args, native)
     return 0
+
+
+def _rollback(n: int, args, native: bool) -> None:
+    """A speculative step undone (clipping fired after the layer was stepped): speculation.adamw_undo in float64
+    chunks plus the wire refresh, against the native undo ([Note: native rollback]), bf16 gradient + bf16 wire."""
+    from megatrain_ds.speculation import adamw_undo
+    master, grad, m, v, wire = _tensors(n, torch.bfloat16, torch.float32, torch.bfloat16)
+    scratch = torch.empty(n)
+    row = {"adamw_undo + refresh": _median_s(lambda: (adamw_undo(master, scratch.copy_(grad), m, v, HP, args.coef,
+                                                                 True), wire.copy_(master)), args.repeats)}
+    if native:
+        row["native undo"] = _median_s(lambda: host_update.native_adam_undo(master, grad, m, v, HP, args.coef, True,
+                                                                            wire=wire), args.repeats)
+    print("rollback of one step, Gparam/s: " + ", ".join(f"{k} {n / s / 1e9:.2f}" for k, s in row.items()))
 
 
 def _native_threads(n: int, counts: list[int], args) -> int:
