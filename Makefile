@@ -31,8 +31,10 @@ $(STAMP):
 demo: $(ENV_DEP)
 	$(PY) examples/finetune.py
 
+# two workers (pytest-xdist), each test file whole on one worker (its module fixtures built once): half the suite
+# waits on subprocesses (DeepSpeed, torchrun, the harness), so two workers fill the 2-core CI machine
 test: $(ENV_DEP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # the newest releases, fetched again on every run (that is the point); torch stays at the CPU wheel
 canary:
