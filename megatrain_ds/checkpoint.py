@@ -490,8 +490,6 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     """DeepSpeed's ``save_checkpoint``. With data parallel every rank calls it (a collective, as DeepSpeed's)."""
     # ds_version: the DeepSpeed whose file format this follows and whose zero_to_fp32 reads it (the installed one;
     # megatrain_ds.__version__ is that); megatrain_version: who wrote it
-    from . import MEGATRAIN_VERSION, __version__
-
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     world = _World(engine)
