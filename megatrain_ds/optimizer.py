@@ -26,7 +26,7 @@ from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperp
 
 
 def _range(name: str):
-    """A profiler range on the host worker (see executor._range)."""
+    """A profiler range on the host worker (see timing.layer_range)."""
     return torch.profiler.record_function(f"megatrain.{name}")
 
 
