@@ -448,4 +448,3 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = 
     world.agree(error, f"load {path} (nothing was loaded on any rank)")
     _apply(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only, world)
     return path, {k: v for k, v in ckpt.model_states.items() if k not in _RESERVED}
-

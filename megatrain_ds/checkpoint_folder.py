@@ -238,4 +238,3 @@ def _checkpoint_path(load_dir: str, tag) -> str | None:
         raise FileNotFoundError(f"{origin}, but {path} does not exist (moved or deleted?); checkpoints in "
                                 f"{load_dir}: {others or 'none'}. Pass tag= to load one of them.")
     return path
-

@@ -23,6 +23,7 @@ from . import wayback
 from .checkpoint_files import _partition
 from .checkpoint_folder import _World
 
+
 def _cut(dst: torch.Tensor, flat: torch.Tensor, rank: int, world: int) -> None:
     """``dst`` (one partition) = rank ``rank``'s ZeRO-3 partition of ``flat``, zero past its end."""
     p = dst.numel()
@@ -242,4 +243,3 @@ class _RankState:
                 os.remove(path)
             except FileNotFoundError:
                 pass
-

@@ -136,4 +136,3 @@ class GradientLanding:
         else:  # bf16 + fp32 in one add_ is 5x slower than a converting copy and an fp32 add on the CPU
             grad.add_(store.scratch[:grad.numel()].copy_(dest) if dest.dtype != grad.dtype else dest)
         return float(torch.dot(grad, grad)) if final else None
-
