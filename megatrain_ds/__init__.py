@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import weakref
 
@@ -19,23 +18,7 @@ from .config import ConfigError, OptimizerSettings, TrainConfig, collective_time
 from .engine import MegaTrainEngine
 from .model_map import UnsupportedModelError
 from .recompute_check import RecomputeMismatch
-
-MEGATRAIN_VERSION = "0.1.0"  # megatrain_ds's own release (pyproject.toml's version; tests keep them equal)
-
-
-def _deepspeed_version() -> str:
-    """The installed DeepSpeed's version, from its metadata (importing deepspeed costs seconds)."""
-    try:
-        return importlib.metadata.version("deepspeed")
-    except importlib.metadata.PackageNotFoundError:  # a dependency, so a broken install: every version gate fails
-        return "0.0.0"
-
-
-# Scripts gate features on ``deepspeed.__version__`` (OpenRLHF, trl, LLaMA-Factory: ``>= 0.9``, ``>= 0.16.5``)
-# and, with ``import megatrain_ds as deepspeed``, read this one: it is the installed DeepSpeed's, so those gates
-# pass as they would for the DeepSpeed beside megatrain_ds (whose config schema, lr schedules and comm it uses).
-# megatrain_ds's own version is MEGATRAIN_VERSION.
-__version__ = _deepspeed_version()
+from ._version import MEGATRAIN_VERSION, __version__  # (in a module of their own: no import circle)
 
 DeepSpeedEngine = MegaTrainEngine
 

@@ -8,7 +8,7 @@ right after the layer's forward is queued and comes back on the h2d stream one l
 ``saved`` event (d2h) orders the host buffer's write before its read-back; the ``ready`` event (h2d) orders
 the read-back before the recompute; ``hand_over`` keeps each device copy alive until the other stream is done.
 
-Host buffers. Each input goes to a byte buffer in a mapping of its own (host_state.HostRegion, page-locked on CUDA),
+Host buffers. Each input goes to a byte buffer in a mapping of its own (host_memory.HostRegion, page-locked on CUDA),
 of exactly its size when made, kept in a pool and reused by later saves that fit in it (the smallest free one that
 does). torch's pinned allocator would round each up to a power of two: a 7B layer input at 384K tokens (2.6 GiB)
 takes a 4 GiB block, 38 GiB more over 28 layers (computed from the sizes). When no free buffer fits (longer
@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from .host_state import _release_all, host_buffer
+from .host_memory import _release_all, host_buffer
 
 
 class HostActivations:

@@ -26,15 +26,16 @@ allocated up front, so a full disk fails the save instead of faulting a write), 
 the scratch files (a sub-group spans layers: even one rank copies its state there). With N ranks (data parallel,
 dp.py) a layer's state is held by its owner rank only, so the owner scatters each rank its partitions of the layer
 (masters, moments, frozen weights) over the gloo group, one layer at a time (transient memory: one layer).
-Resident parameters are replicated: each rank cuts its partitions locally. (megatrain_ds before the way back wrote
-one group per layer and its own flat moments; those files still load.)
+Resident parameters are replicated: each rank cuts its partitions locally (checkpoint_partition.py). (megatrain_ds
+before the way back wrote one group per layer and its own flat moments; those files still load.)
 
 Writing. A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
 file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
 previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``) and only then replaces ``latest``
 (through ``.latest.tmp-<pid>`` and ``os.replace``); the other ranks return once it has. A process killed at any
 moment leaves the previous checkpoint and ``latest`` intact; what it leaves behind is cleaned by the next save
-(``clean_stale``) or put back when the kill landed between the two renames (``_restore_moved_aside``).
+(``clean_stale``) or put back when the kill landed between the two renames (``_restore_moved_aside``): the folder's
+life across the ranks is checkpoint_folder.py.
 
 Reading. ``load_checkpoint`` reads every rank's files into a ``_Checkpoint`` (checkpoint_files.py: it reads
 ours and real DeepSpeed ZeRO-3's, saved by any number of ranks), checks it against the engine (names and shapes of
@@ -50,28 +51,23 @@ Full weights (``consolidated_state_dict``, ``save_16bit_model``, ``gather_full_m
 """
 from __future__ import annotations
 
-import errno
-import importlib.metadata
-import importlib.util
 import os
-import re
 import shutil
-import stat
 import warnings
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from . import wayback
+from . import _version, wayback
 from .adapters import is_peft_model, save_adapter
 from .checksums import save_file as _save
 from .checksums import write_manifest
 from .checksums import verify as verify_checksums
-from .checkpoint_files import CheckpointMismatchError, _Checkpoint, _partition, _read, model_file, optim_file
+from .checkpoint_files import CheckpointMismatchError, _Checkpoint, _read, model_file, optim_file
 from .checkpoint_files import BF16_OPTIM_FILE, MODEL_FILE, OPTIM_FILE, fp32_state_dict  # noqa: F401 (re-exported)
+from .checkpoint_folder import RECOVERY_SCRIPTS, clean_stale  # noqa: F401 (re-exported)
+from .checkpoint_folder import _checkpoint_path, _commit, _fsync_dir, _World
+from .checkpoint_partition import _Param, _plan, _RankState
 
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
 _RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "window_micro_steps", "skipped_steps",
              "lr_scheduler", "loss_scaler", "ds_config", "ds_version", "megatrain_version", "hf_config",
@@ -79,79 +75,10 @@ _RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "window_
              "optimizer", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",
              "sparse_tensor_module_names", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
              "deepspeed_resume"}
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")  # what an interrupted save leaves
 _MAX_LISTED = 20  # problems listed in one error
 
 
-# ---------------------------------------------------------------------------------------------- ranks
-class _World:
-    """The ranks a checkpoint is written or read by: the engine's data-parallel group (dp.py), or one process.
-
-    Every collective here runs on the main thread over ``dp.cpu_group`` (gloo), in the same order on every rank."""
-
-    def __init__(self, engine) -> None:
-        dp = getattr(engine, "dp", None)
-        self.dp = dp if dp is not None and getattr(dp, "active", False) else None
-        self.rank, self.size = (dp.rank, dp.world) if self.dp is not None else (0, 1)
-        self.group = dp.cpu_group if self.dp is not None else None
-
-    def owner(self, i: int) -> int:
-        """The rank holding streamed layer i's host state."""
-        return self.dp.owner(i) if self.dp is not None else 0
-
-    def peer(self, rank: int) -> int:
-        """``rank`` of the group as torch.distributed names it in ``src``/``dst`` (its global rank)."""
-        return dist.get_global_rank(self.group, rank)
-
-    def gather(self, obj) -> list:
-        """``obj`` of every rank, in rank order (on every rank)."""
-        if self.size == 1:
-            return [obj]
-        out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def broadcast(self, obj, src: int = 0):
-        """Rank ``src``'s ``obj`` on every rank."""
-        if self.size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.peer(src), group=self.group)
-        return box[0]
-
-    def agree(self, error: BaseException | None, what: str) -> None:
-        """Raise on every rank when any rank failed (``error``): the rank's own error where it failed, else one that
-        names the rank that failed. Collectives after this point are reached by all ranks or by none."""
-        failed = [(r, e) for r, e in enumerate(self.gather(None if error is None else
-                                                           (type(error).__name__, str(error))))
-                  if e is not None]
-        if error is not None:
-            raise error
-        if failed:
-            r, (kind, message) = failed[0]
-            cls = {"CheckpointMismatchError": CheckpointMismatchError,
-                   "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)
-            raise cls(f"rank {r} failed to {what} ({kind}): {message}")
-
-
-def _cut(dst: torch.Tensor, flat: torch.Tensor, rank: int, world: int) -> None:
-    """``dst`` (one partition) = rank ``rank``'s ZeRO-3 partition of ``flat``, zero past its end."""
-    p = dst.numel()
-    lo = min(rank * p, flat.numel())
-    hi = min(lo + p, flat.numel())
-    dst[:hi - lo].copy_(flat[lo:hi])
-    dst[hi - lo:].zero_()
-
-
 # ---------------------------------------------------------------------------------------------- writing
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _module_states(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The ``module`` entry as DeepSpeed's ZeRO-3 writes it: every state_dict name, a parameter as an empty tensor of
     its dtype (its values are in the optimizer files' fp32 partitions), a buffer with its values. Real DeepSpeed's
@@ -165,96 +92,6 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process on this host (another user's counts as live)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _restore_moved_aside(save_dir: str, tag: str) -> str | None:
-    """A save of an existing tag moves the old folder to ``.<tag>.old-<pid>`` before renaming the new one in. A
-    kill between the two renames leaves no ``<tag>`` folder: put the old one (complete) back. Returns it."""
-    final = os.path.join(save_dir, tag)
-    for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []:
-        m = _LEFTOVER.match(name)
-        if m and m["kind"] == "old" and m["name"] == tag and not _pid_alive(int(m["pid"])):
-            try:
-                os.rename(os.path.join(save_dir, name), final)  # fails if another process restored it first
-            except OSError:
-                continue
-            _fsync_dir(save_dir)
-            warnings.warn(f"{final} was missing (a save of tag {tag!r} was killed between its renames): put back "
-                          f"the previous checkpoint from {name}", stacklevel=3)
-            return final
-    return None
-
-
-def clean_stale(save_dir: str) -> list[str]:
-    """Remove what saves killed part-way left in ``save_dir`` (``.<tag>.tmp-<pid>`` folders, ``.latest.tmp-<pid>``
-    and ``.<script>.tmp-<pid>`` files, ``.<tag>.old-<pid>`` folders whose tag folder exists again; one whose
-    tag folder is missing is put back instead). Only entries of processes that are no longer alive: a running
-    save's files are never touched. Pids are host-local: one host saves into a save_dir (as DeepSpeed's
-    rank 0 does). Returns the paths handled."""
-    handled = []
-    for name in sorted(os.listdir(save_dir)):
-        m = _LEFTOVER.match(name)
-        if m is None or _pid_alive(int(m["pid"])):
-            continue
-        path = os.path.join(save_dir, name)
-        if m["kind"] == "old" and not os.path.lexists(os.path.join(save_dir, m["name"])):
-            if _restore_moved_aside(save_dir, m["name"]):
-                handled.append(path)
-            continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.remove(path)
-            except FileNotFoundError:  # another process cleaned it first
-                continue
-        handled.append(path)
-    return handled
-
-
-def _deepspeed_file(relative: str) -> str | None:
-    """A file of the installed deepspeed package, found without importing it (that takes seconds): the
-    distribution's files first (whatever ``sys.modules["deepspeed"]`` is), else the package on sys.path
-    (an editable install)."""
-    try:
-        path = str(importlib.metadata.distribution("deepspeed").locate_file(f"deepspeed/{relative}"))
-        if os.path.isfile(path):
-            return path
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    spec = importlib.util.find_spec("deepspeed")
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        if os.path.isfile(os.path.join(root, relative)):
-            return os.path.join(root, relative)
-    return None
-
-
-def _copy_recovery_scripts(save_dir: str) -> None:
-    """DeepSpeed puts its ``zero_to_fp32.py`` (and ``zero_to_torch.py``) in every save_dir so that the fp32
-    weights can be recovered without the training code; users and tools expect them there. Copied from the
-    installed deepspeed (never vendored), with DeepSpeed's mode (``copyfile`` + the owner's exec bit), through
-    a temporary name so that a kill never leaves half a script."""
-    for script in RECOVERY_SCRIPTS:
-        src = _deepspeed_file(f"utils/{script}")
-        if src is None:
-            continue
-        tmp = os.path.join(save_dir, f".{script}.tmp-{os.getpid()}")
-        shutil.copyfile(src, tmp)
-        os.chmod(tmp, os.stat(tmp).st_mode | stat.S_IEXEC)
-        os.replace(tmp, os.path.join(save_dir, script))
 
 
 def _shared_params(module: torch.nn.Module) -> dict[str, str]:
@@ -273,225 +110,11 @@ def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _scratch(folder: str, name: str, numel: int, paths: list[str], dtype: torch.dtype = torch.float32
-             ) -> torch.Tensor:
-    """A flat ``dtype`` tensor backed by the file ``folder/name``, mapped shared: the kernel may write its pages out
-    and drop them, so filling it costs page cache rather than process memory. The file is allocated up front (a
-    full disk fails here, as an exception, not later as a fault in a mapped write). Its path goes in ``paths``:
-    the caller deletes it once what views the tensor is saved."""
-    if numel == 0:
-        return torch.empty(0, dtype=dtype)
-    path = os.path.join(folder, name)
-    paths.append(path)
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
-    with open(path, "wb") as f:
-        try:
-            os.posix_fallocate(f.fileno(), 0, nbytes)
-        except OSError as exc:  # a file system that cannot preallocate: sized only (ENOSPC is an error)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                free = shutil.disk_usage(folder).free
-                raise OSError(exc.errno, f"save_checkpoint: the disk is full allocating the scratch file {path}: "
-                              f"it needs {nbytes:,} bytes, {free:,} are free; the previous checkpoint is intact",
-                              path) from exc
-            f.truncate(nbytes)
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
-
-
-@dataclass(slots=True)
-class _Param:
-    """One parameter as a checkpoint lists it, and where its fp32 master (and moments) are."""
-
-    name: str
-    shape: torch.Size
-    layer: int | None  # streamed layer index; None: a resident parameter
-    start: int  # layer: element offset in the layer's flat master (its moments: the same, trainable ones);
-    # resident: its index in ``engine.resident``
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
-def _plan(engine, world: int, sub_group_size: int) -> tuple[list[list[_Param]], list[int], list[_Param]]:
-    """(trained sub-groups, each one's optimizer param group, frozen parameters) as ZeRO-3 lists them in
-    ``param_shapes`` and ``frozen_param_shapes``: the trained parameters in real DeepSpeed's sub-groups for
-    ``world`` ranks (wayback.py: its parameter order and ``sub_group_size``), which its ``load_checkpoint`` copies
-    by position; frozen ones (requires_grad False or in no optimizer group) layer by layer, then the resident
-    ones."""
-    trained, frozen = {}, []
-    for i, layout in enumerate(engine.store.layouts):
-        for slot in layout.slots:
-            start = slot.offset if slot.trainable else layout.n_train + slot.offset
-            param = _Param(f"{engine.block_name}.{i}.{slot.name}", torch.Size(slot.shape), i, start)
-            if slot.trainable:
-                trained[param.name] = param
-            else:
-                frozen.append(param)
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    for k, (p, grad) in enumerate(zip(engine.resident.params, engine.resident.grad)):
-        param = _Param(names[id(p)], torch.Size(p.shape), None, k)
-        if grad is None:
-            frozen.append(param)
-        else:
-            trained[param.name] = param
-    groups = [[trained[names[id(p)]] for p in group["params"] if names.get(id(p)) in trained]
-              for group in (engine.optimizer.param_groups if engine.optimizer is not None else [])]
-    subs = wayback.sub_groups(groups, lambda p: p.numel, world, sub_group_size)
-    return [params for _, params in subs], [g for g, _ in subs], frozen
-
-
-def _source(engine, param: _Param, kind: str) -> torch.Tensor:
-    """``param``'s fp32 ``kind`` ("master", "exp_avg", "exp_avg_sq"), flat: a view of the host state (a
-    streamed layer this rank holds) or of the resident tensor (on the host or the device)."""
-    if param.layer is None:
-        return getattr(engine.resident, kind)[param.start].detach().reshape(-1)
-    store = engine.store
-    if kind == "master":  # param.start is in [trainable | frozen]; a compact store keeps the frozen part in the wire
-        layout = store.layouts[param.layer]
-        if param.start >= layout.n_train:
-            start = param.start - layout.n_train
-            return store.frozen_of(param.layer)[start:start + param.numel]
-        flat = store.read_master(param.layer)  # a view, or a copy of an NVMe layer's
-    else:  # RAM views, or copies of a layer on the NVMe tier
-        flat = store.read_moments(param.layer)[("exp_avg", "exp_avg_sq").index(kind)]
-    return flat[param.start:param.start + param.numel]
-
-
-class _RankState:
-    """What this rank writes: its ``fp32_flat_groups`` and moments (one flat tensor per sub-group each) and its
-    frozen fragments, all in files of the temporary folder mapped shared (``_scratch``): page cache, not process
-    memory.
-
-    Sub-group k holds, for each of its parameters in order, this rank's ZeRO-3 partition (``ceil(numel / N)``
-    elements, zero past the end): ``offset[name]`` is where in the flat regions (master, exp_avg, exp_avg_sq:
-    the sub-groups one after the other). A streamed layer's state is held by its owner rank only, which scatters
-    every rank its partitions of the layer (one layer at a time); with one rank, and for the replicated resident
-    parameters, each rank cuts its partitions itself. The sub-groups are DeepSpeed's (``_plan``), not the layers,
-    so even one rank copies its masters and moments here (DeepSpeed's flat partition spans layers)."""
-
-    def __init__(self, engine, world: _World, folder: str, groups: list[list[_Param]], frozen: list[_Param],
-                 moments: bool) -> None:
-        self.engine, self.world, self.groups, self.frozen = engine, world, groups, frozen
-        self.kinds = ("master", "exp_avg", "exp_avg_sq") if moments else ("master",)
-        self.folder = folder
-        self.paths: list[str] = []
-        n = world.size
-        self.sizes = [sum(_partition(p.numel, n) for p in group) for group in groups]  # per group, per rank
-        self.group_start = [sum(self.sizes[:k]) for k in range(len(groups))]
-        self.offset, offset = {}, 0
-        for group in groups:
-            for p in group:
-                self.offset[p.name] = offset
-                offset += _partition(p.numel, n)
-        total = offset
-        self.frozen_start, offset = {}, 0
-        for p in frozen:
-            self.frozen_start[p.name] = offset
-            offset += _partition(p.numel, n)
-        # frozen weights are kept in the compute dtype (host_state.py: a compact store; the resident ones on the
-        # device), and written so, as DeepSpeed writes its 16-bit frozen fragments; fp32 in fp32 mode
-        frozen_dtype = engine.store.wire_dtype if engine.store.compact else torch.float32
-        self.frozen_buf = _scratch(folder, f".frozen-rank{world.rank}.scratch", offset, self.paths, frozen_dtype)
-        buf = _scratch(folder, f".optim-rank{world.rank}.scratch", total * len(self.kinds), self.paths)
-        self.regions = list(buf.split(total)) if total else [buf] * len(self.kinds)
-
-    def _size(self, p: _Param) -> int:
-        return _partition(p.numel, self.world.size)
-
-    def _own(self, train: list[_Param], frozen: list[_Param]) -> None:
-        """This rank's partitions of parameters whose state it holds, cut straight into its regions."""
-        rank, n = self.world.rank, self.world.size
-        for region, kind in zip(self.regions, self.kinds):
-            for p in train:
-                at = self.offset[p.name]
-                _cut(region[at:at + self._size(p)], _source(self.engine, p, kind), rank, n)
-        for p in frozen:
-            at = self.frozen_start[p.name]
-            _cut(self.frozen_buf[at:at + self._size(p)], _source(self.engine, p, "master"), rank, n)
-
-    def _payload(self, train: list[_Param], frozen: list[_Param], rank: int, out: torch.Tensor) -> None:
-        """Rank ``rank``'s partitions of one layer: masters, moments, then frozen weights."""
-        n, offset = self.world.size, 0
-        for kind in self.kinds:
-            for p in train:
-                _cut(out[offset:offset + self._size(p)], _source(self.engine, p, kind), rank, n)
-                offset += self._size(p)
-        for p in frozen:
-            _cut(out[offset:offset + self._size(p)], _source(self.engine, p, "master"), rank, n)
-            offset += self._size(p)
-
-    def _place(self, train: list[_Param], frozen: list[_Param], received: torch.Tensor) -> None:
-        """A received ``_payload`` into this rank's regions, each parameter at its offset."""
-        offset = 0
-        for region in self.regions:
-            for p in train:
-                at, size = self.offset[p.name], self._size(p)
-                region[at:at + size].copy_(received[offset:offset + size])
-                offset += size
-        for p in frozen:
-            at, size = self.frozen_start[p.name], self._size(p)
-            self.frozen_buf[at:at + size].copy_(received[offset:offset + size])
-            offset += size
-
-    def _exchange(self, i: int, train: list[_Param], frozen: list[_Param]) -> None:
-        """Layer i's owner scatters every rank its partitions of the layer (a collective of every rank)."""
-        world = self.world
-        width = sum(self._size(p) for p in train) * len(self.kinds) + sum(self._size(p) for p in frozen)
-        owner, received, chunks = world.owner(i), torch.empty(width, dtype=torch.float32), None
-        if world.rank == owner:
-            send = torch.empty(world.size, width, dtype=torch.float32)
-            for rank in range(world.size):
-                self._payload(train, frozen, rank, send[rank])
-            chunks = list(send.unbind(0))
-        dist.scatter(received, chunks, src=world.peer(owner), group=world.group)
-        self._place(train, frozen, received)
-
-    def fill(self) -> None:
-        """Collective with N ranks (every rank, layers in order)."""
-        by_layer: dict[int | None, tuple[list, list]] = {}
-        for p in [p for group in self.groups for p in group]:
-            by_layer.setdefault(p.layer, ([], []))[0].append(p)
-        for p in self.frozen:
-            by_layer.setdefault(p.layer, ([], []))[1].append(p)
-        for i in range(len(self.engine.store.layouts)):
-            train, frozen = by_layer.get(i, ([], []))
-            if not train and not frozen:
-                continue
-            if self.world.size == 1:
-                self._own(train, frozen)
-            else:
-                self._exchange(i, train, frozen)
-        self._own(*by_layer.get(None, ([], [])))  # resident parameters are replicated
-        self.fragments = {p.name: self.frozen_buf[self.frozen_start[p.name]:][:self._size(p)] for p in self.frozen}
-        self.flat = [[region[start:start + size] for start, size in zip(self.group_start, self.sizes)]
-                     for region in self.regions]  # per kind, per sub-group
-        self.fp32 = self.flat[0]
-
-    def optimizer_state(self, group_of: list[int]) -> dict | None:
-        """The optimizer state as DeepSpeed ZeRO-3's CPU Adam saves it (wayback.py); megatrain_ds reads it too."""
-        optimizer = self.engine.optimizer
-        if optimizer is None:
-            return None
-        return wayback.optimizer_state(optimizer.param_groups, group_of, optimizer.step_count, self.flat[1],
-                                       self.flat[2])
-
-    def close(self) -> None:
-        """Delete the scratch files (their pages are dropped unwritten) once the files are saved."""
-        self.fp32 = self.flat = self.fragments = self.regions = self.frozen_buf = None
-        for path in self.paths:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-
-
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
     """DeepSpeed's ``save_checkpoint``. With data parallel every rank calls it (a collective, as DeepSpeed's)."""
     # ds_version: the DeepSpeed whose file format this follows and whose zero_to_fp32 reads it (the installed one;
-    # megatrain_ds.__version__ is that); megatrain_version: who wrote it
-    from . import MEGATRAIN_VERSION, __version__
-
+    # megatrain_ds.__version__ is that, _version.py); megatrain_version: who wrote it
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     world = _World(engine)
@@ -521,7 +144,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     tmp = world.broadcast(tmp)
     try:
         _write_rank_files(engine, world, tmp, tag, client_state, exclude_frozen_parameters,
-                          MEGATRAIN_VERSION, __version__)
+                          _version.MEGATRAIN_VERSION, _version.__version__)
         if is_peft_model(engine.module):  # the adapter as peft saves it, in the same folder (adapters.py)
             error = None
             try:
@@ -619,69 +242,6 @@ def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, e
         world.agree(error, "write its checkpoint files")
     finally:
         state.close()
-
-
-def _commit(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
-    """Rank 0, once every file is written: the folder into place, the recovery scripts, then ``latest``."""
-    _fsync_dir(tmp)
-    final = os.path.join(save_dir, tag)
-    old = None
-    if os.path.exists(final):  # replacing a checkpoint of the same tag: keep it until the new one is in place
-        old = os.path.join(save_dir, f".{tag}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(save_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        _copy_recovery_scripts(save_dir)
-        if save_latest:
-            latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
-            with open(latest_tmp, "w") as f:
-                f.write(tag)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(latest_tmp, os.path.join(save_dir, "latest"))
-    except OSError as exc:  # the folder is in place; what failed is a small file beside it: name it and say so
-        name = getattr(exc, "filename", None) or save_dir
-        raise OSError(exc.errno, f"save_checkpoint: writing {name} failed ({exc.strerror or exc}); the checkpoint "
-                      f"folder {final} is complete, but {os.path.join(save_dir, 'latest')} may still name the "
-                      "previous checkpoint (load it with tag=)") from exc
-    _fsync_dir(save_dir)
-
-
-# ---------------------------------------------------------------------------------------------- reading
-# (the checkpoint folder's files are read by checkpoint_files.py)
-def _checkpoint_path(load_dir: str, tag) -> str | None:
-    """The folder to load, or None where DeepSpeed loads nothing (no tag and no ``latest``: it warns)."""
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            warnings.warn(f"Unable to find latest file at {latest}, if trying to load latest checkpoint please ensure "
-                          "this file exists or pass an explicit checkpoint tag when loading a checkpoint.",
-                          stacklevel=4)  # the caller of engine.load_checkpoint
-            return None
-        try:
-            with open(latest) as f:
-                tag = f.read().strip()
-        except UnicodeDecodeError as exc:  # a corrupted or foreign file: say which, not a codec's message
-            raise ValueError(f"{latest} does not hold a tag name (unreadable bytes at offset {exc.start}); it should "
-                             f"name a checkpoint folder of {load_dir}: pass tag= to load one explicitly") from None
-        if not tag:
-            raise FileNotFoundError(f"{latest} is empty: it should name a checkpoint folder of {load_dir}; "
-                                    "pass tag= to load one explicitly")
-        origin = f"{latest} names tag {tag!r}"
-    else:
-        origin = f"tag {tag!r} was asked for"
-    path = os.path.join(load_dir, str(tag))
-    if not os.path.isdir(path):
-        _restore_moved_aside(load_dir, str(tag))
-    if not os.path.isdir(path):
-        others = sorted(n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n))
-                        and not n.startswith(".")) if os.path.isdir(load_dir) else []
-        raise FileNotFoundError(f"{origin}, but {path} does not exist (moved or deleted?); checkpoints in "
-                                f"{load_dir}: {others or 'none'}. Pass tag= to load one of them.")
-    return path
 
 
 # ---------------------------------------------------------------------------------------------- checking
@@ -888,4 +448,3 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = 
     world.agree(error, f"load {path} (nothing was loaded on any rank)")
     _apply(engine, ckpt, load_optimizer_states, load_lr_scheduler_states, load_module_only, world)
     return path, {k: v for k, v in ckpt.model_states.items() if k not in _RESERVED}
-

@@ -25,12 +25,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError, validation_error_parts  # noqa: F401 (importable from here too)
 from .loss_scale import LossScaler
 from .monitor import monitor_config
-
-
-class ConfigError(ValueError):
-    """A config value megatrain_ds cannot use; the message names the key."""
 
 
 # DeepSpeed 0.19.8's values, used only when the installed DeepSpeed lacks the constant (or DeepSpeed is absent).
@@ -57,17 +54,6 @@ def _check_keys(block: dict, allowed: set[str], where: str) -> None:
     for key in block:
         if key not in allowed:
             raise ConfigError(f"unknown key '{where}.{key}' (allowed: {', '.join(sorted(allowed))})")
-
-
-def validation_error_parts(exc: Exception) -> tuple[str, str]:
-    """(key, reason) of a pydantic ValidationError from one of DeepSpeed's config models. The key is "" when the
-    model's own cross-field check failed (its reason names the keys)."""
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        return ".".join(str(part) for part in first.get("loc", ())), str(first.get("msg", exc))
-    lines = str(exc).splitlines()
-    return (lines[1].strip() if len(lines) > 1 else "?"), (lines[2].strip() if len(lines) > 2 else str(exc))
 
 
 def _ds_model(module: str, name: str, block: dict, where: str):

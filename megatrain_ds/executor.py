@@ -5,7 +5,7 @@ Every streamed layer's ``forward`` is rerouted here. In training, a layer call b
 only the layer input, the boundary activation) and whose backward re-runs the layer from that input and
 takes a local ``autograd.grad`` with respect to [the slot's trainable region, the input]. So no autograd
 graph spans layers, each layer crosses PCIe at most twice per step (forward, backward recompute), and the
-layer gradient leaves the GPU as one flat tensor: one D2H burst per layer.
+layer gradient leaves the GPU as one flat tensor: one D2H burst per layer (landing.py).
 
 Slots are flat device buffers sized for the largest layer. While layer i computes in one slot, the next
 layer of the current direction (i+1 in forward, i-1 in backward) loads into another. The last layers of a
@@ -32,10 +32,12 @@ from torch import nn
 from torch.func import functional_call
 
 from .host_state import HostLayerStore
+from .landing import GradientLanding
 from .recompute_check import RecomputeCheck
 from .schedule import LayerSchedule
 from .model_map import LayerLayout, make_template, per_layer_attributes
 from .timing import StepTimer
+from .timing import layer_range as _range  # a profiler range naming the phase and layer
 
 
 @dataclass(slots=True, eq=False)  # identity, not tensor comparison
@@ -73,8 +75,9 @@ class LayerCall:
     check: object = None  # what the recompute must match while the recompute check is on (recompute_check.py)
 
 
-class StreamedLayers:
-    """Runs the streamed layers of one model. Owns the slots, the templates and the gradient landing."""
+class StreamedLayers(GradientLanding):
+    """Runs the streamed layers of one model. Owns the slots, the templates and the gradient landing (its methods
+    are landing.py's ``GradientLanding``)."""
 
     def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], store: HostLayerStore,
                  device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2,
@@ -382,108 +385,7 @@ class StreamedLayers:
         self._log("fwd", i, slot)
         return out
 
-    # --- gradient landing --------------------------------------------------------------------------
-    def _evacuate(self, i: int, flat_grad: torch.Tensor) -> None:
-        """D2H layer i's flat gradient; the host worker accumulates it and (if final) takes its norm."""
-        st, store = self.streams, self.store
-        first, final = self.schedule.first_landing(i), self.final_micro
-        if self.dp is not None:  # the mean over ranks, on layer i's owner (dp.py); d2h current: off compute
-            st.wait(st.d2h, st.record(st.compute()))
-            with st.on(st.d2h), self.timer.span("comm", st.d2h), _range("reduce", i):
-                self.dp.reduce_layer_grad(flat_grad, i)
-            # d2h reads it from here on (the mean, the accumulate, the norm, the D2H): the caching allocator must
-            # not hand its block to compute before d2h is done with it
-            st.hand_over(flat_grad, st.d2h)
-            if not store.owned[i]:  # nothing lands here; its squared norm is the owner's share of the sum
-                self.schedule.landing(i, _DONE_ZERO)
-                self._log("reduce", i, None)
-                return
-            with st.on(st.d2h):  # the owner's norm / accumulate / D2H follow the reduce on d2h, not compute
-                return self._land_local(i, flat_grad, first, final)  # (engine.backward joins d2h at the end)
-        return self._land_local(i, flat_grad, first, final)
-
-    def _land_local(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool) -> None:
-        """Layer i's (mean) gradient into its home: the GPU-held accumulator, or D2H and the host worker."""
-        st, store = self.streams, self.store
-        slab = None  # a landing slab of the ring (GA > 1), returned to the ring by the fold
-        if self.device_state is not None and self.device_state.owns(i):
-            return self._accumulate_on_device(i, flat_grad, first, final)
-        if store.grad_direct and not first:
-            # A second gradient for layer i before the step (two forwards into one loss, as a DPO step with
-            # separate chosen/rejected passes; or a second backward() with GA 1): it lands in a temporary
-            # pinned buffer and the worker adds it to the first, in the home's dtype, as autograd would.
-            dest = torch.empty(flat_grad.numel(), dtype=store.grad.dtype, pin_memory=self.device.type == "cuda")
-            if dest.dtype != flat_grad.dtype:
-                flat_grad = flat_grad.to(dest.dtype)
-        elif store.grad_direct:
-            dest = store.grad_of(i)
-            if final:  # GA 1: the gradient is final as it leaves the GPU, so its norm is taken there
-                torch.linalg.vector_norm(flat_grad, dtype=torch.float32, out=self.norm_dev[i])
-            if dest.dtype != flat_grad.dtype:
-                flat_grad = flat_grad.to(dest.dtype)  # fp32 landing: convert on the GPU, not the host
-        else:
-            slab = store.ring.get()  # blocks only if the worker is 4 layers behind
-            dest = slab[:flat_grad.numel()]
-        grad_ready = st.record(st.compute())
-        st.wait(st.d2h, grad_ready)
-        with st.on(st.d2h), self.timer.span("d2h", st.d2h), _range("d2h", i):
-            dest.copy_(flat_grad, non_blocking=True)
-            if store.grad_direct and first and final:
-                self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
-        st.hand_over(flat_grad, st.d2h)
-        landed = st.record(st.d2h)
-        self._log("d2h", i, None)
-        self.schedule.landing(i, self.worker.submit(self._land, i, landed, dest, slab, first, final))
-
-    def _accumulate_on_device(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool) -> None:
-        """Tail layer: the gradient stays on the GPU (fp32 accumulator); only its norm goes to the host."""
-        st, grad = self.streams, self.device_state.grad_of(i)
-        if first:
-            grad.copy_(flat_grad)
-        else:
-            grad.add_(flat_grad)
-        self._log("acc", i, None)
-        if not final:
-            self.schedule.landing(i, self.worker.submit(lambda: None))
-            return
-        torch.linalg.vector_norm(grad, out=self.norm_dev[i])
-        st.wait(st.d2h, st.record(st.compute()))
-        with st.on(st.d2h):
-            self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
-        landed = st.record(st.d2h)
-        self.schedule.landing(i, self.worker.submit(self._land_norm, i, landed))
-
-    def _land_norm(self, i: int, landed) -> float:
-        landed.synchronize()
-        return float(self.norm_host[i]) ** 2
-
-    def _land(self, i: int, landed, dest: torch.Tensor, slab, first: bool, final: bool):
-        """Worker thread: wait for the D2H, fold the bytes into the layer's gradient, return its sq-norm."""
-        landed.synchronize()
-        if final and self.on_final_landing is not None:  # a second gradient for a layer stepped speculatively:
-            self.on_final_landing(i, None, before_fold=True)  # undone while its gradient is the one it used
-        with self.timer.host_span("landing_s"), _range("land", i):
-            sq = self._fold(i, dest, first, final)
-        if slab is not None:
-            self.store.ring.put(slab)  # only now may a later D2H overwrite it
-        if final and self.on_final_landing is not None:  # speculative optimizer step (speculation.py)
-            self.on_final_landing(i, sq)
-        return sq
-
-    def _fold(self, i: int, dest: torch.Tensor, first: bool, final: bool):
-        store = self.store
-        if store.grad_direct and first:
-            return float(self.norm_host[i]) ** 2 if final else None
-        grad = store.grad_of(i)
-        if store.grad_direct:  # a second landing in the same window (see _evacuate): the norm of the sum
-            grad.add_(dest)
-            return float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2 if final else None
-        if first:
-            grad.copy_(dest)
-        else:  # bf16 + fp32 in one add_ is 5x slower than a converting copy and an fp32 add on the CPU
-            grad.add_(store.scratch[:grad.numel()].copy_(dest) if dest.dtype != grad.dtype else dest)
-        return float(torch.dot(grad, grad)) if final else None
-
+    # --- gradient landing: landing.py (GradientLanding._evacuate, called by run_backward) --------------
     def reset_window(self) -> None:
         self.schedule.reset_window()
 
@@ -494,23 +396,6 @@ class StreamedLayers:
     has_grad = property(lambda self: self.schedule.has_grad)
     sq_norm = property(lambda self: self.schedule.sq_norm)
     forward_calls = property(lambda self: self.schedule.forward_calls)
-
-
-_DONE_ZERO = None  # set below: a completed landing whose squared norm is 0.0 (a layer another rank owns)
-
-
-def _range(op: str, i: int):
-    """A profiler range naming the phase and layer (``torch.profiler`` traces show the overlap; near-free when
-    no profiler is recording)."""
-    return torch.profiler.record_function(f"megatrain.{op}.L{i}")
-
-
-def _done_zero():
-    from .dp import done
-    return done(0.0)
-
-
-_DONE_ZERO = _done_zero()
 
 
 def _make_layer_forward(executor: StreamedLayers, index: int):

@@ -9,7 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .checkpoint import _World, _save, clean_stale
+from .checkpoint_folder import _World, clean_stale
+from .checksums import save_file as _save
 
 
 def _frozen_ids(engine) -> set[int]:

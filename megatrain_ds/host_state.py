@@ -26,98 +26,18 @@ master). Such a layer's master is reached through ``acquire_state`` (the optimiz
 
 Flat buffers are allocated once, each in its own private mapping (huge pages, not inherited by fork), and
 the streamed ones pinned with ``cudaHostRegister`` (the caching host allocator behind ``pin_memory=True``
-rounds each block up to a power of two, which would cost up to 2x on a 12 GB buffer).
+rounds each block up to a power of two, which would cost up to 2x on a 12 GB buffer): host_memory.py.
 """
 from __future__ import annotations
 
-import mmap
 import queue
-import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from .host_memory import HostRegion, _release_all, host_buffer  # noqa: F401 (importable from here too)
 from .model_map import LayerLayout
-
-
-def _anonymous_mapping(nbytes: int) -> mmap.mmap:
-    """A private anonymous mapping for engine state, advised (best effort, Linux) to use huge pages and to stay
-    out of forked children.
-
-    Huge pages: 512x fewer pages to fault in, to pin with ``cudaHostRegister`` and to free at exit (hundreds
-    of GB at 14B+). Not inherited by ``fork()``: a DataLoader worker would otherwise share every page
-    copy-on-write, so each page the optimizer writes afterwards would be copied while the worker lives (the
-    host state would get a second copy), and pages pinned for DMA would be copied eagerly at each fork. A forked child
-    cannot read the engine's state (it has no use for it; spawn a process instead).
-    """
-    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
-        if hasattr(mmap, advice) and nbytes:
-            try:
-                mm.madvise(getattr(mmap, advice))
-            except OSError:  # e.g. transparent huge pages compiled out: 4 KiB pages, same semantics
-                pass
-    return mm
-
-
-class HostRegion:
-    """A private anonymous mapping (see ``_anonymous_mapping``), page-locked with ``cudaHostRegister`` when
-    ``pin`` and CUDA is available; owns the mapping until released.
-
-    Why not ``torch.empty(pin_memory=True)``: the caching host allocator rounds each block up to a power of
-    two (a 6.2 GB wire copy would take 8 GB). Why an mmap: a page-aligned mapping no other object shares, so
-    registration never overlaps another allocation, and the mapping cannot be freed (and its addresses
-    reused) while it is still registered: ``release()`` unregisters first.
-    """
-
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool = True, defer: bool = False) -> None:
-        nbytes = numel * torch.tensor([], dtype=dtype).element_size()
-        self.mm = _anonymous_mapping(nbytes)
-        self.tensor = torch.frombuffer(self.mm, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
-        self.ptr, self.nbytes, self.registered = self.tensor.data_ptr(), nbytes, False
-        self.pending = pin and defer  # ``register(written=True)`` pins it once its contents are written
-        if pin and not defer:
-            self.register(written=False)
-
-    def register(self, written: bool) -> None:
-        """Page-lock the mapping (CUDA only). ``written``: every page was written already (faulted in)."""
-        self.pending = False
-        if not torch.cuda.is_available() or not self.nbytes or self.registered:
-            return
-        if not written:
-            # Fault the pages in first, on all intra-op threads (the mapping is zero-filled already, so this
-            # writes nothing new): cudaHostRegister would otherwise fault hundreds of GB in on one thread.
-            self.tensor.zero_()
-        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.nbytes / 2**30:.2f} GiB failed (CUDA error {int(err)}): "
-                               "not enough lockable host memory?")
-        self.registered = True
-
-    def release(self) -> None:
-        if self.registered:
-            self.registered = False
-            err = torch.cuda.cudart().cudaHostUnregister(self.ptr)
-            if int(err) != 0:
-                warnings.warn(f"cudaHostUnregister failed with CUDA error {int(err)}", stacklevel=2)
-        # the mapping itself is freed when the last tensor viewing it is gone
-
-
-def host_buffer(numel: int, dtype: torch.dtype, pin: bool, regions: list, defer: bool = False) -> torch.Tensor:
-    """A flat, zero-filled host tensor in its own mapping (``_anonymous_mapping``); page-locked when ``pin`` (at
-    once, or with ``defer`` by ``register`` once written). Recorded in ``regions`` for release."""
-    if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system: the plain allocator, unpinned
-        return torch.zeros(numel, dtype=dtype)
-    region = HostRegion(numel, dtype, pin, defer)
-    regions.append(region)
-    return region.tensor
-
-
-def _release_all(regions: list) -> None:
-    for region in regions:
-        region.release()
-    regions.clear()
 
 
 @dataclass(slots=True)

@@ -10,6 +10,8 @@ begun, so it is written one step later, at its own x).
 """
 from __future__ import annotations
 
+from .errors import ConfigError, validation_error_parts
+
 MONITOR_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet")
 BREAKDOWN_EVENTS = ("step", "h2d", "compute", "d2h", "cpu_optimizer", "wait_for_optimizer", "gpu_idle")
 
@@ -17,8 +19,6 @@ BREAKDOWN_EVENTS = ("step", "h2d", "compute", "d2h", "cpu_optimizer", "wait_for_
 def monitor_config(cfg: dict):
     """DeepSpeed's monitor config for ``cfg`` when a monitor block is enabled, else None. Any monitor block
     present is validated, enabled or not (as DeepSpeed does): a bad key or value raises ConfigError naming it."""
-    from .config import ConfigError, validation_error_parts
-
     present = [k for k in MONITOR_BLOCKS if k in cfg]
     if not present:
         return None

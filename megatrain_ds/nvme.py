@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host_memory import HostRegion
+
 ALIGN = 4096  # O_DIRECT wants buffer addresses, sizes and file offsets aligned to the device's block size
 SWAP_DIR = "megatrain_ds_swap"
 
@@ -133,7 +135,6 @@ class _ThreadIO:
 
     def _probe(self) -> bool:
         """One aligned 4 KiB write and read-back at offset 0 (the file is preallocated and not in use yet)."""
-        from .host_state import HostRegion
         region = HostRegion(ALIGN, torch.uint8, pin=False)
         try:
             os.pwritev(self.fd, [_byte_view(region.tensor)], 0)
@@ -230,7 +231,6 @@ class NvmeMoments:
     the main thread for checkpoints, after ``engine.synchronize()``); ``expect`` from any thread."""
 
     def __init__(self, n_train: dict[int, int], settings: NvmeSettings, rank: int = 0, backend: str = "auto") -> None:
-        from .host_state import HostRegion
         self.n_train = dict(n_train)
         self.settings = settings
         self.offset: dict[int, int] = {}

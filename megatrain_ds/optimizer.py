@@ -19,14 +19,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .host_state import _release_all, host_buffer
+from .host_memory import _release_all, host_buffer
 from .host_update import adamw_scalars, fused_adam, native_adam_undo, update_segment
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
 
 
 def _range(name: str):
-    """A profiler range on the host worker (see executor._range)."""
+    """A profiler range on the host worker (see timing.layer_range)."""
     return torch.profiler.record_function(f"megatrain.{name}")
 
 
@@ -48,7 +48,7 @@ class ResidentParams:
         self.on_device = state_on_device
         state = device if state_on_device else torch.device("cpu")
         self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.wire, self.landing = [], [], [], [], [], []
-        # pinned in mappings of their own (host_state.HostRegion): torch's pinned allocator would round each up to a
+        # pinned in mappings of their own (host_memory.HostRegion): torch's pinned allocator would round each up to a
         # power of two (a 7B model's 1.1 GB embedding wire and landing copies would take 2 GB each)
         self.regions: list = []
 

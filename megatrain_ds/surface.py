@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import _version, comm
 
 
 class EngineSurface:
@@ -367,9 +367,7 @@ def module_getattr(name: str):
     if name in _FORWARDED:
         return _FORWARDED[name]()
     if name == "version":  # DeepSpeed exposes both; scripts compare either with a DeepSpeed release
-        from . import __version__
-
-        return __version__
+        return _version.__version__
     if name in _UNSUPPORTED:
         raise AttributeError(f"deepspeed.{name} (megatrain_ds imported as deepspeed): {_UNSUPPORTED[name]}")
     raise AttributeError(f"module 'megatrain_ds' has no attribute {name!r} (docs/deepspeed_surface.md lists the "

@@ -19,6 +19,12 @@ import time
 import torch
 
 
+def layer_range(op: str, i: int):
+    """A profiler range naming the phase and layer (``torch.profiler`` traces show the overlap; near-free when
+    no profiler is recording)."""
+    return torch.profiler.record_function(f"megatrain.{op}.L{i}")
+
+
 class StepTimer:
     def __init__(self, streams, enabled: bool) -> None:
         self.streams, self.enabled = streams, enabled

@@ -1,0 +1,240 @@
+"""A checkpoint folder's life across the ranks that write or read it (checkpoint.py says what is in it).
+
+The ranks agree (``_World``: the engine's data-parallel group over gloo, or one process): every collective runs on
+the main thread in the same order on every rank, and a rank that fails makes every rank raise (``agree``).
+
+Writing. A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
+file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
+previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``) and only then replaces ``latest``
+(through ``.latest.tmp-<pid>`` and ``os.replace``): ``_commit``. DeepSpeed's recovery scripts are copied beside
+it. A process killed at any moment leaves the previous checkpoint and ``latest`` intact; what it leaves behind is
+cleaned by the next save (``clean_stale``) or put back when the kill landed between the two renames
+(``_restore_moved_aside``).
+
+Reading. ``_checkpoint_path``: the folder a tag, or ``latest``, names (putting back a moved-aside one).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import stat
+import warnings
+
+import torch.distributed as dist
+
+from .checkpoint_files import CheckpointMismatchError
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")  # what an interrupted save leaves
+
+
+class _World:
+    """The ranks a checkpoint is written or read by: the engine's data-parallel group (dp.py), or one process.
+
+    Every collective here runs on the main thread over ``dp.cpu_group`` (gloo), in the same order on every rank."""
+
+    def __init__(self, engine) -> None:
+        dp = getattr(engine, "dp", None)
+        self.dp = dp if dp is not None and getattr(dp, "active", False) else None
+        self.rank, self.size = (dp.rank, dp.world) if self.dp is not None else (0, 1)
+        self.group = dp.cpu_group if self.dp is not None else None
+
+    def owner(self, i: int) -> int:
+        """The rank holding streamed layer i's host state."""
+        return self.dp.owner(i) if self.dp is not None else 0
+
+    def peer(self, rank: int) -> int:
+        """``rank`` of the group as torch.distributed names it in ``src``/``dst`` (its global rank)."""
+        return dist.get_global_rank(self.group, rank)
+
+    def gather(self, obj) -> list:
+        """``obj`` of every rank, in rank order (on every rank)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj, src: int = 0):
+        """Rank ``src``'s ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.peer(src), group=self.group)
+        return box[0]
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank when any rank failed (``error``): the rank's own error where it failed, else one that
+        names the rank that failed. Collectives after this point are reached by all ranks or by none."""
+        failed = [(r, e) for r, e in enumerate(self.gather(None if error is None else
+                                                           (type(error).__name__, str(error))))
+                  if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            r, (kind, message) = failed[0]
+            cls = {"CheckpointMismatchError": CheckpointMismatchError,
+                   "FileNotFoundError": FileNotFoundError}.get(kind, RuntimeError)
+            raise cls(f"rank {r} failed to {what} ({kind}): {message}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process on this host (another user's counts as live)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _restore_moved_aside(save_dir: str, tag: str) -> str | None:
+    """A save of an existing tag moves the old folder to ``.<tag>.old-<pid>`` before renaming the new one in. A
+    kill between the two renames leaves no ``<tag>`` folder: put the old one (complete) back. Returns it."""
+    final = os.path.join(save_dir, tag)
+    for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []:
+        m = _LEFTOVER.match(name)
+        if m and m["kind"] == "old" and m["name"] == tag and not _pid_alive(int(m["pid"])):
+            try:
+                os.rename(os.path.join(save_dir, name), final)  # fails if another process restored it first
+            except OSError:
+                continue
+            _fsync_dir(save_dir)
+            warnings.warn(f"{final} was missing (a save of tag {tag!r} was killed between its renames): put back "
+                          f"the previous checkpoint from {name}", stacklevel=3)
+            return final
+    return None
+
+
+def clean_stale(save_dir: str) -> list[str]:
+    """Remove what saves killed part-way left in ``save_dir`` (``.<tag>.tmp-<pid>`` folders, ``.latest.tmp-<pid>``
+    and ``.<script>.tmp-<pid>`` files, ``.<tag>.old-<pid>`` folders whose tag folder exists again; one whose
+    tag folder is missing is put back instead). Only entries of processes that are no longer alive: a running
+    save's files are never touched. Pids are host-local: one host saves into a save_dir (as DeepSpeed's
+    rank 0 does). Returns the paths handled."""
+    handled = []
+    for name in sorted(os.listdir(save_dir)):
+        m = _LEFTOVER.match(name)
+        if m is None or _pid_alive(int(m["pid"])):
+            continue
+        path = os.path.join(save_dir, name)
+        if m["kind"] == "old" and not os.path.lexists(os.path.join(save_dir, m["name"])):
+            if _restore_moved_aside(save_dir, m["name"]):
+                handled.append(path)
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:  # another process cleaned it first
+                continue
+        handled.append(path)
+    return handled
+
+
+def _deepspeed_file(relative: str) -> str | None:
+    """A file of the installed deepspeed package, found without importing it (that takes seconds): the
+    distribution's files first (whatever ``sys.modules["deepspeed"]`` is), else the package on sys.path
+    (an editable install)."""
+    try:
+        path = str(importlib.metadata.distribution("deepspeed").locate_file(f"deepspeed/{relative}"))
+        if os.path.isfile(path):
+            return path
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    spec = importlib.util.find_spec("deepspeed")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        if os.path.isfile(os.path.join(root, relative)):
+            return os.path.join(root, relative)
+    return None
+
+
+def _copy_recovery_scripts(save_dir: str) -> None:
+    """DeepSpeed puts its ``zero_to_fp32.py`` (and ``zero_to_torch.py``) in every save_dir so that the fp32
+    weights can be recovered without the training code; users and tools expect them there. Copied from the
+    installed deepspeed (never vendored), with DeepSpeed's mode (``copyfile`` + the owner's exec bit), through
+    a temporary name so that a kill never leaves half a script."""
+    for script in RECOVERY_SCRIPTS:
+        src = _deepspeed_file(f"utils/{script}")
+        if src is None:
+            continue
+        tmp = os.path.join(save_dir, f".{script}.tmp-{os.getpid()}")
+        shutil.copyfile(src, tmp)
+        os.chmod(tmp, os.stat(tmp).st_mode | stat.S_IEXEC)
+        os.replace(tmp, os.path.join(save_dir, script))
+
+
+def _commit(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
+    """Rank 0, once every file is written: the folder into place, the recovery scripts, then ``latest``."""
+    _fsync_dir(tmp)
+    final = os.path.join(save_dir, tag)
+    old = None
+    if os.path.exists(final):  # replacing a checkpoint of the same tag: keep it until the new one is in place
+        old = os.path.join(save_dir, f".{tag}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(save_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        _copy_recovery_scripts(save_dir)
+        if save_latest:
+            latest_tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
+            with open(latest_tmp, "w") as f:
+                f.write(tag)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(latest_tmp, os.path.join(save_dir, "latest"))
+    except OSError as exc:  # the folder is in place; what failed is a small file beside it: name it and say so
+        name = getattr(exc, "filename", None) or save_dir
+        raise OSError(exc.errno, f"save_checkpoint: writing {name} failed ({exc.strerror or exc}); the checkpoint "
+                      f"folder {final} is complete, but {os.path.join(save_dir, 'latest')} may still name the "
+                      "previous checkpoint (load it with tag=)") from exc
+    _fsync_dir(save_dir)
+
+
+def _checkpoint_path(load_dir: str, tag) -> str | None:
+    """The folder to load, or None where DeepSpeed loads nothing (no tag and no ``latest``: it warns)."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            warnings.warn(f"Unable to find latest file at {latest}, if trying to load latest checkpoint please ensure "
+                          "this file exists or pass an explicit checkpoint tag when loading a checkpoint.",
+                          stacklevel=4)  # the caller of engine.load_checkpoint
+            return None
+        try:
+            with open(latest) as f:
+                tag = f.read().strip()
+        except UnicodeDecodeError as exc:  # a corrupted or foreign file: say which, not a codec's message
+            raise ValueError(f"{latest} does not hold a tag name (unreadable bytes at offset {exc.start}); it should "
+                             f"name a checkpoint folder of {load_dir}: pass tag= to load one explicitly") from None
+        if not tag:
+            raise FileNotFoundError(f"{latest} is empty: it should name a checkpoint folder of {load_dir}; "
+                                    "pass tag= to load one explicitly")
+        origin = f"{latest} names tag {tag!r}"
+    else:
+        origin = f"tag {tag!r} was asked for"
+    path = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(path):
+        _restore_moved_aside(load_dir, str(tag))
+    if not os.path.isdir(path):
+        others = sorted(n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n))
+                        and not n.startswith(".")) if os.path.isdir(load_dir) else []
+        raise FileNotFoundError(f"{origin}, but {path} does not exist (moved or deleted?); checkpoints in "
+                                f"{load_dir}: {others or 'none'}. Pass tag= to load one of them.")
+    return path
