@@ -16,6 +16,7 @@
 #   checkall  the same, host-only with every layer recomputed (keep_activations 0): off, on, off, on
 #   hu26a     issue 26: host_update_bench (native kernel exactness + Gparam/s), then 16K clip 1.0: ZeRO-3, host-only,
 #             defaults;  hu26b: host-only and defaults at clip 1e9, host-only with host_kernel torch, ZeRO-3 clip 1e9
+#   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
@@ -94,5 +95,16 @@ case $phase in
         h2h_call 100 hostonly_torchkernel --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 \
             --warmup 2 --steps 4 --megatrain-options '{"host_kernel": "torch"}'
         h2h_call 240 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  same28)  # issue 28: the refactor changes no behaviour: megatrain host-only, 16K, clip 1.0, on the tree before it
+        # (BEFORE: a folder holding that commit's megatrain_ds/ and benchmarks/, e.g. from git archive) and on this
+        # one, alternating, then the rollback's Gparam/s (host_update_bench's last line)
+        before=${BEFORE:?BEFORE: the tree before the change}; root=$PWD
+        for k in 1 2; do
+          (cd "$before" && export PYTHONPATH="$root/.site:$PWD" && h2h_call 95 before$k --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 \
+              --warmup 2 --steps 4)
+          h2h_call 95 after$k --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        done
+        python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \
+            | grep -v -i warn | tail -n 3 | tee -a "$log" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
