@@ -4,7 +4,7 @@
 layer layouts (model_map.py) into one frozen ``Decisions``: the dtypes (compute, what crosses PCIe, the masters, what
 gradients land in and accumulate in), every "auto" that is decidable at initialize (``stream_fp32_master``,
 ``host_kernel``, ``liger_kernels`` in fp32 compute, ``gpu_optimizer_layers`` from ``offload_optimizer.ratio``,
-``nvme_layers`` from the host budget), which streamed layers are GPU-held, in RAM or on the NVMe tier, the kept
+``nvme_layers`` from the host budget, ``check_recompute`` and its tolerance), which streamed layers are GPU-held, in RAM or on the NVMe tier, the kept
 layers, and where the resident parameters' optimizer state lives. The engine builds what it says (engine_build.py);
 the planner counts what it says (capacity.py's ``check_capacity``, plan.py's ``plan_model``): one decision, which is
 why the plan's host bytes equal ``engine.host_memory()`` to the byte. Cross-field conflicts between settings are
@@ -22,6 +22,7 @@ from .host_bytes import (layer_store_bytes, nvme_masters, nvme_settings, nvme_sp
                          resident_host_bytes, staging_buffers)
 from .host_update import lands_fp32, resolve_kernel
 from .model_map import LayerLayout
+from .recompute_check import TOLERANCE, steps_to_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,11 +35,13 @@ class Decisions:
     Left "auto" here, flagged, and decided after step 1 by engine._place_auto (engine_auto.py) from the first step's
     measured GPU peak: the optimizer state of the resident parameters and of leading layers on the GPU
     (``auto_device_state``: ``gpu_optimizer_layers`` "auto"; ``n_device_layers`` is then 0 until that step), the
-    kept layers (``auto_keep``: ``keep_activations`` "auto"; ``keep`` is then 0). Decided where they are used, from
-    what only exists then: ``tiled_mlp`` "auto" (per layer call, from its tokens: tiling.py), ``inference_cache``
-    "auto" (at a no-grad forward, from free device memory: inference.py), ``host_threads`` (from the GPU's NUMA node:
-    placement.py), ``check_recompute`` "auto" (recompute_check.py), whether liger-kernel knows the model type
-    (engine_build.apply_liger_kernels, with ``liger_kernels`` as decided here)."""
+    kept layers (``auto_keep``: ``keep_activations`` "auto"; ``keep`` is then 0). Decided by the part that needs
+    them, from the machine or the call rather than from the config and the layouts: ``tiled_mlp`` "auto" (per layer
+    call, from its tokens: tiling.py), ``inference_cache`` "auto" (at a no-grad forward, from free device memory:
+    inference.py), ``host_threads`` "auto" (the GPU's NUMA node and the local ranks: placement.py), ``nvme_backend``
+    "auto" (whether DeepSpeed's aio op builds: nvme.py), whether liger-kernel is installed and knows the model type
+    (engine_build.apply_liger_kernels, with ``liger_kernels`` as decided here). ``host_memory_budget`` "auto" is a
+    measurement (host_bytes.host_budget_bytes), which the caller passes in ``HostShare``."""
 
     compute: str  # the compute dtype: "bf16" | "fp16" | "fp32"
     stream_fp32_master: bool  # the fp32 master crosses PCIe (cast on the GPU) instead of a compute-dtype wire copy
@@ -57,6 +60,8 @@ class Decisions:
     keep: int  # trailing layers kept without recompute from initialize
     auto_device_state: bool  # gpu_optimizer_layers "auto": decided after step 1 by engine._place_auto
     auto_keep: bool  # keep_activations "auto": decided after step 1 by engine._place_auto
+    check_recompute_steps: int | None  # optimizer steps whose recomputes are checked (None: every step)
+    check_recompute_tolerance: float  # the relative error a recompute may differ by ("auto": by compute dtype)
     notes: tuple[str, ...] = ()  # what the planner says about the decisions left to the first step
 
     @property
@@ -115,6 +120,12 @@ def liger_setting(config: TrainConfig) -> bool | str:
     return False if (setting == "auto" and config.compute_dtype == "fp32") else setting
 
 
+def recompute_tolerance(config: TrainConfig) -> float:
+    """``megatrain.check_recompute_tolerance``: the setting, or ("auto") recompute_check.py's for the compute dtype."""
+    setting = config.megatrain.check_recompute_tolerance
+    return float(setting) if setting != "auto" else TOLERANCE.get(DTYPES[config.compute_dtype], 1e-4)
+
+
 def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = "cuda",
             share: HostShare | None = None) -> Decisions:
     """The decisions for ``config`` over ``layouts`` (every streamed layer's, whoever holds it) on a ``device_type``
@@ -146,7 +157,8 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
         ga=ga, host_kernel=kernel, liger_kernels=liger_setting(config), n_layers=n, disk_layers=0,
         nvme_masters=nvme and nvme_masters(config), n_device_layers=n_device, resident_on_device=n_device > 0,
         keep=0 if auto_keep else min(int(mt.keep_activations), n), auto_device_state=auto_state,
-        auto_keep=auto_keep, notes=tuple(notes))
+        auto_keep=auto_keep, check_recompute_steps=steps_to_check(mt.check_recompute),
+        check_recompute_tolerance=recompute_tolerance(config), notes=tuple(notes))
     disk = 0
     if nvme and config.optimizer is not None:
         if mt.nvme_layers != "auto":

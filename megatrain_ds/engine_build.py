@@ -191,7 +191,8 @@ def build_executor(layers: nn.ModuleList, layouts, store: HostLayerStore, device
     check, long-context tiling of the templates' MLPs (and non-liger RMSNorms), trace, no-grad inference cache and
     activation offload as the config asks."""
     mt = config.megatrain
-    check = RecomputeCheck(mt.check_recompute, mt.check_recompute_tolerance, dec.compute_dtype, model_name,
+    steps = True if dec.check_recompute_steps is None else dec.check_recompute_steps  # True: every step
+    check = RecomputeCheck(steps, dec.check_recompute_tolerance, dec.compute_dtype, model_name,
                            input_from_next=mt.offload_activations)
     executor = StreamedLayers(layers, layouts, store, device, streams, worker, num_slots=mt.num_slots,
                               compute_dtype=dec.compute_dtype, dp=dp, check=check)

@@ -127,7 +127,8 @@ def test_bench_outside_the_repository_says_where_to_run_it(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- one resolver
 RESOLVED_SETTINGS = {"stream_fp32_master", "gpu_optimizer_layers", "keep_activations", "fp32_grad_landing",
-                     "host_kernel", "liger_kernels", "nvme_layers"}  # megatrain.<key> "auto"s resolved at init
+                     "host_kernel", "liger_kernels", "nvme_layers", "check_recompute",
+                     "check_recompute_tolerance"}  # megatrain.<key>: what decisions.resolve resolves at init
 RESOLVER_FILES = {"decisions.py", "config.py"}  # the resolver, and the parse that validates the settings
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "bf16": {"enabled": True}}
