@@ -80,8 +80,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         owned = self.dp.owned_mask(len(layers))
         resident_numels, local, freed = host_view(model, layers, shared_ids, group_of, self.dp)
         budget = host_budget_bytes(mt.host_memory_budget, freed) // local  # this rank's share of the host
-        self.decisions = dec = resolve(config, layouts, device.type, HostShare(tuple(resident_numels), (tuple(owned),),
-                                                                               budget))
+        share = HostShare(tuple(resident_numels), (tuple(owned),), budget)
+        self.decisions = dec = resolve(config, layouts, device.type, share)
         # before the layer templates are made from the layers
         self.liger_model_type = apply_liger_kernels(model, device, dec.liger_kernels)  # None: the model's own
         self.compute_dtype, self.wire_dtype, self.host_kernel = dec.compute_dtype, dec.wire_dtype, dec.host_kernel
