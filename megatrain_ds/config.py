@@ -187,7 +187,7 @@ class MegatrainSettings:
     # host_memory_budget (0 when everything fits in RAM)
     host_memory_budget: float | str = "auto"  # GiB of host RAM the engine's state may take when placing layers on
     # the NVMe tier; "auto": the memory available at initialize (plus what the model's own weights free) less a
-    # margin (plan.py, host_budget_bytes)
+    # margin (host_bytes.py, host_budget_bytes)
     check_recompute: bool | int | str = "auto"  # compare each layer's backward recompute with its forward (outputs
     # on the device, read at the step; arguments changed in place, on the CPU) and stop with RecomputeMismatch
     # naming the layer when they differ (recompute_check.py): "auto" = the first 3 steps of every run; true = every
@@ -635,6 +635,22 @@ def _steps_per_print(cfg: dict) -> float:
     return _num(spp, "steps_per_print", int, minimum=1)
 
 
+def check_combinations(settings: TrainConfig) -> None:
+    """Settings valid one by one that exclude each other: a ``ConfigError`` naming both, at parse time."""
+    mt, fp32, low = settings.megatrain, settings.compute_dtype == "fp32", settings.bf16_masters
+    on_gpu = isinstance(mt.gpu_optimizer_layers, int) and mt.gpu_optimizer_layers > 0
+    if low and (mt.stream_fp32_master is True or on_gpu):  # no fp32 master to stream, none on the GPU either
+        raise ConfigError("bf16.bf16_master_weights_and_grads keeps bf16 master weights: it excludes "
+                          "megatrain.stream_fp32_master=true and megatrain.gpu_optimizer_layers > 0")
+    if settings.nvme is not None and settings.nvme.masters and (fp32 or low or mt.stream_fp32_master is True):
+        what = "fp32 compute" if fp32 else "bf16.bf16_master_weights_and_grads" if low else \
+            "megatrain.stream_fp32_master=true"
+        raise ConfigError("zero_optimization.offload_param.device=nvme puts the fp32 masters of the NVMe layers on "
+                          "disk beside a separate compute-dtype wire copy, which streams from RAM; here the master is "
+                          f"what streams ({what}). Use offload_param.device=cpu (the Adam moments still go to NVMe), "
+                          "or bf16/fp16 compute with stream_fp32_master false or auto")
+
+
 def parse_config(config, world_size: int = 1, *, warn: bool = True) -> TrainConfig:
     """Parse a DeepSpeed config (dict/path/base64) into ``TrainConfig``. ``warn``: warn about the settings not
     acted on now (``initialize`` passes False and warns once, with its own arguments' notes added)."""
@@ -664,6 +680,7 @@ def parse_config(config, world_size: int = 1, *, warn: bool = True) -> TrainConf
         zero_stage=zero_stage, offload_optimizer_ratio=ratio, nvme=nvme, bf16_masters=bf16_masters,
         megatrain=MegatrainSettings(**mt),
         monitor=monitor_config(cfg), not_acted_on=notes, raw=cfg)
+    check_combinations(settings)
     if warn:
         warn_not_acted_on(notes)
     return settings

@@ -4,209 +4,46 @@
     engine.backward(loss)                        # per-layer recompute + grad, D2H into host memory
     engine.step()                                # enqueue clip + AdamW on the host; returns at once
 
-Reading order: ``__init__`` (how the model is split and where each tensor lives), ``forward``,
-``backward``, ``step``. The executor (executor.py), the host state (host_state.py) and the optimizer
-(optimizer.py) hold the mechanics.
+Reading order: ``__init__`` (how the model is split, what is decided, and where each tensor lives), ``forward``,
+``backward``, ``step``. ``__init__`` decides nothing itself: decisions.py resolves every setting once into
+``engine.decisions``, engine_build.py builds the parts from it, engine_auto.py places what "auto" leaves to the
+first step. The executor (executor.py), the host state (host_state.py) and the optimizer (optimizer.py) hold the
+mechanics.
 """
 from __future__ import annotations
 
 import os
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
-from .activations import HostActivations
 from .adapters import save_adapter
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import ConfigError, TrainConfig
-from .executor import StreamedLayers
-from .recompute_check import RecomputeCheck, RecomputeMismatch
-from .export import consolidated_state_dict, save_16bit_model
+from .config import TrainConfig
+from .decisions import HostShare, resolve
 from .device_state import DeviceOptimizerState
 from .dp import DataParallel
-from .host_state import HostLayerStore
-from .host_update import lands_fp32, resolve_kernel
+from .engine_auto import auto_budget_bytes, place_auto
+from .engine_build import (apply_liger_kernels, build_executor, build_optimizer, build_store, build_workers,
+                           buffers_to_device, check_capacity_for, count, host_view, log_tier, param_groups,
+                           resident_hooks, step_counters, sync_initial_weights)
+from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_applies, to_device  # noqa: F401
+from .export import consolidated_state_dict, save_16bit_model
+from .host_bytes import host_budget_bytes
 from .lifecycle import close_tiers_at_exit, deferred_interrupt, refuse_a_model_in_use, refuse_empty_sequences
 from .log import ALL_RANKS, log, logger
-from .loss import linear_cross_entropy
+from .loss import fused_loss_parts
 from .loss_scale import cast_inputs_half
-from .model_map import build_layout, find_block_list, plain_lm_head, shared_parameter_ids
+from .model_map import build_layout, find_block_list, shared_parameter_ids
 from .monitor import Monitor
-from .optimizer import HostAdamW, ResidentParams
-from .placement import apply_placement
-from .placement import resolve as resolve_placement
-from .speculation import SpeculationPolicy
+from .optimizer import ResidentParams
+from .recompute_check import RecomputeMismatch
 from .streams import make_streams
 from .surface import EngineSurface, adopt_zero3_model
 from .timing import StepTimer
 from .zero import ParamHome, mark_partitioned
-
-
-def _apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str | None:
-    """``megatrain.liger_kernels``: liger-kernel's RMSNorm, SwiGLU MLP and RoPE in place of the model's (CUDA
-    only; the loss is megatrain_ds's own chunked / fused linear cross-entropy either way). ``setting`` "auto"
-    applies them when liger-kernel is installed and knows the model type, silently otherwise; True requires
-    them. Returns the model type patched, or None."""
-    if setting is False:
-        return None
-    if device.type != "cuda":
-        if setting is True:
-            warnings.warn("megatrain.liger_kernels: liger-kernel runs on CUDA only; the model's own kernels are "
-                          "used", stacklevel=3)
-        return None
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except ImportError as exc:
-        if setting == "auto":
-            return None
-        raise ConfigError("megatrain.liger_kernels needs liger-kernel (pip install 'megatrain-ds[gpu]'): "
-                          f"{exc}") from exc
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: as HF Trainer does
-    model_type = getattr(getattr(base, "config", None), "model_type", None)
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        if setting is True:
-            warnings.warn(f"megatrain.liger_kernels: liger-kernel has no kernels for model type {model_type!r}; "
-                          "the model's own kernels are used", stacklevel=3)
-        return None
-    _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
-    return model_type
-
-
-def _count(n: int) -> str:
-    """A parameter count for people: 72.7 B, 210 M, 12.3 K."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return str(n)
-
-
-def _sync_initial_weights(model: nn.Module, layers: nn.ModuleList, dp, shared_ids: set) -> None:
-    """Data parallel: every rank trains from rank 0's weights (DeepSpeed broadcasts them from rank 0 too). A
-    streamed layer's weights go to its owner only (the other ranks never hold them); resident parameters and
-    buffers to every rank. Over the gloo group, one tensor at a time (host memory: one tensor above the model)."""
-    import torch.distributed as dist
-
-    def exchange(t: torch.Tensor, dst: int | None) -> None:
-        host = t.detach().to("cpu", copy=True).contiguous() if t.device.type != "cpu" else t.detach()
-        if dst is None:
-            dist.broadcast(host, src=0, group=dp.cpu_group)
-        elif dp.rank == 0:
-            dist.send(host, dst=dst, group=dp.cpu_group)
-        else:
-            dist.recv(host, src=0, group=dp.cpu_group)
-        if host is not t and (dst is None or dp.rank == dst):
-            with torch.no_grad():
-                t.copy_(host)
-
-    in_layers = set()
-    for i, layer in enumerate(layers):
-        for p in layer.parameters():
-            if id(p) in shared_ids:  # resident (used by two layers, or a layer and the rest): every rank
-                continue
-            in_layers.add(id(p))
-            if dp.owner(i) != 0 and dp.rank in (0, dp.owner(i)):
-                exchange(p.data, dp.owner(i))
-    for p in model.parameters():
-        if id(p) not in in_layers:
-            exchange(p.data, None)
-    for buf in model.buffers():
-        if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
-            exchange(buf, None)
-
-
-def _check_capacity(config: TrainConfig, layouts, model, layers, shared_ids, group_of, device, dp):
-    """plan.py's check of what ``initialize`` is about to allocate (host RAM, the NVMe tier's disk, the GPU's
-    persistent buffers): ``CapacityError`` with the numbers, before any buffer exists, instead of an allocation
-    failure mid-build or mid-step. The model's own host weights count as free (the engine's copies replace them)."""
-    from . import plan
-    layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
-    resident = [(p.numel(), id(p) in group_of) for p in model.parameters() if id(p) not in layer_ids]
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", dp.world) or 1)) if dp.active else 1
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                for p in model.parameters() if p.device.type == "cpu"}
-    return plan.check_capacity(layouts, resident, config, device, world=local,
-                               freed_bytes=local * sum(storages.values()),
-                               model_name=getattr(getattr(model, "config", None), "name_or_path", "") or
-                               type(model).__name__)
-
-
-def _nvme_layers(config: TrainConfig, layouts, owned, wire_dtype, ga, grad_dtype, model, layers) -> int:
-    """How many trailing streamed layers keep their Adam moments on the NVMe tier: ``megatrain.nvme_layers``, or
-    ("auto") the fewest that let the host state fit in the budget (plan.py decides, as ``megatrain-ds plan``)."""
-    setting = config.megatrain.nvme_layers
-    if setting != "auto":
-        return min(int(setting), len(layouts))
-    from . import plan
-    return plan.engine_nvme_layers(config, layouts, owned, wire_dtype, ga, grad_dtype, model, layers)
-
-
-def _param_groups(model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
-    """User's ``model_parameters`` (None, params, or dicts) -> torch-style groups of trainable params."""
-    if model_parameters is None:
-        model_parameters = model.parameters()
-    items = list(model_parameters)
-    if not items or not isinstance(items[0], dict):
-        items = [{"params": items}]
-    groups = []
-    for item in items:
-        params = [p for p in item["params"] if p.requires_grad]
-        groups.append({**defaults, **{k: v for k, v in item.items() if k != "params"}, "params": params})
-    return groups
-
-
-def _fused_loss_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
-    """(decoder, LM head) when ``model`` is a Hugging Face causal LM (possibly wrapped by PEFT) whose loss is
-    the decoder's hidden states through a plain linear head into cross-entropy; None otherwise (the model's own
-    forward then runs: heads that do more than a matmul, LoRA on the head)."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
-    get_head = getattr(base, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    name = type(base).__name__
-    if not isinstance(head, nn.Linear) or not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
-        return None
-    decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
-    if not isinstance(decoder, nn.Module) or decoder is base:
-        return None
-    head_name = next((n for n, m in base.named_children() if m is head), None)
-    if head_name is None or plain_lm_head(base, head_name, base.base_model_prefix) is not None:
-        return None  # the head does more than a matmul (soft-capping, logit scales), or another loss: own forward
-    return decoder, head
-
-
-class LogitsNotComputed:
-    """``.logits`` of a training forward with ``labels=``: the fused LM head + cross-entropy computed the loss
-    without ever forming the [tokens, vocab] logits. Any use says so (instead of a bare ``None`` error)."""
-
-    _WHY = ("megatrain_ds computed this loss with the fused LM head + cross-entropy, so the logits were never "
-            "formed; to get them, call the model without labels= and take the loss from the logits, or set "
-            "\"megatrain\": {\"fused_loss\": false} in the config")
-
-    def __getattr__(self, name):
-        raise AttributeError(f"{self._WHY} (asked for .logits.{name})")
-
-    def __getitem__(self, key):
-        raise TypeError(self._WHY)
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return "LogitsNotComputed(fused loss: logits were never formed)"
-
-
-def _to_device(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
 
 
 class MegaTrainEngine(EngineSurface, nn.Module):
@@ -223,23 +60,13 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.dp = DataParallel(device, config.megatrain.collective_timeout)  # rank, world, layer ownership (dp.py)
-        compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.compute_dtype, torch.float32)
         mt = config.megatrain
-        self.compute_dtype = compute_dtype
         model.train()
-        # before the layer templates are made from the layers; "auto" in mixed precision only: fp32 training is
-        # the exact mode (liger's kernels round differently from the model's own, below bf16's precision)
-        liger = mt.liger_kernels if (mt.liger_kernels != "auto" or compute_dtype != torch.float32) else False
-        self.liger_model_type = _apply_liger_kernels(model, device, liger)  # None: the model's own kernels
-        settings = config.optimizer
-        defaults = settings and dict(lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                                     weight_decay=settings.weight_decay)
-        groups = _param_groups(model, model_parameters, defaults) if settings else []
+        groups, defaults = param_groups(model, model_parameters, config.optimizer)
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
         # what initialize decided to train (its layout and optimizer state follow): a later requires_grad_(False)
         # on one of them is refused at the next forward (_check_trained), not silently ignored
         self._trained = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
-
         refuse_a_model_in_use(model)
         adopt_zero3_model(model)  # built under real DeepSpeed's zero.Init (HfDeepSpeedConfig): made whole
         # 1. Split: streamed layers (host flat buffers) vs resident params (device copies).
@@ -247,149 +74,58 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         shared_ids = shared_parameter_ids(model, layers)  # used by two layers (or a layer and the rest): resident
         layouts = [build_layout(i, layer, group_of, shared_ids) for i, layer in enumerate(layers)]
         if self.dp.active:  # every rank starts from rank 0's weights, as DeepSpeed's ZeRO-3 does
-            _sync_initial_weights(model, layers, self.dp, shared_ids)
-        # What crosses PCIe: the compute dtype, or the fp32 master itself (cast on the GPU). "auto": the master,
-        # unless most streamed weights are frozen (LoRA): their compute-dtype wire copy is then their only copy.
-        stream_fp32 = mt.stream_fp32_master
-        if config.bf16_masters:  # opt-in bf16-master mode: no fp32 master to stream, none on the GPU either
-            if stream_fp32 is True or (isinstance(mt.gpu_optimizer_layers, int) and mt.gpu_optimizer_layers > 0):
-                raise ConfigError("bf16.bf16_master_weights_and_grads keeps bf16 master weights: it excludes "
-                                  "megatrain.stream_fp32_master=true and megatrain.gpu_optimizer_layers > 0")
-            stream_fp32 = False
-        if config.nvme is not None and config.nvme.masters:  # masters on NVMe: the wire that streams stays in RAM
-            if compute_dtype == torch.float32 or config.bf16_masters or stream_fp32 is True:
-                raise ConfigError(
-                    "zero_optimization.offload_param.device=nvme puts the fp32 masters of the NVMe layers on disk "
-                    "beside a separate compute-dtype wire copy, which streams from RAM; here the master is what "
-                    "streams (" + ("fp32 compute" if compute_dtype == torch.float32 else
-                                   "bf16.bf16_master_weights_and_grads" if config.bf16_masters else
-                                   "megatrain.stream_fp32_master=true") + "). Use offload_param.device=cpu "
-                    "(the Adam moments still go to NVMe), or bf16/fp16 compute with stream_fp32_master false or auto")
-            stream_fp32 = False
-        if stream_fp32 == "auto":
-            stream_fp32 = sum(lay.n_frozen for lay in layouts) <= sum(lay.n_train for lay in layouts)
-        wire_dtype = torch.float32 if stream_fp32 else compute_dtype
-        self.wire_dtype = wire_dtype
-        ga = config.gradient_accumulation_steps
+            sync_initial_weights(model, layers, self.dp, shared_ids)
+        # 2. Decide, once (decisions.py): dtypes, every "auto" decidable now, which layers are GPU-held / on NVMe.
+        # This rank's state must fit its share of the host (the NVMe split); the capacity check counts the same.
+        owned = self.dp.owned_mask(len(layers))
+        resident_numels, local, freed = host_view(model, layers, shared_ids, group_of, self.dp)
+        budget = host_budget_bytes(mt.host_memory_budget, freed) // local  # this rank's share of the host
+        share = HostShare(tuple(resident_numels), (tuple(owned),), budget)
+        self.decisions = dec = resolve(config, layouts, device.type, share)
+        # before the layer templates are made from the layers
+        self.liger_model_type = apply_liger_kernels(model, device, dec.liger_kernels)  # None: the model's own
+        self.compute_dtype, self.wire_dtype, self.host_kernel = dec.compute_dtype, dec.wire_dtype, dec.host_kernel
         self.streams = make_streams(device)
         pin = device.type == "cuda"
-        self.host_kernel = resolve_kernel(mt.host_kernel)  # built now (about a second), not in the first step
-        # GA 1: gradients land in fp32 or as the GPU made them (the compute dtype; host_update.lands_fp32)
-        grad_dtype = torch.float32 if lands_fp32(mt.fp32_grad_landing, stream_fp32, self.host_kernel) \
-            else compute_dtype
-        owned = self.dp.owned_mask(len(layers))
-        self.capacity = _check_capacity(config, layouts, model, layers, shared_ids, group_of, device, self.dp) \
-            if settings is not None else None  # refused here, before any buffer, when the state cannot fit
-        n_disk = _nvme_layers(config, layouts, owned, wire_dtype, ga, grad_dtype, model, layers) \
-            if config.nvme is not None and settings is not None else 0
-        if config.nvme is not None and n_disk == 0:  # nothing on disk now: the path is still checked up front
-            from .nvme import check_path
-            check_path(config.nvme.nvme_path, 0)
-        self.store = HostLayerStore(layouts, wire_dtype, grad_accum_fp32=ga > 1, pin=pin, grad_dtype=grad_dtype,
-                                    owned=owned, disk_from=len(layers) - n_disk, nvme=config.nvme, rank=self.dp.rank,
-                                    nvme_backend=mt.nvme_backend,
-                                    master_dtype=compute_dtype if config.bf16_masters else torch.float32)
+        self.capacity = check_capacity_for(config, dec, layouts, resident_numels, local, freed, model, device) \
+            if config.optimizer is not None else None  # refused here, before any buffer, when the state cannot fit
+        # 3. Build what was decided (engine_build.py): host store, host threads, executor, resident, optimizer.
+        self.store = build_store(config, dec, layouts, owned, self.dp.rank, pin)
         self.precision_mode = "bf16 masters" if config.bf16_masters else "fp32 masters"  # named in the step line
-        if config.bf16_masters:
-            logger.info("bf16 master weights (bf16.bf16_master_weights_and_grads): the streamed layers' "
-                        "masters are bf16 (12 host bytes per parameter instead of 16); updates below bf16's resolution "
-                        "round away. Speculative steps and GPU-held optimizer state are off in this mode.")
         if self.store.tier is not None:  # its writes must land, and its file go, even without destroy()
             close_tiers_at_exit(self)
-        if self.store.tier is not None:
-            tier = self.store.tier
-            what = "fp32 masters and Adam moments" if self.store.masters_on_disk else "Adam moments"
-            logger.info(f"NVMe tier: the {what} of layers {self.store.disk_from}..{len(layers) - 1} "
-                        f"({n_disk} of {len(layers)}) live in {tier.path} ({tier.file_bytes / 2**30:.2f} GiB, "
-                        f"{tier.backend}, {len(tier.buffers)} staging buffers of {tier.region_bytes / 2**20:.0f} MiB, "
-                        f"pipeline_read={config.nvme.pipeline_read}, pipeline_write={config.nvme.pipeline_write})")
-        # 2. One host worker thread: gradient landings and optimizer tasks, FIFO. See streams.py's Note.
-        # Its threads are placed (placement.py) on CUDA only: on the CPU the main thread computes the model itself
-        # (data parallel: each local rank within its own share of the host's cores)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.dp.world) or 1) if self.dp.active else 1
-        self.placement = resolve_placement(mt.host_threads, device.index, local_rank=self.local_rank,
-                                           local_world=local_world) if device.type == "cuda" else None
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host",
-                                         initializer=apply_placement, initargs=(self.placement,))
-        # and the AdamW thread (speculative and post-norm updates; see HostAdamW.bind)
-        self.opt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-adamw",
-                                             initializer=apply_placement, initargs=(self.placement,))
-        check = RecomputeCheck(mt.check_recompute, mt.check_recompute_tolerance, compute_dtype,
-                               type(model).__name__, input_from_next=mt.offload_activations)
-        self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
-                                       num_slots=mt.num_slots, compute_dtype=compute_dtype, dp=self.dp, check=check)
-        from .tiling import apply_tiling  # long context: the templates' MLPs (and non-liger RMSNorms) in row chunks
-        self.tiled_modules = apply_tiling(self.executor.templates, mt.tiled_mlp)  # "template:path" of each
-        if mt.trace:
-            self.executor.trace = []
-        from .inference import InferenceCache  # no-grad forwards (generate) on device-resident layers
-        self.executor.inference = InferenceCache(self.executor, mt.inference_cache, mt.inference_cache_memory)
-        if mt.offload_activations:
-            self.executor.activations = HostActivations(self.streams, device)
+            log_tier(self.store, config, dec)
+        self.placement, self.worker, self.opt_worker = build_workers(config, device, self.local_rank, self.dp)
+        self.executor, self.tiled_modules = build_executor(layers, layouts, self.store, device, self.streams,
+                                                           self.worker, config, dec, self.dp, type(model).__name__)
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         self.store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
-        n_device = mt.gpu_optimizer_layers
-        if n_device == -1:  # from DeepSpeed's offload_optimizer.ratio (the fraction of optimizer state on the
-            ratio = config.offload_optimizer_ratio  # CPU) when the config sets it, else from measured memory
-            n_device = "auto" if ratio is None else round((1.0 - ratio) * len(layers))
-        # "auto" placements are decided after the first step, from its measured peak (see _place_auto)
-        # (off CUDA nothing is measured, so nothing is placed: _auto_budget_bytes is None)
-        self._auto_device_state = n_device == "auto" and settings is not None
-        self._auto_keep = mt.keep_activations == "auto"
-        self._auto_placed = ""  # what "auto" put on the GPU (named in an out-of-memory error)
-        if config.bf16_masters:  # the GPU-held state keeps fp32 masters: not in bf16-master mode
-            self._auto_device_state = False
-        if n_device == "auto":
-            n_device = 0
-        n_device = min(n_device, self.store.disk_from)  # GPU-held layers lead; NVMe layers trail
-        if n_device > 0:
-            self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n_device, len(layers)), device)
-        if mt.keep_activations != "auto":
-            self.executor.set_keep(mt.keep_activations)
+        # "auto" placements are decided after the first step, from its measured peak (engine_auto.py)
+        self._auto_device_state, self._auto_keep, self._auto_placed = dec.auto_device_state, dec.auto_keep, ""
+        if dec.n_device_layers > 0:  # GPU-held layers lead; NVMe layers trail
+            self.executor.device_state = DeviceOptimizerState(self.store, 0, dec.n_device_layers, device)
+        if not dec.auto_keep:
+            self.executor.set_keep(dec.keep)
         layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
-        self.resident = ResidentParams(resident, group_of, device, compute_dtype, self.streams, pin,
-                                       state_on_device=n_device > 0, dp=self.dp)
-        # The module may be called without the engine (the HF Trainer evaluates ``trainer.model``; generate):
-        # a module owning resident parameters refreshes their device copies first (a no-op when current).
-        resident_ids = {id(p) for p in resident}
-        self._refresh_hooks = [
-            module.register_forward_pre_hook(lambda _module, _args: self.resident.upload())
-            for module in model.modules() if any(id(p) in resident_ids for p in module.parameters(recurse=False))]
-        in_layers = {id(m) for m in layers.modules()}  # their buffers: the executor's per-layer device copies
-        for module in model.modules():  # buffers outside the layers (e.g. rotary tables) live on the device
-            if id(module) in in_layers:
-                continue
-            for name, buf in module.named_buffers(recurse=False):
-                module._buffers[name] = buf.to(device)
+        self.resident = ResidentParams(resident, group_of, device, dec.compute_dtype, self.streams, pin,
+                                       state_on_device=dec.resident_on_device, dp=self.dp)
+        self._refresh_hooks = resident_hooks(self, model, resident)
+        buffers_to_device(model, layers, device)
         self.module = model
-        self._fused = _fused_loss_parts(model)
+        self._fused = fused_loss_parts(model)
         self._mark_params(layers)
         if (self._auto_device_state or self._auto_keep) and device.type == "cuda":
             torch.cuda.empty_cache()  # the model's GPU copy, if it was built there, is gone: so is its peak
             torch.cuda.reset_peak_memory_stats(device)
-
-        # 3. Host optimizer over the fp32 masters.
-        self.optimizer = None
-        if settings is not None:
-            self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
-            self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
-                                config.loss_scaler, optimizer_worker=self.opt_worker, dp=self.dp,
-                                kernel=self.host_kernel)
-            # a speculative step is undone exactly only on fp32 masters (bf16 rounding would not come back)
-            self.optimizer.policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters,
-                                                      mt.speculation_backoff)
+        self.optimizer = None if config.optimizer is None else build_optimizer(
+            groups, defaults, config, dec, self.executor, self.resident, self.worker, self.opt_worker, self.dp)
         self.lr_scheduler = None
         # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
         self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
         if self.optimizer is not None:
-            policy = self.optimizer.policy
-            tier = self.store.tier
-            self.timer.counters = lambda: {"speculated_steps": policy.speculated,
-                                           "rolled_back_steps": policy.rolled_back,
-                                           **({"nvme_read_bytes": tier.read_bytes,
-                                               "nvme_written_bytes": tier.written_bytes} if tier else {})}
+            self.timer.counters = step_counters(self.optimizer, self.store)
         self.executor.timer = self.timer
         self.micro_steps = 0
         self.window_micro_steps = 0  # micro-steps of the current accumulation window (its partial gradient)
@@ -400,10 +136,14 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self._last_norm = None
         # DeepSpeed's monitors (tensorboard / wandb / csv_monitor / comet blocks), when one is enabled
         self.monitor = Monitor(config.monitor) if config.monitor is not None else None
+        self._log_frozen_base()
+
+    def _log_frozen_base(self) -> None:
+        """LoRA-style (more frozen than trained parameters): one line with the host bytes per base parameter."""
         mem = self.host_memory()
-        if self.optimizer is not None and mem["base"] > mem["trainable"]:  # LoRA-style
-            logger.info(f"frozen base: {_count(mem['base'])} parameters kept in {compute_dtype} only; "
-                        f"{_count(mem['trainable'])} trainable with fp32 master + AdamW; host state "
+        if self.optimizer is not None and mem["base"] > mem["trainable"]:
+            logger.info(f"frozen base: {count(mem['base'])} parameters kept in {self.compute_dtype} only; "
+                        f"{count(mem['trainable'])} trainable with fp32 master + AdamW; host state "
                         f"{mem['total_bytes'] / 2**30:.2f} GiB = {mem['bytes_per_base_param']:.3f} bytes per base "
                         "parameter" + (" (this rank's layers)" if self.dp.active else ""))
 
@@ -416,7 +156,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
         if self.config_settings.fp16_auto_cast:  # DeepSpeed's fp16.auto_cast: floating positional inputs to half
             args = cast_inputs_half(args)
-        args, kwargs = _to_device(args, self.device), _to_device(kwargs, self.device)
+        args, kwargs = to_device(args, self.device), to_device(kwargs, self.device)
         self.timer.begin_forward()
         self.tput_timer.start()  # DeepSpeed's throughput timer, as its forward starts it (surface.py)
         try:
@@ -447,32 +187,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                         "count), or raise megatrain.gpu_memory_reserve", *exc.args[1:])
 
     def _fused_loss_applies(self, kwargs) -> bool:
-        """The fused head + cross-entropy computes exactly the model's loss: plain causal-LM labels, nothing the
-        model adds to it (MoE router aux loss: the model's own forward runs, logits and all) and no logits the
-        caller asked to keep."""
-        if kwargs.get("labels") is None or not self.config_settings.megatrain.fused_loss:
-            return False
-        config = getattr(self._fused[0], "config", None)
-        if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
-            return False
-        return kwargs.get("logits_to_keep", 0) == 0 and kwargs.get("return_dict") is not False
+        return fused_loss_applies(self.config_settings, self._fused, kwargs)  # engine_forward.py
 
     def _forward_fused_loss(self, args, kwargs):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-        decoder, head = self._fused
-        labels = kwargs.pop("labels")
-        num_items = kwargs.pop("num_items_in_batch", None)
-        kwargs.pop("logits_to_keep", None)
-        kwargs["use_cache"] = False
-        out = decoder(*args, **kwargs)
-        hidden = out[0]  # (B, S, h)
-        mt = self.config_settings.megatrain
-        with self.timer.span("compute", self.streams.compute()):
-            loss = linear_cross_entropy(hidden, head.weight, head.bias, labels, num_items,
-                                        chunk_rows=mt.loss_chunk_rows, use_liger=mt.use_liger)
-        return CausalLMOutputWithPast(loss=loss, logits=LogitsNotComputed(),
-                                      hidden_states=getattr(out, "hidden_states", None),
-                                      attentions=getattr(out, "attentions", None))
+        return forward_fused_loss(self, args, kwargs)  # the decoder, then the chunked head + cross-entropy
 
     # ------------------------------------------------------------------ backward
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -588,58 +306,12 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
 
     def _auto_budget_bytes(self) -> int | None:
-        """GPU bytes free for optimizer state after the first step: what the driver reports free now (other
-        processes and non-PyTorch memory accounted for), less the step's transient peak above what the caching
-        allocator holds now, less the reserve fraction of the GPU. None off CUDA (nothing to place)."""
-        if self.device.type != "cuda":
-            return None
-        free, total = torch.cuda.mem_get_info(self.device)
-        transient = torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device)
-        return int(free - max(transient, 0) - total * self.config_settings.megatrain.gpu_memory_reserve)
+        """GPU bytes free for "auto" placements after the first step (engine_auto.py); None off CUDA."""
+        return auto_budget_bytes(self.device, self.config_settings.megatrain.gpu_memory_reserve)
 
     def _place_auto(self) -> None:
-        """The "auto" placements, once the first step has shown the working set (its measured peak): GPU memory
-        the step left free goes, in this order, to (1) the resident parameters' optimizer state (embeddings,
-        head: their update otherwise sits between the backward and the next forward), (2) kept layers (no
-        recompute: a quarter of the FLOPs of each), (3) the optimizer state of leading layers. Later batches
-        are assumed no larger than the first (a longer one may run out of memory: the error then names the
-        keys). The reserve (``gpu_memory_reserve``) stays free."""
-        auto_state, auto_keep = self._auto_device_state, self._auto_keep
-        self._auto_device_state = self._auto_keep = False
-        budget = self._auto_budget_bytes()
-        if budget is None:
-            return
-        budget = self.dp.min_int(budget)  # every rank keeps the same layers (the collectives' order: dp.py)
-        start, placed = budget, []
-        if auto_state and self.optimizer is not None and not self.resident.on_device:
-            need = self.resident.device_bytes()
-            if 0 < need <= budget:
-                self.synchronize()
-                self.resident.move_state_to_device()
-                budget -= need
-                placed.append(f"resident optimizer state {need / 2**30:.1f} GiB")
-        if auto_keep:
-            ex = self.executor
-            weights = max(l.numel for l in self.store.layouts) * ex.slots[0].buf.element_size()
-            per_layer = int(ex.graph_bytes * 1.1) + weights  # 10% above the largest graph a recompute built
-            n = min(len(self.store.layouts), max(0, budget) // per_layer) if ex.graph_bytes else 0
-            n = self.dp.min_int(n)
-            ex.set_keep(n)
-            budget -= n * per_layer
-            placed.append(f"{n} of {len(self.store.layouts)} layers kept without recompute "
-                          f"({n * per_layer / 2**30:.1f} GiB)")
-        if auto_state and self.optimizer is not None and self.executor.device_state is None:
-            n_layers = min(len(self.store.layouts), self.store.disk_from)  # not the NVMe tier's (they trail)
-            n = 0
-            while n < n_layers and DeviceOptimizerState.nbytes(self.store, n + 1) <= budget:
-                n += 1
-            if n > 0:
-                self.move_layer_state_to_device(n)
-            placed.append(f"{n} of {n_layers} layers' optimizer state on the GPU "
-                          f"({DeviceOptimizerState.nbytes(self.store, n) / 2**30:.1f} GiB)")
-        self._auto_placed = "; ".join(p for p in placed if not p.startswith("0 of"))
-        log(f"placed from the first step's peak ({max(start, 0) / 2**30:.1f} GiB free above it "
-            f"and the reserve): {'; '.join(placed) or 'nothing'}", ranks=ALL_RANKS)
+        """The "auto" placements, once, after the first step, from its measured peak (engine_auto.place_auto)."""
+        place_auto(self)
 
     def move_layer_state_to_device(self, n: int) -> None:
         """Keep the fp32 master, Adam moments and gradient of the leading ``n`` layers on the device from now on

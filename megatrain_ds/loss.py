@@ -9,12 +9,16 @@ its Triton kernel is used instead; on CPU (and without liger) the torch implemen
 
 Semantics match Hugging Face's causal-LM loss: labels are shifted left by one, ``ignore_index`` -100 is
 skipped, logits are upcast to fp32, reduction is the mean over counted tokens or the sum divided by
-``num_items_in_batch`` when that is given.
+``num_items_in_batch`` when that is given. ``fused_loss_parts`` says which models' loss this computes exactly (a
+causal LM whose head is a plain linear layer).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from .model_map import plain_lm_head
 
 IGNORE_INDEX = -100
 
@@ -115,3 +119,23 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
         return loss / denom
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
     return _ChunkedLinearCE.apply(h2, weight, bias, targets, denom, rows)
+
+
+def fused_loss_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(decoder, LM head) when ``model`` is a Hugging Face causal LM (possibly wrapped by PEFT) whose loss is
+    the decoder's hidden states through a plain linear head into cross-entropy; None otherwise (the model's own
+    forward then runs: heads that do more than a matmul, LoRA on the head). The engine's fused loss and the
+    planner's loss model both ask here."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    name = type(base).__name__
+    if not isinstance(head, nn.Linear) or not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
+        return None
+    decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    if not isinstance(decoder, nn.Module) or decoder is base:
+        return None
+    head_name = next((n for n, m in base.named_children() if m is head), None)
+    if head_name is None or plain_lm_head(base, head_name, base.base_model_prefix) is not None:
+        return None  # the head does more than a matmul (soft-capping, logit scales), or another loss: own forward
+    return decoder, head

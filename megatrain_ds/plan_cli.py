@@ -3,85 +3,23 @@
     megatrain-ds plan qwen2.5-7b --tokens-per-step 16384 --seq 1024
     megatrain-ds plan ./my-model --config ds_config.json --seq 4096 --gpus 2 --json
 
-The command line of plan.py's byte model: MODEL (a shape name of shapes.py, a folder or file with config.json, a
-hub id in the local cache) built on the meta device, the DeepSpeed config parsed as ``initialize`` parses it, and
-``plan.plan_model``'s prediction printed as a table or JSON. docs/plan.md.
+This module owns the command line of the planner (``megatrain-ds plan``, cli.py's subcommand, and ``python -m
+megatrain_ds.plan_cli``): its arguments, MODEL (a shape name of shapes.py, a folder or file with config.json, a hub
+id in the local cache) built on the meta device and the DeepSpeed config parsed as ``initialize`` parses it (plan.py's
+``load_model_config``, ``meta_model``, ``load_train_config``), and ``plan.plan_model``'s prediction printed as a table
+or JSON. docs/plan.md.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
-import os
 import sys
 
-import torch
-from torch import nn
-
-from .config import ConfigError, TrainConfig, load_config_source, parse_config
+from .config import ConfigError
 from .model_map import UnsupportedModelError
-from .plan import GiB, Prediction, plan_model
+from .plan import GiB, Prediction, load_model_config, load_train_config, meta_model, plan_model
 from .plan_gpu import _DTYPES
-
-
-def load_model_config(spec: str, layers: int | None = None):
-    """(display name, transformers config) for MODEL: a shape name (megatrain_ds/shapes.py), a folder with a
-    config.json, a config.json path, or a hub id whose config is in the local Hugging Face cache."""
-    from transformers import AutoConfig
-
-    from . import shapes
-
-    if os.path.isdir(spec) or os.path.isfile(spec):
-        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-        if not os.path.isfile(path):
-            raise SystemExit(f"megatrain-ds plan: {spec} has no config.json")
-        try:
-            cfg = AutoConfig.from_pretrained(path)
-        except Exception as exc:
-            raise SystemExit(f"megatrain-ds plan: cannot read {path}: {exc}") from None
-        return _with_layers(cfg, layers), spec
-    if spec in shapes.SHAPE_NAMES:
-        return shapes.make_config(spec, layers=layers), spec
-    try:
-        cfg = AutoConfig.from_pretrained(spec, local_files_only=True)
-    except Exception as exc:
-        raise SystemExit(f"megatrain-ds plan: {spec!r} is not a harness shape ({', '.join(shapes.SHAPE_NAMES)}), a "
-                         f"folder with config.json, a config.json path, or a hub id in the local Hugging Face cache "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from None
-    return _with_layers(cfg, layers), spec
-
-
-def _with_layers(cfg, layers: int | None):
-    if layers is not None:
-        for key in ("num_hidden_layers", "n_layer", "num_layers"):
-            if hasattr(cfg, key):
-                setattr(cfg, key, int(layers))
-                break
-    return cfg
-
-
-def meta_model(cfg) -> nn.Module:
-    """The model of a transformers config on the meta device: a causal LM, or a sequence classifier when the
-    config names one."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    archs = getattr(cfg, "architectures", None) or []
-    order = [AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModel]
-    if any(a.endswith("ForSequenceClassification") for a in archs):
-        order = [AutoModelForSequenceClassification, AutoModelForCausalLM, AutoModel]
-    errors = []
-    for auto in order:
-        try:
-            with torch.device("meta"):
-                return auto.from_config(cfg)
-        except Exception as exc:  # ValueError: unrecognized configuration class for this auto class
-            errors.append(f"{auto.__name__}: {str(exc).splitlines()[0][:200]}")
-    raise SystemExit("megatrain-ds plan: cannot build the model on the meta device: " + "; ".join(errors))
-
-
-def load_train_config(source, world: int = 1) -> TrainConfig:
-    """A DeepSpeed config (dict or path) parsed by config.py's own ``parse_config`` (bad keys fail as in initialize)."""
-    return parse_config(load_config_source(source), world_size=world, warn=False)
 
 
 def default_ds_config(micro_batch: int, dtype: str) -> dict:

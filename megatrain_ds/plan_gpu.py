@@ -6,7 +6,7 @@ total at each moment is linear in the micro-batch, so runs at micro-batch 1 and 
 (``LayerTimeline``). Kernels that allocate differently on a GPU than their meta twins are emulated from shapes:
 flash attention (output and log-sum-exp saved, an fp32 accumulator in its backward), liger-kernel's RMSNorm,
 SwiGLU and RoPE, autograd's in-place gradient accumulation, and liger's fused loss by its chunking rule.
-``ActivationModel`` puts the layers, the final norm and the loss together for plan.check_capacity.
+``ActivationModel`` puts the layers, the final norm and the loss together for capacity.check_capacity.
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def _liger_like(root: nn.Module, everywhere: bool = True) -> None:
 
 def _as_engine_runs_it(layer: nn.Module, liger: bool, tiled_mlp) -> nn.Module:
     """The executor's template of ``layer`` (model_map.make_template: a copy, parameters on meta), with liger-kernel's
-    kernels (engine._apply_liger_kernels patches the model before the templates are made) and the tiled MLP
+    kernels (engine_build.apply_liger_kernels patches the model before the templates are made) and the tiled MLP
     (engine: tiling.apply_tiling on the templates)."""
     from .model_map import make_template
 
@@ -444,7 +444,7 @@ class ActivationModel:
         self.gpu, self.liger_kernels, self.loss, self.tiled_mlp = gpu, liger_kernels, loss, tiled_mlp
         self.layouts = layouts
         meta = model.to(self.dtype).train()  # the engine trains the model in train mode
-        _liger_like(meta, everywhere=liger_kernels)  # engine._apply_liger_kernels patches the model instance
+        _liger_like(meta, everywhere=liger_kernels)  # engine_build.apply_liger_kernels patches the model instance
         self.model = meta
         layers = meta.get_submodule(block_name)
         self.layers = layers

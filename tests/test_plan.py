@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds import plan
+from megatrain_ds import plan, plan_cli
 from megatrain_ds.config import ConfigError
 from megatrain_ds.model_map import build_layout, find_block_list
 from tests.models import PlainLM, tiny_hf
@@ -96,7 +96,7 @@ def test_host_prediction_equals_the_engine(case, tmp_path):
 
 def test_nvme_auto_split_is_the_engines(tmp_path):
     """``nvme_layers: "auto"`` with a budget between what the layers need with and without their moments: the plan
-    and the engine (engine_nvme_layers) move the same trailing layers to disk, and the state then fits."""
+    and the engine (one resolver, decisions.resolve) move the same trailing layers to disk, and the state then fits."""
     nvme = copy.deepcopy(NVME)
     nvme["offload_optimizer"]["buffer_count"] = 2  # staging: 2 of the largest disk layer (tiny layers: it matters)
     cfg = _with_path(_config(zero_optimization=nvme, megatrain={"nvme_backend": "threads"}), tmp_path)
@@ -255,27 +255,27 @@ def test_cli_subprocess():
 
 
 def test_cli_json_and_errors(capsys, tmp_path):
-    assert plan.main(["tiny", "--tokens-per-step", "256", "--seq", "64", "--gpus", "2", "--json"]) == 0
+    assert plan_cli.main(["tiny", "--tokens-per-step", "256", "--seq", "64", "--gpus", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == "tiny" and data["world"] == 2 and data["micro_batch"] == 2 and data["seq"] == 64
     assert data["binding"] in ("host RAM", "disk", "GPU") and data["gpu_allocated_bytes"] > 0
     assert data["host_state_bytes"] > 0
     assert (data["gpu_total_bytes"] is None) == (not torch.cuda.is_available())  # no --gpu-memory: this GPU, if any
     with pytest.raises(SystemExit, match="is not a harness shape .*, a folder with config.json"):
-        plan.main([str(tmp_path / "no-such-model")])
+        plan_cli.main([str(tmp_path / "no-such-model")])
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps(_config(megatrain={"nvme_layer": 2})))
     with pytest.raises(SystemExit, match="megatrain.nvme_layer"):
-        plan.main(["tiny", "--config", str(bad)])
+        plan_cli.main(["tiny", "--config", str(bad)])
     with pytest.raises(SystemExit, match="--config or --tokens-per-step"):
-        plan.main(["tiny", "--config", str(bad), "--tokens-per-step", "64"])
+        plan_cli.main(["tiny", "--config", str(bad), "--tokens-per-step", "64"])
 
 
 def test_model_from_a_folder_and_a_config_file(tmp_path, capsys):
     """MODEL as a folder holding config.json, or the config.json itself; a depth override."""
     tiny_hf("qwen2").config.save_pretrained(tmp_path)
     for spec in (str(tmp_path), str(tmp_path / "config.json")):
-        assert plan.main([spec, "--tokens-per-step", "128", "--seq", "32", "--layers", "2", "--json"]) == 0
+        assert plan_cli.main([spec, "--tokens-per-step", "128", "--seq", "32", "--layers", "2", "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         assert data["n_layers"] == 2 and data["micro_batch"] == 4
 
