@@ -9,7 +9,6 @@
   library reports through warnings and logging).
 - One resolver of init-time decisions (decisions.py): the engine and the planner hold the same ``Decisions`` for a
   config, the settings it resolves are read nowhere else, and a conflict between settings is ``parse_config``'s error.
-- No import circle among the engine's and the planner's modules, and no function-level import hiding one.
 """
 import ast
 import copy
@@ -416,79 +415,3 @@ def test_cross_field_conflicts_are_parse_errors(tmp_path):
     with pytest.raises(ConfigError, match="offload_param.device=nvme.*fp32 compute"):
         parse_config({**fp32, "zero_optimization": nvme}, warn=False)
     parse_config({**BASE, "zero_optimization": nvme}, warn=False)  # bf16 with stream_fp32_master auto: fine
-
-
-# ---------------------------------------------------------------------------------------------- import circles
-# the modules of the engine's build and of the planner: no circle among them, and no function-level import that
-# hides one (a function-level import of a module that imports this one back, however indirectly)
-NO_CIRCLE_MODULES = {"engine.py", "engine_build.py", "engine_auto.py", "engine_forward.py", "decisions.py",
-                     "host_bytes.py", "capacity.py", "plan.py", "plan_cli.py", "plan_gpu.py", "config.py", "loss.py"}
-
-
-def _import_graph():
-    """(module -> modules it imports at module level, [(module, function, imported module, line)] imported inside
-    functions), over the package's modules (``from . import x`` counts x only, not the package)."""
-    mods = {}
-    for rel, path in _package_files():
-        name = rel[:-3].replace(os.sep, ".")
-        mods[name[:-len(".__init__")] if name.endswith("__init__") else name] = (rel, path)
-
-    def targets(mod: str, node) -> set:
-        if isinstance(node, ast.Import):
-            return {a.name[len("megatrain_ds."):] for a in node.names if a.name.startswith("megatrain_ds.")} & \
-                set(mods)
-        if node.level == 0:
-            if not (node.module or "").startswith("megatrain_ds"):
-                return set()
-            base = (node.module or "")[len("megatrain_ds."):]
-        else:
-            parts = mod.split(".") if mods[mod][0].endswith("__init__.py") else mod.split(".")[:-1]
-            parts = parts[:len(parts) - (node.level - 1)] if node.level > 1 else parts
-            base = ".".join([p for p in parts if p] + ([node.module] if node.module else []))
-        found = set()
-        for a in node.names:
-            sub = f"{base}.{a.name}" if base else a.name
-            found.add(sub if sub in mods else base)
-        return found & set(mods)
-
-    top, inner = {m: set() for m in mods}, []
-    for mod, (rel, path) in mods.items():
-        with open(path) as f:
-            tree = ast.parse(f.read(), path)
-
-        def visit(node, func):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                func = node.name
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for t in targets(mod, node) - {mod}:
-                    (inner.append((mod, func, t, node.lineno)) if func else top[mod].add(t))
-            for child in ast.iter_child_nodes(node):
-                visit(child, func)
-
-        visit(tree, None)
-    return mods, top, inner
-
-
-def test_no_import_circle_in_the_engine_and_planner_modules():
-    mods, top, inner = _import_graph()
-    every = {m: set(t) for m, t in top.items()}
-    for mod, _, t, _ in inner:
-        every[mod].add(t)
-
-    def reaches(start: str, goal: str) -> bool:
-        seen, stack = set(), [start]
-        while stack:
-            m = stack.pop()
-            if m == goal:
-                return True
-            if m not in seen:
-                seen.add(m)
-                stack.extend(every.get(m, ()))
-        return False
-
-    mine = {m for m, (rel, _) in mods.items() if rel in NO_CIRCLE_MODULES}
-    assert len(mine) == len(NO_CIRCLE_MODULES), sorted(mine)
-    hidden = [f"megatrain_ds/{mods[m][0]}:{line} ({func}) imports {t}, which imports it back"
-              for m, func, t, line in inner if m in mine and reaches(t, m)]
-    circles = [f"{m} -> {t}" for m in sorted(mine) for t in sorted(top[m] & mine) if reaches(t, m)]
-    assert not hidden and not circles, hidden + circles
