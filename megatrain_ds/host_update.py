@@ -247,8 +247,8 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 def native_adam_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                      hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None = None,
                      threads: int | None = None) -> None:
-    """``speculation.adamw_undo`` in one pass of the C kernel ([Note: native rollback]): the same double arithmetic,
-    bit for bit, on an fp32 ``master`` with ``grad`` (fp32/bf16/fp16) as the step used it; also writes ``wire``
+    """``speculation.adamw_undo`` in one pass of the C kernel ([Note: native rollback]): the same double arithmetic
+    (with a correctly rounded sqrt), on an fp32 ``master`` with ``grad`` (fp32/bf16/fp16) as the step used it; also writes ``wire``
     (bf16/fp16) from the restored master, as ``refresh_wire`` would."""
     lib = native_library()
     if lib is None:

@@ -40,7 +40,10 @@ _CHUNK = 1 << 22  # elements per float64 chunk of a rollback (32 MiB per tempora
 # updates it again), and ``adamw_undo`` below makes about a dozen float64 passes per chunk. Where the native host
 # update is used (``megatrain.host_kernel``), the optimizer undoes a layer with ``host_update.native_adam_undo``
 # instead: csrc/host_adam.c's ``megatrain_adam_undo``, the same double arithmetic operation for operation, in one
-# threaded pass that also writes the wire copy. Bit-identical to ``adamw_undo`` (tests/test_host_update.py).
+# threaded, vectorized pass that also writes the wire copy. It equals ``adamw_undo`` except where torch's vectorized
+# double sqrt (Sleef, 0.5001 ulp; C's is correctly rounded) differs in the last bit and that bit survives the
+# rounding to fp32: under 1 element in 1,000, a few ulp, in near-zero moments (tests/test_host_update.py). Neither is
+# an exact inverse of the step: a rolled-back layer carries the undo's rounding either way.
 
 
 @dataclass(slots=True, eq=False)

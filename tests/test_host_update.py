@@ -186,18 +186,29 @@ def test_native_split_over_threads_equals_one_thread():
 
 
 # --- the native rollback ([Note: native rollback]) -------------------------------------------------------------------
+def _undo_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """The native undo against adamw_undo: the same double arithmetic, but torch's vectorized double sqrt (Sleef,
+    0.5001 ulp) is not always correctly rounded where C's is: an fp32 result differs where that last double bit
+    survives the rounding, in under 1 element in 1,000 (near-zero moments, where the undo cancels), by a few ulp."""
+    differ = got != want
+    assert int(differ.sum()) <= max(1, got.numel() // 1000), (name, int(differ.sum()))
+    assert _ulps(got, want) <= 8, (name, _ulps(got, want))
+
+
 @pytest.mark.parametrize("grad_dtype,wire_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.bfloat16),
                                                    (torch.float32, None), (torch.float16, torch.float16)])
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 @pytest.mark.parametrize("coef,step,wd", [(1.0, 1, 0.01), (0.37, 7, 0.0), (1 / 1024, 300, 0.1)])
 def test_native_undo_equals_adamw_undo(grad_dtype, wire_dtype, adam_w_mode, coef, step, wd):
-    """A step undone by the C kernel equals speculation.adamw_undo bit for bit (master, moments), over threads, and
-    writes the wire from the restored master; the undo lands near the state before the step."""
+    """A step undone by the C kernel equals speculation.adamw_undo (master, moments; see _undo_close for the last
+    bit), over threads, writes the wire from the restored master, clamps exp_avg_sq at +0, keeps a NaN where
+    adamw_undo does; the undo lands near the state before the step."""
     from megatrain_ds.speculation import adamw_undo
     _native_or_skip()
     n = 3 * 65_536 + 77
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=wd, step=step)
     master, grad, m, v = _state(n, 5, grad_dtype, torch.float32)
+    m[:4096], v[:4096] = 0.0, 0.0  # first-step moments: the undo's v lands on 0 up to rounding (the clamp's case)
     before = (master.clone(), m.clone(), v.clone())
     host_update.native_adam(master, grad, m, v, hp, coef, adam_w_mode)  # the speculative step
     assert not torch.equal(master, before[0])
@@ -206,9 +217,20 @@ def test_native_undo_equals_adamw_undo(grad_dtype, wire_dtype, adam_w_mode, coef
     wire = None if wire_dtype is None else torch.zeros(n, dtype=wire_dtype)
     host_update.native_adam_undo(master, grad, m, v, hp, coef, adam_w_mode, wire=wire, threads=3)
     for got, exp, name in zip((master, m, v), want, ("master", "exp_avg", "exp_avg_sq")):
-        assert torch.equal(got, exp), (name, _ulps(got, exp))
+        _undo_close(got, exp, name)
+    assert (v[:4096] == 0).any() and not torch.signbit(v).any()  # clamped to +0 where it went below
     if wire is not None:
         assert torch.equal(wire, master.to(wire_dtype))
+    # a NaN in the gradient stays a NaN in the same places (compared as bits)
+    nan_grad = grad.clone()
+    nan_grad[7] = float("nan")
+    got, want = [t.clone() for t in (master, m, v)], [t.clone() for t in (master, m, v)]
+    host_update.native_adam_undo(*got[:1], nan_grad, *got[1:], hp, coef, adam_w_mode, threads=2)
+    adamw_undo(want[0], nan_grad.float(), want[1], want[2], hp, coef, adam_w_mode)
+    for a, b, name in zip(got, want, ("master", "exp_avg", "exp_avg_sq")):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        _undo_close(a.nan_to_num(), b.nan_to_num(), name)
+    assert got[2][7].isnan()
     # undone: back where it was up to rounding (the step itself moved elements by up to lr = 1e-3)
     assert (master - before[0]).abs().max() < 1e-6
     with pytest.raises(ValueError, match="must be fp32"):

@@ -201,25 +201,60 @@ typedef struct {
     int adamw, divide;
 } undo_job_t;
 
+/* torch's clamp_min(v, 0): a negative v becomes +0, a NaN stays NaN. With a mask, not a branch or a select: GCC
+ * would not if-convert a comparison that may trap, and the loop would not vectorize. */
+static inline double clamp_min0(double v) {
+    uint64_t bits, keep = (uint64_t)0 - (uint64_t)!(v < 0.0);
+    memcpy(&bits, &v, 8); bits &= keep; memcpy(&v, &bits, 8);
+    return v;
+}
+
+/* The element undo, in adamw_undo's order (double; -ffp-contract=off: no fused multiply-adds). ADAMW is a constant, so
+ * each loop has no branch and vectorizes; the gradient is always divided (by 1.0 where the step did not scale it:
+ * the same bits). */
+#define UNDO_BODY(LOAD_G, STORE_W, ADAMW)                                                             \
+    for (int64_t i = r->begin; i < r->end; i++) {                                                     \
+        double p = P[i], m = M[i], v = V[i];                                                          \
+        double g = (double)(LOAD_G) / grad_div;                                                       \
+        double t = step_size * m;                                                                     \
+        p = p + t / (sqrt(v) / bc2_sqrt + eps);                                                       \
+        if (ADAMW) p = p / keep;                                                                      \
+        else { double d = wd * p; g = g + d; }                                                        \
+        double cg = c1 * g;                                                                           \
+        m = (m - cg) / b1;                                                                            \
+        double vg = c2 * g; vg = vg * g;                                                              \
+        v = (v - vg) / b2;                                                                            \
+        v = clamp_min0(v);                                                                            \
+        float pf = (float)p;                                                                          \
+        P[i] = pf; M[i] = (float)m; V[i] = (float)v;                                                  \
+        STORE_W;                                                                                      \
+    }
+#define UNDO_BOTH(LOAD_G, STORE_W) \
+    if (adamw) { UNDO_BODY(LOAD_G, STORE_W, 1) } else { UNDO_BODY(LOAD_G, STORE_W, 0) }
+
 static void *undo_range(void *arg) {
     const range_t *r = (const range_t *)arg;
     const undo_job_t *u = (const undo_job_t *)r->job;
-    for (int64_t i = r->begin; i < r->end; i++) {
-        double p = u->master[i], m = u->exp_avg[i], v = u->exp_avg_sq[i];
-        double g = (double)load_val(u->grad, u->grad_dt, i);
-        if (u->divide) g = g / u->grad_div;
-        double t = u->step_size * m;
-        p = p + t / (sqrt(v) / u->bc2_sqrt + u->eps);
-        if (u->adamw) p = p / u->keep;
-        else { double d = u->wd * p; g = g + d; }
-        double cg = u->c1 * g;
-        m = (m - cg) / u->b1;
-        double vg = u->c2 * g; vg = vg * g;
-        v = (v - vg) / u->b2;
-        if (v < 0.0) v = 0.0; /* clamp_min(0); a NaN stays NaN */
-        float pf = (float)p;
-        u->master[i] = pf; u->exp_avg[i] = (float)m; u->exp_avg_sq[i] = (float)v;
-        if (u->wire) store_val(u->wire, u->wire_dt, i, pf);
+    float *restrict P = u->master, *restrict M = u->exp_avg, *restrict V = u->exp_avg_sq;
+    const double step_size = u->step_size, bc2_sqrt = u->bc2_sqrt, eps = u->eps, keep = u->keep, wd = u->wd;
+    const double c1 = u->c1, b1 = u->b1, c2 = u->c2, b2 = u->b2, grad_div = u->divide ? u->grad_div : 1.0;
+    const int adamw = u->adamw;
+    /* the common layouts get their own loops (vectorized without per-element dtype tests) */
+    if (u->grad_dt == DT_BF16 && !u->wire) {
+        const uint16_t *restrict G = (const uint16_t *)u->grad;
+        UNDO_BOTH(bf16_to_f32(G[i]), (void)0)
+    } else if (u->grad_dt == DT_BF16 && u->wire_dt == DT_BF16) {
+        const uint16_t *restrict G = (const uint16_t *)u->grad; uint16_t *restrict W = (uint16_t *)u->wire;
+        UNDO_BOTH(bf16_to_f32(G[i]), W[i] = f32_to_bf16(pf))
+    } else if (u->grad_dt == DT_F32 && !u->wire) {
+        const float *restrict G = (const float *)u->grad;
+        UNDO_BOTH(G[i], (void)0)
+    } else if (u->grad_dt == DT_F32 && u->wire_dt == DT_BF16) {
+        const float *restrict G = (const float *)u->grad; uint16_t *restrict W = (uint16_t *)u->wire;
+        UNDO_BOTH(G[i], W[i] = f32_to_bf16(pf))
+    } else {
+        const void *G = u->grad; void *W = u->wire; const int gdt = u->grad_dt, wdt = u->wire_dt;
+        UNDO_BOTH(load_val(G, gdt, i), if (W) store_val(W, wdt, i, pf))
     }
     return NULL;
 }
