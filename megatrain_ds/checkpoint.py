@@ -322,7 +322,8 @@ def _held(engine, masters: dict) -> dict:
     owned = _owned(engine)
     if all(owned):
         return masters
-    skip = {f"{engine.block_name}.{i}.{slot.name}" for i, layout in enumerate(engine.layer_states.layouts) if not owned[i]
+    layouts = engine.layer_states.layouts
+    skip = {f"{engine.block_name}.{i}.{slot.name}" for i, layout in enumerate(layouts) if not owned[i]
             for slot in layout.slots}
     return {name: t for name, t in masters.items() if name not in skip}
 

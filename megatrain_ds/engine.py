@@ -25,8 +25,8 @@ from .config import TrainConfig
 from .decisions import HostShare, resolve
 from .dp import DataParallel
 from .engine_auto import auto_budget_bytes, place_auto
-from .engine_build import (apply_liger_kernels, build_executor, build_optimizer, build_store, build_workers,
-                           buffers_to_device, build_layer_states, check_capacity_for, count, host_view, log_tier, param_groups,
+from .engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states, build_optimizer,
+                           build_store, build_workers, check_capacity_for, count, host_view, log_tier, param_groups,
                            resident_hooks, step_counters, sync_initial_weights)
 from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_applies, to_device  # noqa: F401
 from .export import consolidated_state_dict, save_16bit_model
