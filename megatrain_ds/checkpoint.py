@@ -248,7 +248,7 @@ def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, e
 def _engine_params(engine) -> dict[str, tuple[tuple, bool]]:
     """name -> (shape, trained by the optimizer) for every parameter, named as ``master_state_dict()``."""
     out = {}
-    for i, layout in enumerate(engine.store.layouts):
+    for i, layout in enumerate(engine.layer_states.layouts):
         for slot in layout.slots:
             out[f"{engine.block_name}.{i}.{slot.name}"] = (tuple(slot.shape), slot.trainable)
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -314,8 +314,7 @@ def _validate(engine, ckpt: _Checkpoint, strict: bool, load_optimizer: bool, loa
 # ---------------------------------------------------------------------------------------------- applying
 def _owned(engine) -> list[bool]:
     """Which streamed layers' host state this rank holds (data parallel: its own; one process: all)."""
-    store = engine.store
-    return list(getattr(store, "owned", None) or [True] * len(store.layouts))
+    return engine.layer_states.owned()
 
 
 def _held(engine, masters: dict) -> dict:
@@ -323,7 +322,8 @@ def _held(engine, masters: dict) -> dict:
     owned = _owned(engine)
     if all(owned):
         return masters
-    skip = {f"{engine.block_name}.{i}.{slot.name}" for i, layout in enumerate(engine.store.layouts) if not owned[i]
+    layouts = engine.layer_states.layouts
+    skip = {f"{engine.block_name}.{i}.{slot.name}" for i, layout in enumerate(layouts) if not owned[i]
             for slot in layout.slots}
     return {name: t for name, t in masters.items() if name not in skip}
 
@@ -352,28 +352,24 @@ def _write_moments(engine, moments: dict) -> None:
         else:
             dst.copy_(pair[which].reshape(dst.shape))
 
-    store, owned = engine.store, _owned(engine)
-    for i, layout in enumerate(store.layouts):
-        if not owned[i]:
-            continue
-        disk = store.on_disk(i)  # NVMe tier: assembled here, then written to disk
-        m, v = (torch.empty(layout.n_train), torch.empty(layout.n_train)) if disk else store.read_moments(i)
+    states = engine.layer_states
+    for i in states.owned_layers():
+        layout = states.layouts[i]
+        disk = states.moments_on_disk(i)  # NVMe tier: assembled here, then written to disk
+        m, v = (torch.empty(layout.n_train), torch.empty(layout.n_train)) if disk else states.host_moments(i)
         for slot in layout.slots:
             if slot.trainable:
                 pair = moments.get(f"{engine.block_name}.{i}.{slot.name}")
                 put(m[slot.offset:slot.offset + slot.numel], pair, 0)
                 put(v[slot.offset:slot.offset + slot.numel], pair, 1)
         if disk:
-            store.write_moments(i, m, v)
+            states.write_moments(i, m, v)
     res, names = engine.resident, {id(p): n for n, p in engine.module.named_parameters()}
     for k, p in enumerate(res.params):
         if res.exp_avg[k] is not None:
             put(res.exp_avg[k], moments.get(names[id(p)]), 0)
             put(res.exp_avg_sq[k], moments.get(names[id(p)]), 1)
-    ds = engine.executor.device_state
-    if ds is not None:
-        ds.exp_avg.copy_(store.exp_avg[ds.train0:ds.train1])
-        ds.exp_avg_sq.copy_(store.exp_avg_sq[ds.train0:ds.train1])
+    states.push_moments_to_device()
 
 
 def _apply(engine, ckpt: _Checkpoint, load_optimizer: bool, load_scheduler: bool, module_only: bool,

@@ -79,7 +79,7 @@ def _plan(engine, world: int, sub_group_size: int) -> tuple[list[list[_Param]], 
     by position; frozen ones (requires_grad False or in no optimizer group) layer by layer, then the resident
     ones."""
     trained, frozen = {}, []
-    for i, layout in enumerate(engine.store.layouts):
+    for i, layout in enumerate(engine.layer_states.layouts):
         for slot in layout.slots:
             start = slot.offset if slot.trainable else layout.n_train + slot.offset
             param = _Param(f"{engine.block_name}.{i}.{slot.name}", torch.Size(slot.shape), i, start)
@@ -105,15 +105,15 @@ def _source(engine, param: _Param, kind: str) -> torch.Tensor:
     streamed layer this rank holds) or of the resident tensor (on the host or the device)."""
     if param.layer is None:
         return getattr(engine.resident, kind)[param.start].detach().reshape(-1)
-    store = engine.store
+    states = engine.layer_states  # the caller has synced the GPU-held layers to the host (sync_masters_to_host)
     if kind == "master":  # param.start is in [trainable | frozen]; a compact store keeps the frozen part in the wire
-        layout = store.layouts[param.layer]
+        layout = states.layouts[param.layer]
         if param.start >= layout.n_train:
             start = param.start - layout.n_train
-            return store.frozen_of(param.layer)[start:start + param.numel]
-        flat = store.read_master(param.layer)  # a view, or a copy of an NVMe layer's
+            return states.frozen(param.layer)[start:start + param.numel]
+        flat = states.master(param.layer)  # a view, or a copy of an NVMe layer's
     else:  # RAM views, or copies of a layer on the NVMe tier
-        flat = store.read_moments(param.layer)[("exp_avg", "exp_avg_sq").index(kind)]
+        flat = states.host_moments(param.layer)[("exp_avg", "exp_avg_sq").index(kind)]
     return flat[param.start:param.start + param.numel]
 
 
@@ -213,7 +213,7 @@ class _RankState:
             by_layer.setdefault(p.layer, ([], []))[0].append(p)
         for p in self.frozen:
             by_layer.setdefault(p.layer, ([], []))[1].append(p)
-        for i in range(len(self.engine.store.layouts)):
+        for i in range(len(self.engine.layer_states.layouts)):
             train, frozen = by_layer.get(i, ([], []))
             if not train and not frozen:
                 continue

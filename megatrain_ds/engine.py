@@ -23,11 +23,10 @@ from .adapters import save_adapter
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .decisions import HostShare, resolve
-from .device_state import DeviceOptimizerState
 from .dp import DataParallel
 from .engine_auto import auto_budget_bytes, place_auto
-from .engine_build import (apply_liger_kernels, build_executor, build_optimizer, build_store, build_workers,
-                           buffers_to_device, check_capacity_for, count, host_view, log_tier, param_groups,
+from .engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states, build_optimizer,
+                           build_store, build_workers, check_capacity_for, count, host_view, log_tier, param_groups,
                            resident_hooks, step_counters, sync_initial_weights)
 from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_applies, to_device  # noqa: F401
 from .export import consolidated_state_dict, save_16bit_model
@@ -103,8 +102,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
         # "auto" placements are decided after the first step, from its measured peak (engine_auto.py)
         self._auto_device_state, self._auto_keep, self._auto_placed = dec.auto_device_state, dec.auto_keep, ""
-        if dec.n_device_layers > 0:  # GPU-held layers lead; NVMe layers trail
-            self.executor.device_state = DeviceOptimizerState(self.store, 0, dec.n_device_layers, device)
+        self.layer_states = build_layer_states(self.store, self.executor, device, dec.n_device_layers)
         if not dec.auto_keep:
             self.executor.set_keep(dec.keep)
         layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
@@ -316,15 +314,14 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     def move_layer_state_to_device(self, n: int) -> None:
         """Keep the fp32 master, Adam moments and gradient of the leading ``n`` layers on the device from now on
         (between steps; the state so far comes along)."""
-        if self.executor.device_state is not None:
-            raise RuntimeError("layer optimizer state is already on the device "
-                               f"(layers [0, {self.executor.device_state.hi}))")
+        gpu_layers = self.layer_states.gpu_layers()
+        if gpu_layers is not None:
+            raise RuntimeError(f"layer optimizer state is already on the device (layers [0, {gpu_layers.stop}))")
         self.synchronize()  # every queued update has been applied to the host buffers
         if n > self.store.disk_from:
             raise ValueError(f"move_layer_state_to_device({n}): layers from {self.store.disk_from} on keep their "
                              "moments on the NVMe tier")
-        self.executor.device_state = DeviceOptimizerState(self.store, 0, min(n, len(self.store.layouts)),
-                                                          self.device, moments_from_host=True)
+        self.layer_states.place_on_device(min(n, len(self.store.layouts)), moments_from_host=True)
 
     # ------------------------------------------------------------------ queries
     def train_batch_size(self) -> int:
@@ -439,8 +436,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     def sync_masters_to_host(self) -> None:
         """Wait for queued updates and copy GPU-held layer masters and moments into the host buffers."""
         self.synchronize()
-        if self.executor.device_state is not None:
-            self.executor.device_state.sync_to_host()
+        self.layer_states.sync_to_host()
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights keyed like ``module.state_dict()`` (views of host memory, no copy); frozen
@@ -452,7 +448,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         for i, layout in enumerate(self.store.layouts):
             if self.dp.active:  # from layer i's owner, one layer at a time
                 import torch.distributed as dist
-                flat = self.store.full_master(i) if self.store.owned[i] else torch.empty(layout.numel)
+                flat = self.layer_states.full_master(i) if self.layer_states.holds(i) else torch.empty(layout.numel)
                 dist.broadcast(flat, src=self.dp.owner(i), group=self.dp.cpu_group)
                 for slot in layout.slots:
                     start = slot.offset + (0 if slot.trainable else layout.n_train)
@@ -538,15 +534,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if wrong or (strict and (missing or unexpected)):
             raise RuntimeError(f"state does not match the model: wrong shapes {wrong[:5]}, missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]} (strict=False loads what matches; nothing was loaded)")
-        staged = {}  # NVMe layers' masters: assembled here, written once per layer (below)
-        for key, (i, slot) in layer_keys.items():
-            if key in state and store.owned[i]:  # data parallel: each rank writes the layers it holds
-                if store.master_on_disk(i) and slot.trainable:
-                    if i not in staged:
-                        staged[i] = store.read_master(i).clone()
-                    staged[i][slot.offset:slot.offset + slot.numel].copy_(state[key].reshape(-1))
-                else:
-                    store.param_master(i, slot.name).copy_(state[key].reshape(slot.shape))
+        # streamed layers: written where each lives (layer_state.py), NVMe masters staged until the resident ones
+        staged = self.layer_states.load_masters([(*layer_keys[key], state[key]) for key in layer_keys if key in state])
         for key, k in resident_keys.items():
             if key in state:
                 p = self.resident.params[k]
@@ -555,14 +544,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                     self.resident.wire[k].copy_(self.resident.master[k])
                 if p.data is not self.resident.master[k]:  # a frozen one's master is p.data
                     p.data.copy_(self.resident.master[k])
-        for i in range(len(store.layouts)):
-            if i in staged:
-                store.write_master(i, staged[i])  # and its wire
-            elif store.owned[i] and not store.master_on_disk(i):
-                store.refresh_wire(i)
-        ds = self.executor.device_state
-        if ds is not None:
-            ds.master.copy_(store.master[ds.full0:ds.full1])
+        self.layer_states.finish_loading_masters(staged)  # NVMe masters, every wire copy, the GPU-held masters
         self.executor.schedule.invalidate()  # every slot is stale
 
     # ------------------------------------------------------------------ zero.GatheredParameters
@@ -578,33 +560,22 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             p.ds_tensor = p.data
 
     def _ds_tensor(self, i: int, slot) -> torch.Tensor:
-        """A streamed parameter's ``ds_tensor``: a view of where it is kept (``param_master``); an NVMe layer's
-        master has no RAM view, so its wire copy (compute dtype, as DeepSpeed's own ``ds_tensor``); empty for a layer
-        another rank holds (data parallel)."""
-        if not self.store.owned[i]:
-            return torch.empty(0)
-        if self.store.master_on_disk(i) and slot.trainable:
-            return self.store.wire_of(i)[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        return self.store.param_master(i, slot.name)
+        """A streamed parameter's ``ds_tensor`` (``LayerStates.ds_tensor``)."""
+        return self.layer_states.ds_tensor(i, slot)
 
     def _read_master(self, home: ParamHome) -> torch.Tensor:
         self.synchronize()  # the optimizer may be writing these bytes
-        ds = self.executor.device_state
+        states = self.layer_states
         if home.layer is None:
             return self.resident.master[home.resident_index].detach().to("cpu", torch.float32, copy=True)
         if self.dp.active:  # a collective, as DeepSpeed's GatheredParameters: the owner's master to every rank
             import torch.distributed as dist
-            owned = self.store.owned[home.layer]
-            if owned and ds is not None and ds.owns(home.layer):
-                self.store.master_of(home.layer).copy_(ds.master_of(home.layer))
             slot = next(s for s in self.store.layouts[home.layer].slots if s.name == home.name)
-            value = (self.store.param_master(home.layer, home.name).to(torch.float32, copy=True) if owned
+            value = (states.fresh_param_master(home.layer, home.name) if states.holds(home.layer)
                      else torch.empty(slot.shape, dtype=torch.float32))
             dist.broadcast(value, src=self.dp.owner(home.layer), group=self.dp.cpu_group)
             return value
-        if ds is not None and ds.owns(home.layer):
-            self.store.master_of(home.layer).copy_(ds.master_of(home.layer))  # this layer only
-        return self.store.param_master(home.layer, home.name).to(torch.float32, copy=True)
+        return states.fresh_param_master(home.layer, home.name)  # a GPU-held layer's from the device (this layer)
 
     def _write_master(self, home: ParamHome, value: torch.Tensor) -> None:
         self.synchronize()
@@ -612,7 +583,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             import torch.distributed as dist
             value = value.detach().to("cpu", torch.float32, copy=True).contiguous()
             dist.broadcast(value, src=0, group=self.dp.cpu_group)
-            if home.layer is not None and not self.store.owned[home.layer]:
+            if home.layer is not None and not self.layer_states.holds(home.layer):
                 self.executor.schedule.invalidate(home.layer)  # every rank: the slots' versions stay in step
                 return
         if home.layer is None:  # resident: fp32 master and the device copy the forward uses
@@ -622,14 +593,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 self.resident.wire[k].copy_(self.resident.master[k])
             self.resident.params[k].ds_tensor.copy_(self.resident.master[k])
             return
-        i, store = home.layer, self.store
-        ds = self.executor.device_state
-        if ds is not None and ds.owns(i):  # the host copy of a GPU-held layer is stale: refresh it before the
-            store.master_of(i).copy_(ds.master_of(i))  # whole layer is copied back (the other weights must stay)
-        store.set_param_master(i, home.name, value)  # a frozen parameter of a compact store: its wire copy
-        if ds is not None and ds.owns(i):
-            ds.master_of(i).copy_(store.master_of(i))
-        self.executor.schedule.invalidate(i)  # slots holding the old weights are stale
+        self.layer_states.set_param_master(home.layer, home.name, value)  # and its wire (and device) copies
+        self.executor.schedule.invalidate(home.layer)  # slots holding the old weights are stale
 
     def last_step_breakdown(self) -> dict:
         return self.timer.last

@@ -25,6 +25,7 @@ from .decisions import Decisions
 from .executor import StreamedLayers
 from .host_state import HostLayerStore
 from .inference import InferenceCache
+from .layer_state import LayerStates
 from .log import logger
 from .nvme import check_path
 from .optimizer import HostAdamW
@@ -158,6 +159,15 @@ def build_store(config: TrainConfig, dec: Decisions, layouts, owned: list[bool],
                     "masters are bf16 (12 host bytes per parameter instead of 16); updates below bf16's resolution "
                     "round away. Speculative steps and GPU-held optimizer state are off in this mode.")
     return store
+
+
+def build_layer_states(store: HostLayerStore, executor, device: torch.device, n_device_layers: int) -> LayerStates:
+    """The one owner of where each layer's state lives (layer_state.py), with the GPU-held layers decided at init
+    placed (the store must hold the loaded weights: the device copies them)."""
+    states = LayerStates(store, executor, device)
+    if n_device_layers > 0:  # GPU-held layers lead; NVMe layers trail
+        states.place_on_device(n_device_layers)
+    return states
 
 
 def log_tier(store: HostLayerStore, config: TrainConfig, dec: Decisions) -> None:

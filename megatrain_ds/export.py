@@ -33,20 +33,20 @@ def gather_full_masters(engine, dst: int | None = None, dtype: torch.dtype | Non
     over the gloo group; resident parameters are replicated. Ranks other than ``dst`` get None. What a rank
     receives is its own copy (4 bytes per parameter; ``dtype`` casts each layer as it arrives)."""
     engine.sync_masters_to_host()
-    world, store = _World(engine), engine.store
+    world, states = _World(engine), engine.layer_states
     if dst is not None and world.rank != dst and world.size > 1:
         out = None
     else:
         out = {}
     cast = (lambda t: t.to(dtype, copy=True)) if dtype is not None else (lambda t: t)  # noqa: E731
-    for i, layout in enumerate(store.layouts):
+    for i, layout in enumerate(states.layouts):
         if world.size == 1:
             for slot in layout.slots:  # views (frozen weights of a compact store: their compute-dtype copy)
-                out[f"{engine.block_name}.{i}.{slot.name}"] = cast(store.param_master(i, slot.name))
+                out[f"{engine.block_name}.{i}.{slot.name}"] = cast(states.param_master(i, slot.name))
             continue
         else:
             owner = world.owner(i)
-            mine = store.full_master(i) if world.rank == owner else None
+            mine = states.full_master(i) if world.rank == owner else None
             if dst is None:
                 flat = mine if mine is not None else torch.empty(layout.numel, dtype=torch.float32)
                 if layout.numel:

@@ -141,11 +141,11 @@ class EngineSurface:
         phases of colocated RLHF (OpenRLHF, DeepSpeed's offload_states example). megatrain_ds keeps those in host
         memory already, so there is nothing to move -- unless ``megatrain.gpu_optimizer_layers`` placed some
         layers' state on the GPU, which this does not move back."""
-        device_state = getattr(self.executor, "device_state", None)
-        if device_state is not None:
+        gpu_layers = self.layer_states.gpu_layers()
+        if gpu_layers is not None:
             raise NotImplementedError(
                 "engine.offload_states(): megatrain.gpu_optimizer_layers keeps the optimizer state of layers "
-                f"[0, {device_state.hi}) on the GPU and megatrain_ds does not move it back to the host; set "
+                f"[0, {gpu_layers.stop}) on the GPU and megatrain_ds does not move it back to the host; set "
                 "megatrain.gpu_optimizer_layers to 0 when the GPU must be freed between phases")
 
     def reload_states(self, non_blocking: bool = False) -> None:
@@ -176,7 +176,7 @@ class EngineSurface:
 
     def _slot_of(self, home):
         """The layout slot of a streamed layer's parameter: where it sits in the layer's flat buffers."""
-        return next(slot for slot in self.store.layouts[home.layer].slots if slot.name == home.name)
+        return next(slot for slot in self.layer_states.layouts[home.layer].slots if slot.name == home.name)
 
     def _data_parallel(self):
         """The engine's ``DataParallel`` when several processes train (dp.py), else None."""
@@ -186,7 +186,7 @@ class EngineSurface:
     def _held_here(self, home) -> bool:
         """Whether this process holds ``home``'s state: resident parameters everywhere, a streamed layer's on its
         owner only (data parallel)."""
-        return home.layer is None or self._data_parallel() is None or self.store.owned[home.layer]
+        return home.layer is None or self._data_parallel() is None or self.layer_states.holds(home.layer)
 
     def _from_owner(self, home, local: torch.Tensor | None, shape) -> torch.Tensor:
         """Data parallel: ``local`` (the owner's value of a streamed layer's tensor) on every rank, fp32 on the
@@ -196,7 +196,7 @@ class EngineSurface:
             return local
         import torch.distributed as dist
 
-        buf = (local.detach().to("cpu", torch.float32, copy=True).contiguous() if self.store.owned[home.layer]
+        buf = (local.detach().to("cpu", torch.float32, copy=True).contiguous() if self.layer_states.holds(home.layer)
                else torch.empty(tuple(shape), dtype=torch.float32))
         dist.broadcast(buf, src=dp.owner(home.layer), group=dp.cpu_group)
         return buf
@@ -231,11 +231,9 @@ class EngineSurface:
         slot = self._slot_of(home)
         if not slot.trainable:
             return None
-        i, device_state = home.layer, self.executor.device_state
-        if device_state is not None and device_state.owns(i):
-            flat = device_state.moments_of(i)[self._MOMENTS.index(key)]
-        else:  # host RAM (a view), or a layer on the NVMe tier (a copy: set_full_optimizer_state writes it back)
-            flat = self.store.read_moments(i)[self._MOMENTS.index(key)]
+        # the device's (GPU-held), host RAM (a view), or a layer on the NVMe tier (a copy: set_full_optimizer_state
+        # writes it back)
+        flat = self.layer_states.moments(home.layer)[self._MOMENTS.index(key)]
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def _moment_home(self, param, key: str):
@@ -264,9 +262,8 @@ class EngineSurface:
         if self._held_here(home):
             moment = self._moment_of(home, key)
             moment.copy_(value.reshape(moment.shape))
-            if home.layer is not None and self.store.on_disk(home.layer):  # the copy goes back to disk
-                m, v = self.store.read_moments(home.layer)
-                self.store.write_moments(home.layer, m, v)
+            if home.layer is not None:  # an NVMe layer's copy goes back to disk
+                self.layer_states.commit_moments(home.layer)
 
     def full_grad(self, param) -> torch.Tensor | None:
         """``param``'s gradient accumulated since the last step, in fp32, as the optimizer will see it before
@@ -287,9 +284,7 @@ class EngineSurface:
                 return None
             grad = None
             if self._held_here(home):
-                landing, device_state = executor.sq_norm[i], executor.device_state
-                flat = device_state.grad_of(i) if device_state is not None and device_state.owns(i) else \
-                    self.store.grad_of(i)
+                landing, flat = executor.sq_norm[i], self.layer_states.grad(i)
                 grad = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         if grad is not None and landing is not None:
             landing.result()  # the host worker has folded the last landing into the buffer (waits for its D2H)

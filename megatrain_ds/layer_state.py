@@ -1,0 +1,220 @@
+"""One owner of "where layer i's state lives" (issue 28): its fp32 master, Adam moments and gradient.
+
+A streamed layer's state has one home (``Home``): host RAM (host_state.py), the NVMe tier (nvme.py: its moments,
+and with ``offload_param.device: nvme`` its master, in a swap file), the GPU (device_state.py: the leading
+``gpu_optimizer_layers``), or another data-parallel rank (dp.py: each rank holds the layers it owns). ``LayerStates``
+alone answers ``where(i)`` and reads, writes and moves that state; checkpoints, exports, the DeepSpeed surface,
+``GatheredParameters`` and the engine ask it instead of checking the store, the tier and the device state themselves.
+
+The GPU-held layers may be placed after the first step ("auto": engine_auto.py); ``place_on_device`` is how any
+placement is made, so the answer follows it. The device state stays reachable as ``executor.device_state`` (the
+executor and the optimizer read it there), which ``place_on_device`` sets.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .device_state import DeviceOptimizerState
+from .host_state import HostLayerStore
+
+
+class Home(enum.Enum):
+    """Where a streamed layer's fp32 master, Adam moments and gradient live (on this rank's view)."""
+
+    RAM = "ram"
+    """Host RAM: views of the host store's flat buffers (host_state.py)."""
+    NVME = "nvme"
+    """The NVMe tier: the moments (and, with ``offload_param.device: nvme``, the master) are in a swap file and are
+    read as copies (nvme.py); the wire copy and the gradient stay in RAM."""
+    GPU = "gpu"
+    """The GPU (``gpu_optimizer_layers``, device_state.py): the live master, moments and gradient are device
+    tensors; the host copies are stale until ``sync_to_host``."""
+    OTHER_RANK = "other_rank"
+    """Another data-parallel rank owns the layer (dp.py): this rank holds none of its state."""
+
+
+class LayerStates:
+    """The state of every streamed layer, wherever it lives: built once by the engine (engine_build.py)."""
+
+    def __init__(self, store: HostLayerStore, holder, device: torch.device) -> None:
+        # ``holder``: the object whose ``device_state`` the executor and the optimizer read (the executor)
+        self.store, self._holder, self._device = store, holder, device
+
+    # ------------------------------------------------------------------ where
+    @property
+    def device_state(self) -> DeviceOptimizerState | None:
+        """The GPU-held layers' state (device_state.py), or None: none placed (yet)."""
+        return self._holder.device_state
+
+    def gpu_layers(self) -> range | None:
+        """The layers whose state was placed on the GPU (this rank holds those it owns), or None: none placed."""
+        ds = self.device_state
+        return None if ds is None else range(ds.lo, ds.hi)
+
+    def place_on_device(self, n: int, moments_from_host: bool = False) -> None:
+        """Keep the state of the leading ``n`` layers on the device from now on (at build, or after the first step
+        with the moments so far: ``moments_from_host``)."""
+        self._holder.device_state = DeviceOptimizerState(self.store, 0, n, self._device,
+                                                         moments_from_host=moments_from_host)
+
+    @property
+    def layouts(self):
+        """Every streamed layer's ``LayerLayout`` (model_map.py): where each parameter sits in its flat buffers."""
+        return self.store.layouts
+
+    def __len__(self) -> int:
+        return len(self.store.layouts)
+
+    def where(self, i: int) -> Home:
+        """Layer i's home on this rank."""
+        if not self.holds(i):
+            return Home.OTHER_RANK
+        if self.on_gpu(i):
+            return Home.GPU
+        if self.moments_on_disk(i):
+            return Home.NVME
+        return Home.RAM
+
+    def holds(self, i: int) -> bool:
+        """This rank holds layer i's state (one process: every layer)."""
+        return self.store.owned[i]
+
+    def owned(self) -> list[bool]:
+        """Which layers' state this rank holds (data parallel: its own; one process: all)."""
+        return list(getattr(self.store, "owned", None) or [True] * len(self.store.layouts))
+
+    def owned_layers(self) -> list[int]:
+        """The layers this rank holds, in order."""
+        return [i for i, mine in enumerate(self.owned()) if mine]
+
+    def on_gpu(self, i: int) -> bool:
+        """Layer i's live state is GPU-held (its host copies are stale until ``sync_to_host``)."""
+        ds = self.device_state
+        return ds is not None and ds.owns(i)
+
+    def moments_on_disk(self, i: int) -> bool:
+        """Layer i's moments are on the NVMe tier."""
+        return self.store.on_disk(i)
+
+    def master_on_disk(self, i: int) -> bool:
+        """Layer i's fp32 master is on the NVMe tier too (``offload_param.device: nvme``)."""
+        return self.store.master_on_disk(i)
+
+    # ------------------------------------------------------------------ masters
+    def sync_to_host(self) -> None:
+        """Copy the GPU-held masters and moments into the host buffers (blocking; the caller has synchronized)."""
+        if self.device_state is not None:
+            self.device_state.sync_to_host()
+
+    def _refresh_host(self, i: int) -> None:
+        """A GPU-held layer's host master from the device (this layer only)."""
+        if self.on_gpu(i):
+            self.store.master_of(i).copy_(self.device_state.master_of(i))
+
+    def master(self, i: int) -> torch.Tensor:
+        """Layer i's master (its trainable region when compact) on the host: a view (RAM) or a copy (NVMe). A GPU-held
+        layer's is as of the last ``sync_to_host``."""
+        return self.store.read_master(i)
+
+    def full_master(self, i: int) -> torch.Tensor:
+        """Layer i's whole ``[trainable | frozen]`` weights in fp32 on the host (``HostLayerStore.full_master``)."""
+        return self.store.full_master(i)
+
+    def frozen(self, i: int) -> torch.Tensor:
+        """Layer i's frozen region where it is kept (``HostLayerStore.frozen_of``)."""
+        return self.store.frozen_of(i)
+
+    def param_master(self, i: int, name: str) -> torch.Tensor:
+        """One parameter of layer i where the host keeps it (``HostLayerStore.param_master``)."""
+        return self.store.param_master(i, name)
+
+    def fresh_param_master(self, i: int, name: str) -> torch.Tensor:
+        """One parameter's fp32 master as a host copy, from the device first when layer i is GPU-held."""
+        self._refresh_host(i)
+        return self.store.param_master(i, name).to(torch.float32, copy=True)
+
+    def ds_tensor(self, i: int, slot) -> torch.Tensor:
+        """A streamed parameter's ``ds_tensor``: a view of where it is kept (``param_master``); an NVMe layer's
+        master has no RAM view, so its wire copy (compute dtype, as DeepSpeed's own ``ds_tensor``); empty for a layer
+        another rank holds (data parallel)."""
+        if not self.holds(i):
+            return torch.empty(0)
+        if self.master_on_disk(i) and slot.trainable:
+            return self.store.wire_of(i)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return self.store.param_master(i, slot.name)
+
+    def set_param_master(self, i: int, name: str, value: torch.Tensor) -> None:
+        """Overwrite one parameter's master wherever layer i lives, and the copies made from it (wire, device)."""
+        store, gpu = self.store, self.on_gpu(i)
+        if gpu:  # the host copy of a GPU-held layer is stale: refresh it before the whole layer is copied back
+            self._refresh_host(i)  # (the other weights must stay)
+        store.set_param_master(i, name, value)  # a frozen parameter of a compact store: its wire copy
+        if gpu:
+            self.device_state.master_of(i).copy_(store.master_of(i))
+
+    def load_masters(self, layer_values) -> dict:
+        """Write each ``(i, slot, value)`` into the masters of the layers this rank holds (NVMe ones: staged); then
+        ``finish_loading_masters`` refreshes every wire copy
+        and the GPU-held masters (``load_master_state_dict``). Returns the staged NVMe masters for
+        ``finish_loading_masters``."""
+        store, staged = self.store, {}  # NVMe layers' masters: assembled here, written once per layer (below)
+        for i, slot, value in layer_values:
+            if not store.owned[i]:  # data parallel: each rank writes the layers it holds
+                continue
+            if store.master_on_disk(i) and slot.trainable:
+                if i not in staged:
+                    staged[i] = store.read_master(i).clone()
+                staged[i][slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+            else:
+                store.param_master(i, slot.name).copy_(value.reshape(slot.shape))
+        return staged
+
+    def finish_loading_masters(self, staged: dict) -> None:
+        """After ``load_masters`` (and the resident parameters): write the staged NVMe masters, refresh the wire
+        copies and the GPU-held masters."""
+        store = self.store
+        for i in range(len(store.layouts)):
+            if i in staged:
+                store.write_master(i, staged[i])  # and its wire
+            elif store.owned[i] and not store.master_on_disk(i):
+                store.refresh_wire(i)
+        ds = self.device_state
+        if ds is not None:
+            ds.master.copy_(store.master[ds.full0:ds.full1])
+
+    # ------------------------------------------------------------------ moments and gradients
+    def moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's live (exp_avg, exp_avg_sq) to read: the device's (GPU-held), RAM views, or copies staged from
+        the NVMe tier (``commit_moments`` writes a changed copy back). Not while the optimizer runs."""
+        if self.on_gpu(i):
+            return self.device_state.moments_of(i)
+        return self.store.read_moments(i)
+
+    def host_moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's moments in the host buffers (RAM views, or NVMe copies), even for a GPU-held layer."""
+        return self.store.read_moments(i)
+
+    def commit_moments(self, i: int) -> None:
+        """After writing into ``moments(i)``: an NVMe layer's staged copy goes back to disk."""
+        if self.moments_on_disk(i):
+            m, v = self.store.read_moments(i)
+            self.store.write_moments(i, m, v)
+
+    def write_moments(self, i: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Overwrite layer i's host moments (flat) wherever they live (``push_moments_to_device`` follows)."""
+        self.store.write_moments(i, exp_avg, exp_avg_sq)
+
+    def push_moments_to_device(self) -> None:
+        """The GPU-held layers' moments from the host buffers (after a load)."""
+        ds = self.device_state
+        if ds is not None:
+            ds.exp_avg.copy_(self.store.exp_avg[ds.train0:ds.train1])
+            ds.exp_avg_sq.copy_(self.store.exp_avg_sq[ds.train0:ds.train1])
+
+    def grad(self, i: int) -> torch.Tensor:
+        """Layer i's accumulated gradient buffer: the device's (GPU-held) or the host's."""
+        if self.on_gpu(i):
+            return self.device_state.grad_of(i)
+        return self.store.grad_of(i)
