@@ -35,7 +35,7 @@ from .loss import linear_cross_entropy
 from .loss_scale import cast_inputs_half
 from .model_map import build_layout, find_block_list, plain_lm_head, shared_parameter_ids
 from .monitor import Monitor
-from .optimizer import HostAdamW, ResidentParams
+from .optimizer import HostAdamW, HostAdamWParts, ResidentParams
 from .placement import apply_placement
 from .placement import resolve as resolve_placement
 from .speculation import SpeculationPolicy
@@ -311,13 +311,16 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                            local_world=local_world) if device.type == "cuda" else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host",
                                          initializer=apply_placement, initargs=(self.placement,))
-        # and the AdamW thread (speculative and post-norm updates; see HostAdamW.bind)
+        # and the AdamW thread (speculative and post-norm updates; see [Note: host threads] in optimizer.py)
         self.opt_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-adamw",
                                              initializer=apply_placement, initargs=(self.placement,))
         check = RecomputeCheck(mt.check_recompute, mt.check_recompute_tolerance, compute_dtype,
                                type(model).__name__, input_from_next=mt.offload_activations)
+        # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
+        self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
         self.executor = StreamedLayers(layers, layouts, self.store, device, self.streams, self.worker,
-                                       num_slots=mt.num_slots, compute_dtype=compute_dtype, dp=self.dp, check=check)
+                                       num_slots=mt.num_slots, compute_dtype=compute_dtype, dp=self.dp, check=check,
+                                       timer=self.timer)
         from .tiling import apply_tiling  # long context: the templates' MLPs (and non-liger RMSNorms) in row chunks
         self.tiled_modules = apply_tiling(self.executor.templates, mt.tiled_mlp)  # "template:path" of each
         if mt.trace:
@@ -373,16 +376,14 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         # 3. Host optimizer over the fp32 masters.
         self.optimizer = None
         if settings is not None:
-            self.optimizer = HostAdamW(groups, defaults, adam_w_mode=settings.adam_w_mode)
-            self.optimizer.bind(self.executor, self.resident, self.worker, config.gradient_clipping,
-                                config.loss_scaler, optimizer_worker=self.opt_worker, dp=self.dp,
-                                kernel=self.host_kernel)
+            parts = HostAdamWParts(executor=self.executor, store=self.store, schedule=self.executor.schedule,
+                                   streams=self.streams, timer=self.timer, resident=self.resident, worker=self.worker,
+                                   opt_worker=self.opt_worker, clip=config.gradient_clipping,
+                                   scaler=config.loss_scaler, dp=self.dp, kernel=self.host_kernel)
             # a speculative step is undone exactly only on fp32 masters (bf16 rounding would not come back)
-            self.optimizer.policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters,
-                                                      mt.speculation_backoff)
+            policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters, mt.speculation_backoff)
+            self.optimizer = HostAdamW(groups, defaults, parts, adam_w_mode=settings.adam_w_mode, policy=policy)
         self.lr_scheduler = None
-        # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
-        self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
         if self.optimizer is not None:
             policy = self.optimizer.policy
             tier = self.store.tier
@@ -390,7 +391,6 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                                            "rolled_back_steps": policy.rolled_back,
                                            **({"nvme_read_bytes": tier.read_bytes,
                                                "nvme_written_bytes": tier.written_bytes} if tier else {})}
-        self.executor.timer = self.timer
         self.micro_steps = 0
         self.window_micro_steps = 0  # micro-steps of the current accumulation window (its partial gradient)
         self.global_steps = 0
@@ -495,7 +495,6 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 "the graph again, or compute the loss again")
         user_loss = loss
         final = self.is_gradient_accumulation_boundary()
-        self.executor.final_micro = final
         ga = self.config_settings.gradient_accumulation_steps
         if scale_wrt_gas and ga > 1:
             loss = loss / ga
@@ -511,7 +510,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             # each layer's backward loads it exactly once: one forward per layer into this loss, no retained graph
             once = not retain_graph and self.executor.schedule.one_forward_each()
             self.optimizer.begin_speculation(allowed=once)
-        self.executor.in_engine_backward = True
+        self.executor.begin_backward(final)
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException as exc:
@@ -520,12 +519,11 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 self._explain_oom(exc)
             raise
         finally:
-            self.executor.in_engine_backward = False
-            self.executor.schedule.backward_finished()
+            self.executor.end_backward()
         if self.dp.active:  # the owners' accumulations ran on d2h after each reduce (executor._evacuate)
             self.streams.wait(self.streams.compute(), self.streams.record(self.streams.d2h))
         self.resident.evacuate(self.worker, final)
-        self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
+        self.executor.mark_backward_done()  # after the folds above
         self._backward_done_for = (weakref.ref(user_loss), retain_graph)  # a second backward of it is refused
         self.dp.mark("backward_done", self.micro_steps, self.global_steps)
         return loss
