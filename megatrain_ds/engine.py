@@ -95,8 +95,11 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             close_tiers_at_exit(self)
             log_tier(self.store, config, dec)
         self.placement, self.worker, self.opt_worker = build_workers(config, device, self.local_rank, self.dp)
+        # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
+        self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
         self.executor, self.tiled_modules = build_executor(layers, layouts, self.store, device, self.streams,
-                                                           self.worker, config, dec, self.dp, type(model).__name__)
+                                                           self.worker, config, dec, self.dp, type(model).__name__,
+                                                           self.timer)
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         self.store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
@@ -118,13 +121,11 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             torch.cuda.empty_cache()  # the model's GPU copy, if it was built there, is gone: so is its peak
             torch.cuda.reset_peak_memory_stats(device)
         self.optimizer = None if config.optimizer is None else build_optimizer(
-            groups, defaults, config, dec, self.executor, self.resident, self.worker, self.opt_worker, self.dp)
+            groups, defaults, config, dec, self.executor, self.streams, self.timer, self.resident, self.worker,
+            self.opt_worker, self.dp)
         self.lr_scheduler = None
-        # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
-        self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
         if self.optimizer is not None:
             self.timer.counters = step_counters(self.optimizer, self.store)
-        self.executor.timer = self.timer
         self.micro_steps = 0
         self.window_micro_steps = 0  # micro-steps of the current accumulation window (its partial gradient)
         self.global_steps = 0
@@ -211,7 +212,6 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 "the graph again, or compute the loss again")
         user_loss = loss
         final = self.is_gradient_accumulation_boundary()
-        self.executor.final_micro = final
         ga = self.config_settings.gradient_accumulation_steps
         if scale_wrt_gas and ga > 1:
             loss = loss / ga
@@ -227,7 +227,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             # each layer's backward loads it exactly once: one forward per layer into this loss, no retained graph
             once = not retain_graph and self.executor.schedule.one_forward_each()
             self.optimizer.begin_speculation(allowed=once)
-        self.executor.in_engine_backward = True
+        self.executor.begin_backward(final)
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException as exc:
@@ -236,12 +236,11 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 self._explain_oom(exc)
             raise
         finally:
-            self.executor.in_engine_backward = False
-            self.executor.schedule.backward_finished()
+            self.executor.end_backward()
         if self.dp.active:  # the owners' accumulations ran on d2h after each reduce (executor._evacuate)
             self.streams.wait(self.streams.compute(), self.streams.record(self.streams.d2h))
         self.resident.evacuate(self.worker, final)
-        self.executor.backward_done = self.streams.record(self.streams.compute())  # after the folds above
+        self.executor.mark_backward_done()  # after the folds above
         self._backward_done_for = (weakref.ref(user_loss), retain_graph)  # a second backward of it is refused
         self.dp.mark("backward_done", self.micro_steps, self.global_steps)
         return loss

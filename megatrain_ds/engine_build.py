@@ -28,12 +28,13 @@ from .inference import InferenceCache
 from .layer_state import LayerStates
 from .log import logger
 from .nvme import check_path
-from .optimizer import HostAdamW
+from .optimizer import HostAdamW, HostAdamWParts
 from .placement import apply_placement
 from .placement import resolve as resolve_placement
 from .recompute_check import RecomputeCheck
 from .speculation import SpeculationPolicy
 from .tiling import apply_tiling
+from .timing import StepTimer
 
 
 def param_groups(model: nn.Module, model_parameters, settings) -> tuple[list[dict], dict | None]:
@@ -182,7 +183,8 @@ def log_tier(store: HostLayerStore, config: TrainConfig, dec: Decisions) -> None
 
 def build_workers(config: TrainConfig, device: torch.device, local_rank: int, dp):
     """(thread placement, the host worker, the AdamW worker). One host worker thread runs gradient landings and
-    optimizer tasks, FIFO (streams.py's Note); the AdamW thread the speculative and post-norm updates (HostAdamW.bind).
+    optimizer tasks, FIFO (streams.py's Note); the AdamW thread the speculative and post-norm updates ([Note: host
+    threads] in optimizer.py).
     Their threads are placed (placement.py) on CUDA only: on the CPU the main thread computes the model itself
     (data parallel: each local rank within its own share of the host's cores)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp.world) or 1) if dp.active else 1
@@ -196,7 +198,8 @@ def build_workers(config: TrainConfig, device: torch.device, local_rank: int, dp
 
 
 def build_executor(layers: nn.ModuleList, layouts, store: HostLayerStore, device: torch.device, streams, worker,
-                   config: TrainConfig, dec: Decisions, dp, model_name: str) -> tuple[StreamedLayers, list[str]]:
+                   config: TrainConfig, dec: Decisions, dp, model_name: str,
+                   timer: StepTimer) -> tuple[StreamedLayers, list[str]]:
     """(the streamed-layer executor, the "template:path" of each tiled module): the executor with its recompute
     check, long-context tiling of the templates' MLPs (and non-liger RMSNorms), trace, no-grad inference cache and
     activation offload as the config asks."""
@@ -205,7 +208,7 @@ def build_executor(layers: nn.ModuleList, layouts, store: HostLayerStore, device
     check = RecomputeCheck(steps, dec.check_recompute_tolerance, dec.compute_dtype, model_name,
                            input_from_next=mt.offload_activations)
     executor = StreamedLayers(layers, layouts, store, device, streams, worker, num_slots=mt.num_slots,
-                              compute_dtype=dec.compute_dtype, dp=dp, check=check)
+                              compute_dtype=dec.compute_dtype, dp=dp, check=check, timer=timer)
     tiled_modules = apply_tiling(executor.templates, mt.tiled_mlp)
     if mt.trace:
         executor.trace = []
@@ -234,16 +237,16 @@ def buffers_to_device(model: nn.Module, layers: nn.ModuleList, device: torch.dev
             module._buffers[name] = buf.to(device)
 
 
-def build_optimizer(groups: list[dict], defaults: dict, config: TrainConfig, dec: Decisions, executor, resident,
-                    worker, opt_worker, dp) -> HostAdamW:
-    """The host AdamW over the fp32 masters, bound to the executor's landings and the resident parameters. A
+def build_optimizer(groups: list[dict], defaults: dict, config: TrainConfig, dec: Decisions, executor: StreamedLayers,
+                    streams, timer: StepTimer, resident, worker, opt_worker, dp) -> HostAdamW:
+    """The host AdamW over the fp32 masters, given its collaborators ([Note: host threads] in optimizer.py). A
     speculative step is undone exactly only on fp32 masters (bf16 rounding would not come back)."""
-    optimizer = HostAdamW(groups, defaults, adam_w_mode=config.optimizer.adam_w_mode)
-    optimizer.bind(executor, resident, worker, config.gradient_clipping, config.loss_scaler,
-                   optimizer_worker=opt_worker, dp=dp, kernel=dec.host_kernel)
+    parts = HostAdamWParts(executor=executor, store=executor.store, schedule=executor.schedule, streams=streams,
+                           timer=timer, resident=resident, worker=worker, opt_worker=opt_worker,
+                           clip=config.gradient_clipping, scaler=config.loss_scaler, dp=dp, kernel=dec.host_kernel)
     mt = config.megatrain
-    optimizer.policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters, mt.speculation_backoff)
-    return optimizer
+    policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters, mt.speculation_backoff)
+    return HostAdamW(groups, defaults, parts, adam_w_mode=config.optimizer.adam_w_mode, policy=policy)
 
 
 def step_counters(optimizer: HostAdamW, store: HostLayerStore):

@@ -32,7 +32,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .host_state import HostLayerStore
-from .landing import GradientLanding
+from .landing import GradientLanding, LandingListener
 from .recompute_check import RecomputeCheck
 from .schedule import LayerSchedule
 from .model_map import LayerLayout, make_template, per_layer_attributes
@@ -81,7 +81,8 @@ class StreamedLayers(GradientLanding):
 
     def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], store: HostLayerStore,
                  device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2,
-                 compute_dtype: torch.dtype | None = None, dp=None, check: RecomputeCheck | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, dp=None, check: RecomputeCheck | None = None,
+                 timer: StepTimer | None = None) -> None:
         if num_slots < 2:
             raise ValueError(f"megatrain.num_slots must be >= 2 for double buffering, got {num_slots}")
         self.layouts, self.store, self.device = layouts, store, device
@@ -122,8 +123,9 @@ class StreamedLayers(GradientLanding):
         # every recompute compared with its forward while on ([Note: recompute check] in recompute_check.py)
         self.check = check if check is not None else RecomputeCheck(False, "auto", torch.float32, "", False)
         self._last_call: LayerCall | None = None
-        self.in_engine_backward = False  # set by engine.backward(): other backwards are refused (see below)
-        self.on_final_landing = None  # worker thread, around a layer's final landing: (layer, sq-norm, before_fold)
+        self.in_engine_backward = False  # between begin_backward() and end_backward(); other backwards are refused
+        # told of each final landing, on the landing thread (landing.py); set once, by ``listen``
+        self.landing_listener: LandingListener | None = None
         max_numel = max(l.numel for l in layouts)
         compute_dtype = compute_dtype or store.wire_dtype
         staged = compute_dtype != store.wire_dtype
@@ -138,24 +140,47 @@ class StreamedLayers(GradientLanding):
         # versions, optimizer tasks, H2D reads, landings, forward counts: one owner (schedule.py)
         self.schedule = LayerSchedule(len(layouts))
         self.device_state = None  # DeviceOptimizerState: leading layers whose optimizer state lives on the GPU
-        self.backward_done = None  # event on compute after the last backward (device-state updates wait on it)
+        self.backward_done = None  # mark_backward_done(): event on compute after the last backward (device-state
+        # updates wait on it)
         self.activations = None  # HostActivations when layer inputs are kept in host memory
         # per-layer gradient norms taken on the GPU (GA 1, device-state layers) and their pinned host landing
         self.norm_dev = torch.zeros(len(layouts), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(layouts), dtype=torch.float32)
         if device.type == "cuda":
             self.norm_host = self.norm_host.pin_memory()
-        self.final_micro = True  # set by the engine: this backward closes the accumulation window
+        self.final_micro = True  # begin_backward(): this backward closes the accumulation window
         self.trace: list[tuple] | None = None  # (op, layer, slot) when tracing is on
         # H2D layer loads, per direction ("forward", "backward", "cache": uploads into the inference cache)
         self.h2d_loads = {d: [0] * len(layouts) for d in ("forward", "backward", "cache")}
         self.inference = None  # InferenceCache (inference.py): no-grad forwards on device-resident weights
         self._direction = "forward"
-        self.timer = StepTimer(streams, enabled=False)  # the engine installs its own
+        self.timer = timer if timer is not None else StepTimer(streams, enabled=False)  # the engine's breakdown
         self._tick = 0
         self._anchor = torch.zeros((), requires_grad=True)
         for i, layer in enumerate(layers):
             layer.forward = _make_layer_forward(self, i)
+
+    # --- what the engine tells it ---------------------------------------------------------------------
+    def listen(self, listener: LandingListener) -> None:
+        """Main thread, before any backward: ``listener`` is told of every final landing, on the landing thread
+        (``LandingListener``; the host optimizer's speculative step)."""
+        self.landing_listener = listener
+
+    def begin_backward(self, final: bool) -> None:
+        """Main thread, ``engine.backward`` before autograd runs: a backward through the streamed layers is allowed
+        until ``end_backward``; ``final``: it closes the accumulation window (its landings are the final ones)."""
+        self.final_micro = final
+        self.in_engine_backward = True
+
+    def end_backward(self) -> None:
+        """Main thread, once autograd returned or raised: backwards are refused again; forward counts restart."""
+        self.in_engine_backward = False
+        self.schedule.backward_finished()
+
+    def mark_backward_done(self) -> None:
+        """Main thread, after the backward's last kernels (the resident folds too) are queued on compute: the event
+        the GPU-held updates wait for (``backward_done`` in [Note: stream and event ordering])."""
+        self.backward_done = self.streams.record(self.streams.compute())
 
     # --- slots -------------------------------------------------------------------------------------
     def _find(self, i: int) -> Slot | None:

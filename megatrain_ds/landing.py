@@ -10,15 +10,18 @@ It owns the path from the GPU to the gradient's home and the layer's squared nor
 - otherwise one D2H burst: straight into the pinned gradient home (GA 1: its norm taken on the GPU), or into a slab
   of the landing ring (GA > 1), or into a temporary buffer for a second gradient of the window; then the host
   worker thread waits for the copy (``landed``), folds the bytes into the layer's gradient (``_fold``), takes its
-  squared norm and hands the final landing to the speculative step (``on_final_landing``).
+  squared norm and tells the final landing to the speculative step (``landing_listener``, a ``LandingListener``).
 
 Every record and wait (``grad_ready``, ``landed``) is in [Note: stream and event ordering] in streams.py; the
-landing futures go to ``LayerSchedule.landing`` (schedule.py).
+landing futures go to ``LayerSchedule.landing`` (schedule.py); what the landing thread hands the other host threads
+is [Note: host threads] in optimizer.py.
 
 What it reads of ``StreamedLayers``: ``streams``, ``store``, ``schedule``, ``worker``, ``timer``, ``dp``,
-``device``, ``device_state``, ``norm_dev``/``norm_host``, ``final_micro``, ``on_final_landing`` and ``_log``.
+``device``, ``device_state``, ``norm_dev``/``norm_host``, ``final_micro``, ``landing_listener`` and ``_log``.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -31,6 +34,23 @@ def _done_zero():
 
 
 _DONE_ZERO = _done_zero()  # a completed landing whose squared norm is 0.0 (a layer another rank owns)
+
+
+class LandingListener(Protocol):
+    """Who is told of the final gradient landings of a window (the host optimizer's speculative step). Registered once,
+    before any backward, with ``StreamedLayers.listen`` / ``ResidentParams.listen``; every call is made on the landing
+    thread, in landing order, inside the landing task (the norm task, queued after it, sees its effects). See
+    [Note: host threads] in optimizer.py."""
+
+    def before_final_fold(self, i: int) -> None:
+        """Layer i's final landing is about to be folded into its gradient home (which still holds what an
+        earlier final landing of the window left: a layer stepped on it is undone now)."""
+
+    def final_landing(self, i: int, sq_norm: float | None) -> None:
+        """Layer i's final gradient is in its host home; its squared norm (None: not taken)."""
+
+    def final_resident_landing(self, k: int, sq_norm: float | None) -> None:
+        """Resident parameter k's final gradient is in its fp32 home; its squared norm."""
 
 
 class GradientLanding:
@@ -113,14 +133,15 @@ class GradientLanding:
     def _land(self, i: int, landed, dest: torch.Tensor, slab, first: bool, final: bool):
         """Worker thread: wait for the D2H, fold the bytes into the layer's gradient, return its sq-norm."""
         landed.synchronize()
-        if final and self.on_final_landing is not None:  # a second gradient for a layer stepped speculatively:
-            self.on_final_landing(i, None, before_fold=True)  # undone while its gradient is the one it used
+        listener = self.landing_listener if final else None  # See [Note: host threads] in optimizer.py
+        if listener is not None:  # a second gradient for a layer stepped speculatively:
+            listener.before_final_fold(i)  # undone while its gradient is the one it used
         with self.timer.host_span("landing_s"), _range("land", i):
             sq = self._fold(i, dest, first, final)
         if slab is not None:
             self.store.ring.put(slab)  # only now may a later D2H overwrite it
-        if final and self.on_final_landing is not None:  # speculative optimizer step (speculation.py)
-            self.on_final_landing(i, sq)
+        if listener is not None:  # speculative optimizer step (speculation.py)
+            listener.final_landing(i, sq)
         return sq
 
     def _fold(self, i: int, dest: torch.Tensor, first: bool, final: bool):

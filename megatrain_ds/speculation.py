@@ -10,7 +10,7 @@ soon as the last gradient lands), during the backward, as if the clip coefficien
 scale). Updates not yet started when the norm is known are not made speculatively (``closed``): those layers
 get the plain update after the norm, in forward order, which is the order the next forward needs them (the
 host AdamW of a 3B step, ~0.8 s, outlasts a backward without recompute). When the norm is known
-(``HostAdamW._norm_task``):
+(``HostAdamW._norm_task``, whose ``StepDecision`` says whether the speculated updates are kept):
 
 - finite and clipping does not fire (coefficient exactly 1), same hyperparameters: the speculated update is
   the update. It is **bit-identical** to the non-speculative step: the same fused kernel on the same inputs.
@@ -48,19 +48,24 @@ _CHUNK = 1 << 22  # elements per float64 chunk of a rollback (32 MiB per tempora
 
 @dataclass(slots=True, eq=False)
 class Speculation:
-    """One accumulation boundary's speculative updates (built at the start of its last backward)."""
+    """One accumulation boundary's speculative updates (built by the main thread at the start of its last backward).
 
-    hp: list[dict]  # per param group: lr, beta1, beta2, eps, weight_decay, step (step = step count + 1)
-    coef: float  # gradient multiplier the speculative updates used: 1 / loss scale
+    Three threads share it; which one writes each field, and who reads it, is [Note: host threads] in optimizer.py.
+    Whether the updates are kept is not here: the norm task decides it (``StepDecision.commit``)."""
+
+    hp: list[dict]  # per param group: lr, beta1, beta2, eps, weight_decay, step (step = step count + 1); read-only
+    coef: float  # gradient multiplier the speculative updates used: 1 / loss scale; read-only
+    # AdamW thread appends; its later tasks (settle, close), and the main thread after abandon's undo, read them
     done: list[int] = field(default_factory=list)  # layers stepped, in landing order
+    resident_done: list[int] = field(default_factory=list)  # resident parameters stepped (embeddings, head)
+    # the landing thread's own (the listener calls)
     landed: set[int] = field(default_factory=set)  # layers whose final gradient has landed
     stale: set[int] = field(default_factory=set)  # stepped, then another gradient landed for them
-    resident_done: list[int] = field(default_factory=list)  # resident parameters stepped (embeddings, head)
     resident_landed: set[int] = field(default_factory=set)
-    stopped: bool = False  # a non-finite gradient landed: nothing more is speculated
-    closed: bool = False  # the norm is known (or the speculation was abandoned): updates not started yet are not
-    # made speculatively (the layer gets the plain update after the norm, in forward order)
-    commit: bool | None = None  # decided by the norm task: keep the speculated updates as they are
+    # flags the AdamW thread reads before each speculative update
+    stopped: bool = False  # landing thread: a non-finite gradient landed: nothing more is speculated
+    closed: bool = False  # the norm task (landing thread) knows the norm, or main abandoned it: updates not started
+    # yet are not made speculatively (the layer gets the plain update after the norm, in forward order)
 
 
 class SpeculationPolicy:

@@ -24,7 +24,8 @@ exists; only the events below order the actors.
 |                       |             | while the recompute check is on)   | (recompute_check.py)                      |
 | ``device_ready[i]``   | opt         | h2d, before the cast of a GPU-held | the update of layer i's device master is  |
 |                       |             | layer's master into a slot         | done (the other layers' may still run)    |
-| ``res.device_updated``| opt         | h2d, before the resident upload    | GPU-held resident state is updated        |
+| resident update's     | opt         | h2d, before the resident upload    | GPU-held resident state is updated        |
+| result (event)        |             | (``ResidentParams.upload``)        |                                           |
 
 ``opt`` runs the AdamW of optimizer state held on the GPU (``gpu_optimizer_layers``): a stream of its own, so
 the forward's first casts do not queue behind every layer's update (one H2D queue would hold the embedding's
@@ -35,7 +36,8 @@ one owner, ``LayerSchedule`` (schedule.py), with the cycle and its invariants.
 
 Host-side ordering (not events, Python futures). Two host threads: the landing thread (folds, squared norms,
 the norm task) and the AdamW thread (speculative updates, then each step's update tasks); each is FIFO, and an
-update task waits for its step's norm future. the worker runs in FIFO order, so gradient landings of a
+update task waits for its step's norm future (its ``StepDecision``). Every hand-off between the host threads is
+[Note: host threads] in optimizer.py. the worker runs in FIFO order, so gradient landings of a
 backward precede the norm task of the following ``step()``, which precedes the per-layer optimizer tasks.
 Before ``h2d`` reads wire i, the main thread waits (CPU-side) for the optimizer future of layer i: this is
 the only place where the GPU can wait on the CPU, and it is what makes the update of step t overlap the

@@ -415,3 +415,65 @@ def test_cross_field_conflicts_are_parse_errors(tmp_path):
     with pytest.raises(ConfigError, match="offload_param.device=nvme.*fp32 compute"):
         parse_config({**fp32, "zero_optimization": nvme}, warn=False)
     parse_config({**BASE, "zero_optimization": nvme}, warn=False)  # bf16 with stream_fp32_master auto: fine
+
+
+# ---------------------------------------------------------------------------------------------------------- fields
+# (file relative to the package, class): classes whose every attribute is declared in ``__init__`` (issue 28: what
+# another thread reads is declared, with the thread that writes it, in one place). ``HostAdamW``'s host-thread
+# hand-offs are [Note: host threads] in optimizer.py.
+DECLARED_IN_INIT = {("optimizer.py", "HostAdamW"), ("resident.py", "ResidentParams")}
+
+
+def _assigned_outside_init(tree: ast.AST, cls_name: str) -> list[tuple[str, str, int]]:
+    """(method, attribute, line) of every ``self.<attribute> = ...`` (plain, augmented, annotated, tuple targets,
+    nested functions included) in a method of class ``cls_name`` other than ``__init__`` whose attribute ``__init__``
+    does not assign and that is not a property of the class."""
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls_name)
+
+    def assigned(func) -> list[tuple[str, int]]:
+        self_name = func.args.args[0].arg if func.args.args else "self"
+        out = []
+        for node in ast.walk(func):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            stack = list(targets)
+            while stack:
+                t = stack.pop()
+                if isinstance(t, (ast.Tuple, ast.List)):
+                    stack += t.elts
+                elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == self_name:
+                    out.append((t.attr, t.lineno))
+        return out
+
+    methods = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    properties = {m.name for m in methods
+                  if any(isinstance(d, ast.Name) and d.id == "property" for d in m.decorator_list)}
+    init = next((m for m in methods if m.name == "__init__"), None)
+    declared = {name for name, _ in assigned(init)} if init is not None else set()
+    return [(m.name, name, line) for m in methods if m.name != "__init__"
+            for name, line in assigned(m) if name not in declared and name not in properties]
+
+
+def test_every_field_is_declared_in_init():
+    late = []
+    for rel, cls_name in sorted(DECLARED_IN_INIT):
+        path = os.path.join(PACKAGE, rel)
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        late += [f"megatrain_ds/{rel}:{line} {cls_name}.{method} sets self.{name}"
+                 for method, name, line in _assigned_outside_init(tree, cls_name)]
+    assert not late, f"attributes first assigned outside __init__ (declare them there, with their thread): {late}"
+
+
+def test_the_field_checker_sees_late_assignments():
+    src = ("class C:\n"
+           "    def __init__(self):\n        self.a = 1\n"
+           "    @property\n    def p(self):\n        return 1\n"
+           "    @p.setter\n    def p(self, v):\n        self._p = v\n"
+           "    def f(self):\n        self.a = 2\n        self.b, (self.c, x) = 1, (2, 3)\n        self.d += 1\n"
+           "        def inner():\n            self.e: int = 0\n        self.p = 3\n")
+    found = [(m, n) for m, n, _ in _assigned_outside_init(ast.parse(src), "C")]
+    assert sorted(found) == [("f", "b"), ("f", "c"), ("f", "d"), ("f", "e"), ("p", "_p")]
