@@ -364,13 +364,12 @@ class HostAdamW(torch.optim.Optimizer):
         master, m, v = self._state(i)
         try:
             with self.parts.timer.host_span("rollback_s"), _range(f"rollback.L{i}"):
-                if self.kernel == "native":  # [Note: native rollback]: one pass, the wire copy written in it
+                if self.kernel == "native":  # [Note: native rollback]: one pass, the wire copy written in it (the
+                    # segments cover the trainable region [0, n_train), model_map.build_layout)
                     wire = None if store.wire_is_master else store.wire_of(i)
                     for group, a, b in layout.segments:
                         native_adam_undo(master[a:b], grad[a:b], m[a:b], v[a:b], spec.hp[group], spec.coef,
                                          self.adam_w_mode, None if wire is None else wire[a:b])
-                    if wire is not None and layout.segments and layout.segments[-1][2] != layout.n_train:
-                        store.refresh_wire(i, master)  # segments not ending at n_train: the rest as before
                 else:
                     if grad.dtype != torch.float32:
                         grad = self._tmp[:layout.n_train].copy_(grad)
