@@ -68,11 +68,17 @@ def main(argv=None) -> int:
     p.add_argument("--coef", type=float, default=0.37, help="clip coefficient (1.0: none)")
     p.add_argument("--native-threads", default=None, metavar="N,N,...",
                    help="only: the native kernel's Gparam/s at each thread count (bf16 grad, fp32 master, no wire)")
+    p.add_argument("--phases", action="store_true",
+                   help="only: the whole native update against its two passes ([Note: deferred moments] in "
+                        "host_update.py), bf16 grad + fp32 master, by --native-threads (default: torch's threads)")
     p.add_argument("--tail-forms", action="store_true",
                    help="only: which fusion of torch's scalar tail loop this torch build has (host_update.TAIL_FORM)")
     args = p.parse_args(argv)
     if args.tail_forms:
         return _tail_forms()
+    if args.phases:
+        counts = [int(t) for t in args.native_threads.split(",")] if args.native_threads else [torch.get_num_threads()]
+        return _phases(int(args.params), counts, args)
     if args.native_threads:
         return _native_threads(int(args.params), [int(t) for t in args.native_threads.split(",")], args)
     if args.threads:
@@ -115,6 +121,20 @@ def _rollback(n: int, args, native: bool) -> None:
         row["native undo"] = _median_s(lambda: host_update.native_adam_undo(master, grad, m, v, HP, args.coef, True,
                                                                             wire=wire), args.repeats)
     print("rollback of one step, Gparam/s: " + ", ".join(f"{k} {n / s / 1e9:.2f}" for k, s in row.items()))
+
+
+def _phases(n: int, counts: list[int], args) -> int:
+    """Gparam/s of the whole update and of its weights and moments passes (the forward waits only for the first)."""
+    t = _tensors(n, torch.bfloat16, torch.float32, None)
+    print(f"native host update, {n / 1e6:.0f} M params, bf16 grad + fp32 master, coef {args.coef}: Gparam/s "
+          "(whole | weights pass | moments pass | both passes)")
+    for k in counts:
+        s = [_median_s(lambda: host_update.native_adam(t[0], t[1], t[2], t[3], HP, args.coef, True, threads=k,
+                                                       phase=ph), args.repeats)
+             for ph in (host_update.PHASE_WHOLE, host_update.PHASE_WEIGHTS, host_update.PHASE_MOMENTS)]
+        print(f"  {k:3d} threads: {n / s[0] / 1e9:.2f} | {n / s[1] / 1e9:.2f} | {n / s[2] / 1e9:.2f} | "
+              f"{n / (s[1] + s[2]) / 1e9:.2f}", flush=True)
+    return 0
 
 
 def _native_threads(n: int, counts: list[int], args) -> int:

@@ -16,6 +16,9 @@
 #   checkall  the same, host-only with every layer recomputed (keep_activations 0): off, on, off, on
 #   hu26a     issue 26: host_update_bench (native kernel exactness + Gparam/s), then 16K clip 1.0: ZeRO-3, host-only,
 #             defaults;  hu26b: host-only and defaults at clip 1e9, host-only with host_kernel torch, ZeRO-3 clip 1e9
+#   defer26   issue 26, deferred moments: host_update_bench --phases, then 16K clip 1.0: ZeRO-3, host-only, host-only
+#             with deferred_moments false;  defer26b: the same at 8K with 10 GiB of GPU free (host-only both ways,
+#             defaults, ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests
 #   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
@@ -95,6 +98,29 @@ case $phase in
         h2h_call 100 hostonly_torchkernel --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 \
             --warmup 2 --steps 4 --megatrain-options '{"host_kernel": "torch"}'
         h2h_call 240 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  defer26)  # issue 26: the update after the norm in two passes ([Note: deferred moments] in host_update.py)
+        python3 -m benchmarks.host_update_bench --phases --native-threads 8,15 --repeats 3 2>&1 \
+            | grep -v -i warn | tee -a "$log"
+        h2h_call 240 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 hostonly_whole --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 \
+            --steps 4 --megatrain-options '{"deferred_moments": false}' ;;
+  defer26b)  # the consumer-GPU row: 10 GiB of GPU free, 8K, clip 1.0
+        h2h_call 120 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
+            --tokens-per-step 8192 --warmup 2 --steps 4
+        h2h_call 120 hostonly_whole --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
+            --tokens-per-step 8192 --warmup 2 --steps 4 --megatrain-options '{"deferred_moments": false}'
+        h2h_call 100 defaults --systems megatrain --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 \
+            --warmup 2 --steps 4
+        h2h_call 240 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
+            --steps 4 ;;
+  defer26c)  # clipping that never fires (speculation), defaults at clip 1.0, then the GPU-marked tests
+        h2h_call 100 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
+            --steps 4
+        h2h_call 100 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        timeout 200 python3 -m pytest -q -m gpu tests 2>&1 | tail -n 8 | tee -a "$log"
+        timeout 150 python3 -m pytest -q tests/test_deferred_moments.py tests/test_native_update.py 2>&1 \
+            | tail -n 8 | tee -a "$log" ;;
   same28)  # issue 28: the refactor changes no behaviour: megatrain host-only, 16K, clip 1.0, on the tree before it
         # (BEFORE: a folder holding that commit's megatrain_ds/ and benchmarks/, e.g. from git archive) and on this
         # one, alternating, then the rollback's Gparam/s (host_update_bench's last line)

@@ -156,6 +156,11 @@ class MegatrainSettings:
     # per layer (gradient in its landing dtype, master, moments and wire copy in one sweep; bit-identical to torch's
     # fused AdamW), built at first use with the machine's C compiler; "torch" = torch's fused AdamW in cache-sized
     # blocks; "auto" = native where it builds, else torch (said once)
+    deferred_moments: bool | str = "auto"  # the update after the norm in two passes of the native kernel
+    # ([Note: deferred moments] in host_update.py): the new master first (the next forward waits for it: 18 of the
+    # update's 26 host bytes/param), the new Adam moments later, under the next forward and backward (bit-identical;
+    # 36 bytes/param in all). "auto" = on with the native kernel for layers in host RAM and AdamW (or Adam without
+    # weight decay); false: one pass
     stream_fp32_master: bool | str = "auto"  # bf16: stream the pinned fp32 master and cast on the GPU instead
     # of keeping a bf16 wire copy: 2x H2D bytes, but no host bf16 copy and no host cast pass in the optimizer;
     # 14 host bytes/param with the native host kernel (bf16 gradients), 16 with the torch one (fp32 landing). Measured on 3B/16K/H200: 1.72 s/step vs 2.22 (bf16 wire,
@@ -230,6 +235,9 @@ class MegatrainSettings:
         if self.host_kernel not in ("auto", "native", "torch"):
             raise ConfigError(f"megatrain.host_kernel must be \"auto\", \"native\" or \"torch\", got "
                               f"{self.host_kernel!r}")
+        if self.deferred_moments not in (True, False, "auto"):
+            raise ConfigError(f"megatrain.deferred_moments must be true, false or \"auto\", got "
+                              f"{self.deferred_moments!r}")
         if self.stream_fp32_master not in (True, False, "auto"):
             raise ConfigError(f"megatrain.stream_fp32_master must be true, false or \"auto\", got "
                               f"{self.stream_fp32_master!r}")

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .config import TrainConfig
+from .errors import ConfigError
 from .host_bytes import (layer_store_bytes, nvme_masters, nvme_settings, nvme_split, optimizer_scratch_bytes,
                          resident_host_bytes, staging_buffers)
 from .host_update import lands_fp32, resolve_kernel
@@ -51,6 +52,7 @@ class Decisions:
     grad: str  # the gradient home: ``landing`` with GA 1, "fp32" with GA > 1 (an fp32 accumulator)
     ga: int
     host_kernel: str  # the host AdamW: "native" | "torch" (host_update.resolve_kernel)
+    deferred_moments: bool  # the update after the norm in two native passes, moments last (host_update.py's Note)
     liger_kernels: bool | str  # what engine_build.apply_liger_kernels applies: "auto" is False in fp32 compute
     n_layers: int  # streamed layers
     disk_layers: int  # trailing layers on the NVMe tier (their moments; their masters too with ``nvme_masters``)
@@ -126,6 +128,15 @@ def recompute_tolerance(config: TrainConfig) -> float:
     return float(setting) if setting != "auto" else TOLERANCE.get(DTYPES[config.compute_dtype], 1e-4)
 
 
+def defer_moments(setting: bool | str, kernel: str) -> bool:
+    """``megatrain.deferred_moments``: "auto" and true need the native kernel (true refuses without it); per layer the
+    optimizer also needs it in RAM and AdamW (or no weight decay) ([Note: deferred moments] in host_update.py)."""
+    if setting is True and kernel != "native":
+        raise ConfigError("megatrain.deferred_moments: true needs the native host kernel (host_kernel \"native\" "
+                          "or \"auto\" with a C compiler); set it to \"auto\" or false")
+    return setting is not False and kernel == "native"
+
+
 def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = "cuda",
             share: HostShare | None = None) -> Decisions:
     """The decisions for ``config`` over ``layouts`` (every streamed layer's, whoever holds it) on a ``device_type``
@@ -154,7 +165,8 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
     before_split = Decisions(
         compute=compute, stream_fp32_master=stream, wire="fp32" if stream else compute,
         master=compute if config.bf16_masters else "fp32", landing=landing, grad="fp32" if ga > 1 else landing,
-        ga=ga, host_kernel=kernel, liger_kernels=liger_setting(config), n_layers=n, disk_layers=0,
+        ga=ga, host_kernel=kernel, deferred_moments=defer_moments(mt.deferred_moments, kernel),
+        liger_kernels=liger_setting(config), n_layers=n, disk_layers=0,
         nvme_masters=nvme and nvme_masters(config), n_device_layers=n_device, resident_on_device=n_device > 0,
         keep=0 if auto_keep else min(int(mt.keep_activations), n), auto_device_state=auto_state,
         auto_keep=auto_keep, check_recompute_steps=steps_to_check(mt.check_recompute),

@@ -429,6 +429,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.resident.update.result()
         if self.optimizer is not None and self.optimizer._closing is not None:
             self.optimizer._closing.result()
+        for fut in self.executor.schedule.pending_moments():  # the deferred moments passes (host_update.py)
+            fut.result()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -243,7 +243,8 @@ def build_optimizer(groups: list[dict], defaults: dict, config: TrainConfig, dec
     speculative step is undone exactly only on fp32 masters (bf16 rounding would not come back)."""
     parts = HostAdamWParts(executor=executor, store=executor.store, schedule=executor.schedule, streams=streams,
                            timer=timer, resident=resident, worker=worker, opt_worker=opt_worker,
-                           clip=config.gradient_clipping, scaler=config.loss_scaler, dp=dp, kernel=dec.host_kernel)
+                           clip=config.gradient_clipping, scaler=config.loss_scaler, dp=dp, kernel=dec.host_kernel,
+                           defer_moments=dec.deferred_moments)
     mt = config.megatrain
     policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters, mt.speculation_backoff)
     return HostAdamW(groups, defaults, parts, adam_w_mode=config.optimizer.adam_w_mode, policy=policy)

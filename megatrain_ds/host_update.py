@@ -63,18 +63,49 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
        grad_scale=scale, found_inf=None)
 
 
+# [Note: deferred moments] With exact clipping, every layer's update waits for the last gradient (the norm), and the
+# next forward waits, layer by layer, for those updates: the update's bytes after the norm are the step's critical
+# path. The forward needs only the new master (and its wire copy), not the new moments. So the update after the norm
+# runs in two passes of the native kernel over the same values:
+#
+#   PHASE_WEIGHTS (the step's update task, forward order): reads the gradient, master and moments, computes the new
+#       moments and master exactly as the whole update does, stores the master (and wire copy) only:
+#       2 + 4 + 4 + 4 + 4 = 18 B/param for a bf16 gradient and fp32 state (the whole update: 26);
+#   PHASE_MOMENTS (queued after the step's tasks, last layer first, under the next forward and backward): reads the
+#       same gradient and moments, computes the new moments again, with the same operations on the same values (so
+#       the same bits), and stores them: 2 + 8 + 8 = 18 B/param.
+#
+# 36 B/param in all instead of 26, but only 18 after the norm: the forward waits for about 70% of the bytes it waited
+# for. The result is bit-identical to the whole update (tests/test_host_update.py, tests/test_deferred_moments.py).
+# The gradient must stay as the weights pass read it until the moments pass: the next gradient of layer i is not
+# written before that pass of layer i has run (``LayerSchedule.wait_moments``: the D2H into the gradient home, the
+# landing thread's fold), and everything that reads or replaces the moments (checkpoints, the GPU placement, a
+# rollback, the next update) comes after it (engine.synchronize, the AdamW thread's FIFO). AdamW only: Adam's L2
+# term reads the old master, which the weights pass has overwritten.
+PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
+
+
+def can_defer(adam_w_mode: bool, hp: dict) -> bool:
+    """Whether the moments pass can run after the weights pass: AdamW, or Adam without weight decay."""
+    return bool(adam_w_mode) or float(hp["weight_decay"]) == 0.0
+
+
 def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    a: int, b: int, hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None,
                    grad_scratch: torch.Tensor, master_scratch: torch.Tensor, block: int = BLOCK_ELEMENTS,
-                   kernel: str = "torch") -> None:
+                   kernel: str = "torch", phase: int = PHASE_WHOLE) -> None:
     """AdamW of elements [a, b) of one layer's flat state (fp32 moments; ``master`` fp32 or bf16, ``grad`` in its
     landing dtype), writing ``wire[a:b]`` (the compute-dtype copy the GPU streams) from the new master when given.
     ``kernel`` "native": one pass of the C kernel ([Note: native host update]); "torch": the fused kernel, in
-    blocks where conversions are needed (the scratch buffers hold at least ``block`` fp32 elements)."""
+    blocks where conversions are needed (the scratch buffers hold at least ``block`` fp32 elements). ``phase``: one
+    of the native kernel's two passes ([Note: deferred moments]); the torch kernel does whole updates only."""
     if kernel == "native":
         native_adam(master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], hp, coef, adam_w_mode,
-                    None if wire is None else wire[a:b])
+                    None if wire is None else wire[a:b], phase=phase)
         return
+    if phase != PHASE_WHOLE:
+        raise ValueError("the deferred moments pass needs the native host kernel (host_kernel: torch does whole "
+                         "updates only)")
     convert_grad = grad.dtype != torch.float32
     low_master = master.dtype != torch.float32
     step, scale = adamw_scalars(hp, coef, master.device)
@@ -98,14 +129,15 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 # once, and writes the wire copy (bf16/fp16) in the same pass: no fp32 scratch, no second pass, so the host update
 # moves the bytes it must and no more (bf16 gradient + fp32 master + bf16 wire: 2 + 8 + 8 + 8 + 2 = 28 B/param).
 #
-# Exactness: its arithmetic is torch's fused CPU kernel's, operation for operation (the lerp form of exp_avg, the
-# same three fused multiply-adds, the scalars formed in double and rounded to float, torch's scalar tail loop as its
-# build fused it: TAIL_FORM), compiled with -ffp-contract=off so that only those fuse. Measured: bit-identical to
-# torch._fused_adamw_/_fused_adam_ on every element (AdamW and Adam-L2, with and without a gradient scale,
-# fp32/bf16/fp16 gradients) under torch 2.13's AVX2 dispatch (this repository's CPU wheel); under torch 2.11's AVX-512
-# dispatch (the GPU box) 4 of 37.7 M elements differ, all in torch's tail loop. The stated bound: 2 ulp per step;
-# tests/test_host_update.py holds the kernel to torch bit for bit under AVX2 and to the bound otherwise, and
-# tests/test_native_update.py to torch AdamW + clip_grad_norm_ over 20 steps.
+# Exactness: its arithmetic is torch's fused CPU kernel's vector loop, operation for operation (the lerp form of
+# exp_avg, the same three fused multiply-adds, the scalars formed in double and rounded to float), compiled with
+# -ffp-contract=off so that only those fuse. torch does the last ``n mod width`` elements of a tensor in a scalar loop
+# that each build's compiler fuses its own way (AVX2 builds one way, AVX-512 builds another, which no form of
+# csrc/host_adam.c's tail_update matched on every element: 4 of 37.7 M differed by up to 4 ulp); those few elements are
+# done by torch's kernel itself (``_torch_tail``). So: bit-identical to torch._fused_adamw_/_fused_adam_ on every
+# element (AdamW and Adam-L2, with and without a gradient scale, fp32/bf16/fp16 gradients) under every dispatch;
+# tests/test_host_update.py holds it to torch bit for bit, tests/test_native_update.py to torch AdamW +
+# clip_grad_norm_ over 20 steps. (The C tail forms remain for ``host_update_bench --tail-forms``.)
 #
 # Built at first use with the machine's C compiler (``cc``, or $CC) for this CPU (-march=native), cached per source
 # and CPU in $MEGATRAIN_DS_CACHE (default ~/.cache/megatrain_ds); about a second. Where it cannot be built (no
@@ -177,7 +209,7 @@ def native_library() -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
                            ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                           ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+                           ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
             undo = lib.megatrain_adam_undo
             undo.restype = ctypes.c_int
             undo.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -217,10 +249,15 @@ def _flat(t: torch.Tensor, name: str) -> int:
 
 def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None = None,
-                threads: int | None = None, tail_form: int | None = None) -> None:
+                threads: int | None = None, tail_form: int | None = None, phase: int = PHASE_WHOLE) -> None:
     """One pass of Adam(W) over ``master`` (fp32 or bf16) with ``grad`` (fp32/bf16/fp16) and the fp32 moments,
     writing ``wire`` (bf16/fp16) from the new master when given; ``coef``: the clip coefficient over the loss
-    scale (the gradient is divided by the fp32 value of ``1 / coef``, as the fused kernel's ``grad_scale``)."""
+    scale (the gradient is divided by the fp32 value of ``1 / coef``, as the fused kernel's ``grad_scale``).
+    ``phase``: the whole update, or one of its two passes ([Note: deferred moments]): ``PHASE_WEIGHTS`` stores the
+    master and wire only, ``PHASE_MOMENTS`` (later, same gradient, hyperparameters and ``coef``) the moments only."""
+    if phase == PHASE_MOMENTS and not can_defer(adam_w_mode, hp):
+        raise ValueError("native host update: the moments pass needs AdamW or no weight decay (Adam's L2 term "
+                         "reads the master the weights pass has already overwritten)")
     lib = native_library()
     if lib is None:
         raise NativeKernelError(f"the native host update is not available: {_lib_error}")
@@ -234,14 +271,35 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if n == 0:
         return
     scale = 1.0 if coef == 1.0 else float(torch.tensor(1.0 / coef, dtype=torch.float32))
-    width, default_form = _torch_dispatch()
-    lib.megatrain_adam(n, _flat(master, "master"), _DT[master.dtype], _flat(grad, "grad"), _DT[grad.dtype],
-                       _flat(exp_avg, "exp_avg"), _flat(exp_avg_sq, "exp_avg_sq"),
-                       None if wire is None else _flat(wire, "wire"), 0 if wire is None else _DT[wire.dtype],
-                       float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"]), float(hp["weight_decay"]),
-                       float(hp["eps"]), float(hp["step"]), scale, int(bool(adam_w_mode)),
-                       int(threads or torch.get_num_threads()), n - n % width,
-                       default_form if tail_form is None else tail_form)
+    width, _ = _torch_dispatch()
+    # the last n % width elements: torch's own kernel (_torch_tail), unless a C tail form is asked for (the bench)
+    body = n - n % width if tail_form is None else n
+    if body:
+        lib.megatrain_adam(body, _flat(master, "master"), _DT[master.dtype], _flat(grad, "grad"), _DT[grad.dtype],
+                           _flat(exp_avg, "exp_avg"), _flat(exp_avg_sq, "exp_avg_sq"),
+                           None if wire is None else _flat(wire, "wire"), 0 if wire is None else _DT[wire.dtype],
+                           float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"]), float(hp["weight_decay"]),
+                           float(hp["eps"]), float(hp["step"]), scale, int(bool(adam_w_mode)),
+                           int(threads or torch.get_num_threads()), n - n % width, tail_form or 0, int(phase))
+    if body < n:
+        _torch_tail(master[body:], grad[body:], exp_avg[body:], exp_avg_sq[body:],
+                    None if wire is None else wire[body:], hp, coef, adam_w_mode, phase)
+
+
+def _torch_tail(master, grad, exp_avg, exp_avg_sq, wire, hp: dict, coef: float, adam_w_mode: bool, phase: int) -> None:
+    """The last ``n mod width`` elements (fewer than 16) by torch's fused kernel itself, on fp32 copies: torch does
+    them in a scalar loop whose fused multiply-adds depend on the compiler that built it (AVX-512 builds differ
+    from AVX2 ones), so this is how they come out bit-identical under every dispatch. ``phase`` as native_adam's."""
+    p = master.to(torch.float32, copy=True)
+    g = grad.to(torch.float32, copy=True)  # torch's kernel writes the scaled gradient back: never the landed one
+    keep = phase != PHASE_WEIGHTS  # the weights pass leaves the moments as they were
+    m, v = (exp_avg, exp_avg_sq) if keep else (exp_avg.clone(), exp_avg_sq.clone())
+    step, scale = adamw_scalars(hp, coef, master.device)
+    fused_adam([p], [g], [m], [v], hp, step, scale, adam_w_mode)
+    if phase != PHASE_MOMENTS:
+        master.copy_(p)  # rounded to nearest in bf16-master mode, as the kernel rounds
+        if wire is not None:
+            wire.copy_(p)
 
 
 def native_adam_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

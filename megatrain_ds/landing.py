@@ -89,6 +89,7 @@ class GradientLanding:
             if dest.dtype != flat_grad.dtype:
                 flat_grad = flat_grad.to(dest.dtype)
         elif store.grad_direct:
+            self.schedule.wait_moments(i, self.timer)  # the moments pass has read the old gradient (host_update.py)
             dest = store.grad_of(i)
             if final:  # GA 1: the gradient is final as it leaves the GPU, so its norm is taken there
                 torch.linalg.vector_norm(flat_grad, dtype=torch.float32, out=self.norm_dev[i])
@@ -136,6 +137,8 @@ class GradientLanding:
         listener = self.landing_listener if final else None  # See [Note: host threads] in optimizer.py
         if listener is not None:  # a second gradient for a layer stepped speculatively:
             listener.before_final_fold(i)  # undone while its gradient is the one it used
+        if first and not self.store.grad_direct:  # the fold overwrites the gradient the moments pass reads
+            self.schedule.wait_moments(i, self.timer)  # ([Note: deferred moments] in host_update.py)
         with self.timer.host_span("landing_s"), _range("land", i):
             sq = self._fold(i, dest, first, final)
         if slab is not None:

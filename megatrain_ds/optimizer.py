@@ -61,6 +61,11 @@ or a flag named here); everything else of HostAdamW is the main thread's:
 | (schedule),               | H2D                        | it (``synchronize`` before a | bytes has finished          |
 | ``res.wire_read``         |                            | rewrite)                     |                             |
 | (events)                  |                            |                              |                             |
+| moments futures           | main submits the moments   | main: ``wait_moments(i)``    | the moments pass has read   |
+| (``schedule.moments_due``)| tasks after the close task | before the D2H into grad i;  | gradient i and written the  |
+|                           | (last layer first); the    | landing thread before a fold | moments before a new        |
+|                           | AdamW thread runs them     | into grad i; engine.         | gradient of i lands or      |
+|                           |                            | synchronize                  | anyone reads the moments    |
 | ``_closing`` (the close   | main submits it after the  | main: ``begin_speculation``, | the policy's record of the  |
 | task)                     | step's update tasks; the   | ``engine.synchronize``       | step is in before the next  |
 |                           | AdamW thread writes        |                              | speculation                 |
@@ -83,7 +88,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .host_update import adamw_scalars, fused_adam, native_adam_undo, update_segment
+from .host_update import (PHASE_MOMENTS, PHASE_WEIGHTS, PHASE_WHOLE, adamw_scalars, can_defer, fused_adam,
+                          native_adam_undo, update_segment)
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .resident import ResidentParams
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
@@ -120,6 +126,7 @@ class HostAdamWParts:
     scaler: LossScaler | None = None  # fp16: gradients arrive multiplied by its scale
     dp: object = None  # DataParallel (dp.py) when active: the norm is summed over ranks; None: one process
     kernel: str = "torch"  # the streamed layers' host update: "native" or "torch" (host_update.resolve_kernel)
+    defer_moments: bool = False  # the update after the norm in two passes ([Note: deferred moments], host_update.py)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -151,6 +158,9 @@ class HostAdamW(torch.optim.Optimizer):
         self.parts = parts  # collaborators (immutable); their own threads' rules are in the Note
         self.clip = float(parts.clip)  # the clip ``step()`` applies
         self.kernel = parts.kernel
+        # AdamW thread: layers whose weights pass ran and whose moments pass is due, with the (hp, coef) it used
+        # ([Note: deferred moments] in host_update.py; the moments task queued behind the step's tasks pops it)
+        self._moments_due: dict[int, tuple[list[dict], float]] = {}
         self.dp = parts.dp if parts.dp is not None and parts.dp.active else None  # data parallel: norms summed
         self.scaler = parts.scaler  # main reads the scale; the norm task (landing thread) updates it
         # when to speculate (main: allows(), abandon's count; AdamW thread: the close task's record and counts, which
@@ -479,6 +489,11 @@ class HostAdamW(torch.optim.Optimizer):
             elif layer_has[i]:
                 schedule.rewrite(i, parts.opt_worker.submit(self._layer_task, i, decided, spec))
         self._closing = parts.opt_worker.submit(self._close_task, decided, spec)  # after every update task (FIFO)
+        if self.parts.defer_moments:  # [Note: deferred moments]: after the close task (the next step's speculation
+            # waits for that one, not for these); last layer first, the order the next backward lands gradients in
+            for i in reversed(host):
+                if layer_has[i] and store.owned[i]:
+                    schedule.defer_moments(i, parts.opt_worker.submit(self._moments_task, i))
         self.last_norm = _norm_of(decided)
         return self.last_norm
 
@@ -623,24 +638,47 @@ class HostAdamW(torch.optim.Optimizer):
         if decision.skip:
             return
         with self.parts.timer.host_span("optimizer_s") as span, _range(f"adamw.L{i}"):
-            span["updated_params"] = self._update_layer(i, decision.hp, decision.coef)
+            span["updated_params"] = self._update_layer(i, decision.hp, decision.coef, defer=True)
 
-    def _update_layer(self, i: int, hp, coef: float) -> int:
+    def _can_defer(self, i: int, hp) -> bool:
+        """Layer i's update may leave its moments to a later pass ([Note: deferred moments]): on, the layer's state in
+        RAM (the NVMe tier writes a region back whole), AdamW or no weight decay in each of its groups."""
+        store = self.parts.store
+        return self.parts.defer_moments and not store.on_disk(i) and \
+            all(can_defer(self.adam_w_mode, hp[group]) for group, _, _ in store.layouts[i].segments)
+
+    def _update_layer(self, i: int, hp, coef: float, defer: bool = False) -> int:
         """Layer i's AdamW, each segment in one pass of the native kernel ([Note: native host update]) or in
-        cache-sized blocks of torch's ([Note: blocked host update]); both bit-identical to torch's fused AdamW."""
+        cache-sized blocks of torch's ([Note: blocked host update]); both bit-identical to torch's fused AdamW.
+        ``defer``: the weights pass only when the layer allows it, its moments pass left to ``_moments_task``."""
         store = self.parts.store
         self.parts.schedule.wait_read(i)  # the last H2D reading wire i has finished. See [Note: host threads]
         layout = store.layouts[i]
         grad = store.grad_of(i)
+        phase = PHASE_WEIGHTS if defer and self._can_defer(i, hp) else PHASE_WHOLE
         master, m, v = self._state(i)  # RAM views, or an NVMe layer's staged copies
         wire = None if store.wire_is_master else store.wire_of(i)
         try:
             for group, a, b in layout.segments:
                 update_segment(master, grad, m, v, a, b, hp[group], coef, self.adam_w_mode, wire, self._tmp,
-                               self._tmp_master, kernel=self.kernel)
+                               self._tmp_master, kernel=self.kernel, phase=phase)
+            if phase == PHASE_WEIGHTS:
+                self._moments_due[i] = (hp, coef)
             return layout.n_train  # the caller's span counts it: the breakdown's Gparam/s of the host update
         finally:
             store.release_moments(i)  # a disk layer's region is written back behind the next updates
+
+    def _moments_task(self, i: int) -> None:
+        """AdamW thread, queued after the step's update tasks: layer i's moments pass, when its weights pass ran
+        ([Note: deferred moments]); the same gradient, hyperparameters and coefficient, so the same moments. (Not
+        when the step was skipped, the layer speculated, its update failed or could not defer.)"""
+        due, store = self._moments_due.pop(i, None), self.parts.store
+        if due is not None:  # RAM views: a deferred layer is never on the NVMe tier (no release needed)
+            (master, m, v), grad = store.acquire_state(i), store.grad_of(i)
+            with self.parts.timer.host_span("moments_s"), _range(f"adamw_moments.L{i}"):
+                for group, a, b in store.layouts[i].segments:
+                    update_segment(master, grad, m, v, a, b, due[0][group], due[1], self.adam_w_mode, None,
+                                   self._tmp, self._tmp_master, kernel=self.kernel, phase=PHASE_MOMENTS)
 
 
 def _norm_of(decided: Future) -> Future:

@@ -18,6 +18,8 @@ Each streamed layer i moves through one cycle per optimizer step:
 | ``has_grad[i]``, | ``landing`` (a gradient of i went to    | ``close_window`` (the optimizer's norm and     |
 | ``sq_norm[i]``   | the host worker)                        | update tasks), engine/surface reads            |
 | ``forward_calls``| ``forward`` / ``backward_finished``     | the engine's speculation check (one forward)   |
+| ``moments_due[i]``| ``defer_moments`` (the optimizer's     | ``wait_moments`` before a new gradient of i is |
+|                  | moments pass of i, queued at the step)  | written; engine.synchronize                    |
 
 Invariants (asserted where cheap): a version only grows; wire i is rewritten only by the task in
 ``wire_ready[i]``, which waits ``wire_read[i]`` first (the last H2D of the old bytes has finished); the H2D of wire
@@ -41,6 +43,8 @@ class LayerSchedule:
         self.sq_norm: list[Future | None] = [None] * n_layers
         self.forward_calls = [0] * n_layers  # grad-enabled forwards of each layer since the last backward
         self.device_ready: list[object] = [None] * n_layers  # GPU-held state: event after i's update (opt stream)
+        self.moments_due: list[Future | None] = [None] * n_layers  # i's deferred moments pass (host_update.py's
+        # [Note: deferred moments]): it reads gradient i, so no new gradient of i is written before it has run
 
     # --- weights ------------------------------------------------------------------------------------
     def rewrite(self, i: int, task: Future) -> None:
@@ -80,6 +84,27 @@ class LayerSchedule:
             self.wire_read[i].synchronize()
 
     # --- gradients ----------------------------------------------------------------------------------
+    def defer_moments(self, i: int, task: Future) -> None:
+        """The optimizer queued ``task``, layer i's moments pass, which reads gradient i as the step left it."""
+        self.moments_due[i] = task
+
+    def wait_moments(self, i: int, timer) -> None:
+        """Before a new gradient of layer i is written into its home (the main thread's D2H, the landing thread's
+        fold): i's moments pass has run (or re-raise its error). Normally long done: the pass runs last layer first
+        from the end of the forward, ahead of the backward's landings; a wait shows as ``wait_for_moments_s``."""
+        pending = self.moments_due[i]
+        if pending is None:
+            return
+        if not pending.done():
+            with timer.host_span("wait_for_moments_s"), \
+                    torch.profiler.record_function(f"megatrain.wait_moments.L{i}"):
+                pending.result()
+        else:
+            pending.result()
+
+    def pending_moments(self) -> list[Future]:
+        return [f for f in self.moments_due if f is not None]
+
     def first_landing(self, i: int) -> bool:
         return not self.has_grad[i]
 

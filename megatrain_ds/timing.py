@@ -33,6 +33,7 @@ class StepTimer:
         # host spans: optimizer updates after the norm, speculative updates during the backward, rollbacks
         self.host = {"optimizer_s": 0.0, "landing_s": 0.0, "wait_for_optimizer_s": 0.0, "speculative_s": 0.0,
                      "rollback_s": 0.0, "nvme_wait_s": 0.0,  # nvme_wait_s: within the optimizer spans
+                     "moments_s": 0.0, "wait_for_moments_s": 0.0,  # the deferred moments passes; a landing's wait
                      "updated_params": 0.0}  # parameters the host AdamW updated (for its Gparam/s)
         self.counters = dict  # the engine installs a callable returning cumulative counts (speculated steps)
         self._lock = threading.Lock()
@@ -113,7 +114,8 @@ class StepTimer:
                      "cpu_optimizer_s": host["optimizer_s"], "cpu_grad_landing_s": host["landing_s"],
                      "wait_for_optimizer_s": host["wait_for_optimizer_s"],
                      "cpu_speculative_optimizer_s": host["speculative_s"], "cpu_rollback_s": host["rollback_s"],
-                     "cpu_nvme_wait_s": host["nvme_wait_s"],
+                     "cpu_nvme_wait_s": host["nvme_wait_s"], "cpu_deferred_moments_s": host["moments_s"],
+                     "wait_for_moments_s": host["wait_for_moments_s"],
                      "cpu_optimizer_gparam_s": rate, "cpu_updated_params": int(host["updated_params"]),
                      "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None, **self.counters()}
         for spans in self.spans.values():
@@ -131,6 +133,8 @@ class StepTimer:
                 f"(+{b.get('cpu_speculative_optimizer_s', 0)*1e3:.0f} during backward"
                 + (f"; {b['cpu_optimizer_gparam_s']:.2f} Gparam/s" if b.get("cpu_optimizer_gparam_s") else "") + ") "
                 + (f"of which NVMe read wait {b['cpu_nvme_wait_s']*1e3:.0f} " if b.get("nvme_read_bytes") else "")
+                + (f"| moments pass {b['cpu_deferred_moments_s']*1e3:.0f} (landings waited "
+                   f"{b.get('wait_for_moments_s', 0)*1e3:.0f}) " if b.get("cpu_deferred_moments_s") else "")
                 + f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms"
                 + (f" | speculated {b['speculated_steps']} rolled back {b['rolled_back_steps']}"
                    if "speculated_steps" in b else ""))

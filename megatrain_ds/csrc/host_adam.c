@@ -29,7 +29,14 @@ typedef struct {
     int adamw;
     int64_t tail_from;                /* torch's vector loop stops here (n rounded down to its vector width) */
     int tail_form;                    /* how torch's build fused its scalar tail loop (tail_update) */
+    int phase;                        /* PHASE_WHOLE, PHASE_WEIGHTS or PHASE_MOMENTS: [Note: deferred moments] */
 } job_t;
+
+/* [Note: deferred moments] in megatrain_ds/host_update.py: one update in two passes over the same values. WEIGHTS
+ * computes the new moments exactly as WHOLE does but stores only the master and the wire copy; MOMENTS, later, from
+ * the same gradient and moments, computes them again (the same operations, so the same bits) and stores only them.
+ * AdamW only (Adam's L2 term reads the old master, which WEIGHTS has overwritten): host_update.py refuses the rest. */
+enum { PHASE_WHOLE = 0, PHASE_WEIGHTS = 1, PHASE_MOMENTS = 2 };
 
 typedef struct { const void *job; int64_t begin, end; } range_t;
 
@@ -59,7 +66,7 @@ static inline void store_val(void *p, int dt, int64_t i, float v) {
  * Adam: fma(p, wd, g)), exp_avg as lerp toward g with weight 1 - beta1 (fma(w, g - m, m) for w < 0.5, else
  * fma(w - 1, g - m, g)), exp_avg_sq = fma(c2 * g, g, v * beta2), denom = sqrt(v) / sqrt(bc2) + eps, and
  * p + (-step_size * m) / denom. */
-#define ADAM_BODY(LOAD_P, LOAD_G, STORE_P, STORE_W)                                            \
+#define ADAM_BODY(LOAD_P, LOAD_G, STORE_P, STORE_W, STORE_MV)                                  \
     for (int64_t i = r->begin; i < body_end; i++) {                                           \
         float g = LOAD_G / grad_scale;                                                     \
         float p = LOAD_P;                                                                     \
@@ -68,10 +75,21 @@ static inline void store_val(void *p, int dt, int64_t i, float v) {
         float m = m_[i];                                                                      \
         m = fmaf(coeff, g - m, small ? m : g);                                                \
         float v = fmaf(c2 * g, g, v_[i] * beta2);                                             \
-        m_[i] = m; v_[i] = v;                                                                 \
+        STORE_MV;                                                                             \
         float denom = sqrtf(v) / bc2_sqrt + eps;                                        \
         p = p + (neg_step_size * m) / denom;                                               \
         STORE_P; STORE_W;                                                                     \
+    }
+
+/* PHASE_MOMENTS: exp_avg and exp_avg_sq as ADAM_BODY forms them (AdamW: the gradient does not depend on the
+ * master), stored; the master is not read. */
+#define MOMENTS_BODY(LOAD_G)                                                                      \
+    for (int64_t i = r->begin; i < body_end; i++) {                                           \
+        float g = LOAD_G / grad_scale;                                                        \
+        float m = m_[i];                                                                      \
+        m = fmaf(coeff, g - m, small ? m : g);                                                \
+        float v = fmaf(c2 * g, g, v_[i] * beta2);                                             \
+        m_[i] = m; v_[i] = v;                                                                 \
     }
 
 /* torch's scalar tail loop (the last n mod vector-width elements of a tensor): the same operations, which the
@@ -82,7 +100,7 @@ static void tail_update(const job_t *j, int64_t begin, int64_t end, float coeff,
     const int form = j->tail_form;
     for (int64_t i = begin; i < end; i++) {
         float g = load_val(j->grad, j->grad_dt, i) / j->grad_scale;
-        float p = load_val(j->master, j->master_dt, i);
+        float p = j->phase == PHASE_MOMENTS ? 0.0f : load_val(j->master, j->master_dt, i);
         if (l2) g = (form & 4) ? g + p * j->wd : fmaf(p, j->wd, g);
         p = p * j->keep;
         float m = j->exp_avg[i], v = j->exp_avg_sq[i], base = small ? m : g;
@@ -92,12 +110,37 @@ static void tail_update(const job_t *j, int64_t begin, int64_t end, float coeff,
             case 1: v = fmaf(j->c2 * g, g, v * j->beta2); break;
             default: v = v * j->beta2 + j->c2 * g * g; break;
         }
-        j->exp_avg[i] = m; j->exp_avg_sq[i] = v;
+        if (j->phase != PHASE_WEIGHTS) { j->exp_avg[i] = m; j->exp_avg_sq[i] = v; }
+        if (j->phase == PHASE_MOMENTS) continue;
         p = p + (j->neg_step_size * m) / (sqrtf(v) / j->bc2_sqrt + j->eps);
         store_val(j->master, j->master_dt, i, p);
         if (j->wire) store_val(j->wire, j->wire_dt, i, p);
     }
 }
+
+#define ADAM_LOOPS(STORE_MV) \
+    if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && !j->wire) { \
+        float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad; \
+        ADAM_BODY(P[i], G[i], P[i] = p, (void)0, STORE_MV) \
+    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_BF16 && !j->wire) { \
+        float *restrict P = (float *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad; \
+        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, (void)0, STORE_MV) \
+    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_BF16 && j->wire_dt == DT_BF16) { \
+        float *restrict P = (float *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad; \
+        uint16_t *restrict W = (uint16_t *)j->wire; \
+        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, W[i] = f32_to_bf16(p), STORE_MV) \
+    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && j->wire_dt == DT_BF16) { \
+        float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad; \
+        uint16_t *restrict W = (uint16_t *)j->wire; \
+        ADAM_BODY(P[i], G[i], P[i] = p, W[i] = f32_to_bf16(p), STORE_MV) \
+    } else if (j->master_dt == DT_BF16 && j->grad_dt == DT_BF16 && !j->wire) { \
+        uint16_t *P = (uint16_t *)j->master; const uint16_t *G = (const uint16_t *)j->grad; \
+        ADAM_BODY(bf16_to_f32(P[i]), bf16_to_f32(G[i]), P[i] = f32_to_bf16(p), (void)0, STORE_MV) \
+    } else { /* any other combination (fp16 gradients or wire, ...): the same arithmetic, per-element dtypes */ \
+        void *P = j->master; const void *G = j->grad; \
+        ADAM_BODY(load_val(P, j->master_dt, i), load_val(G, j->grad_dt, i), store_val(P, j->master_dt, i, p), \
+                  if (j->wire) store_val(j->wire, j->wire_dt, i, p), STORE_MV) \
+    }
 
 static void *run_range(void *arg) {
     const range_t *r = (const range_t *)arg;
@@ -112,27 +155,15 @@ static void *run_range(void *arg) {
     const float grad_scale = j->grad_scale, wd = j->wd, keep = j->keep, beta2 = j->beta2, c2 = j->c2;
     const float bc2_sqrt = j->bc2_sqrt, eps = j->eps, neg_step_size = j->neg_step_size;
     /* the common layouts get their own loops, so the compiler vectorizes them without per-element dtype tests */
-    if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && !j->wire) {
-        float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad;
-        ADAM_BODY(P[i], G[i], P[i] = p, (void)0)
-    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_BF16 && !j->wire) {
-        float *restrict P = (float *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad;
-        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, (void)0)
-    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_BF16 && j->wire_dt == DT_BF16) {
-        float *restrict P = (float *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad;
-        uint16_t *restrict W = (uint16_t *)j->wire;
-        ADAM_BODY(P[i], bf16_to_f32(G[i]), P[i] = p, W[i] = f32_to_bf16(p))
-    } else if (j->master_dt == DT_F32 && j->grad_dt == DT_F32 && j->wire_dt == DT_BF16) {
-        float *restrict P = (float *)j->master; const float *restrict G = (const float *)j->grad;
-        uint16_t *restrict W = (uint16_t *)j->wire;
-        ADAM_BODY(P[i], G[i], P[i] = p, W[i] = f32_to_bf16(p))
-    } else if (j->master_dt == DT_BF16 && j->grad_dt == DT_BF16 && !j->wire) {
-        uint16_t *P = (uint16_t *)j->master; const uint16_t *G = (const uint16_t *)j->grad;
-        ADAM_BODY(bf16_to_f32(P[i]), bf16_to_f32(G[i]), P[i] = f32_to_bf16(p), (void)0)
-    } else { /* any other combination (fp16 gradients or wire, ...): the same arithmetic, per-element dtypes */
-        void *P = j->master; const void *G = j->grad;
-        ADAM_BODY(load_val(P, j->master_dt, i), load_val(G, j->grad_dt, i), store_val(P, j->master_dt, i, p),
-                  if (j->wire) store_val(j->wire, j->wire_dt, i, p))
+    if (j->phase == PHASE_MOMENTS) { /* the moments alone: the master and the wire copy are not touched */
+        if (j->grad_dt == DT_F32) { const float *restrict G = (const float *)j->grad; MOMENTS_BODY(G[i]) }
+        else if (j->grad_dt == DT_BF16) { const uint16_t *restrict G = (const uint16_t *)j->grad;
+                                          MOMENTS_BODY(bf16_to_f32(G[i])) }
+        else { const void *G = j->grad; MOMENTS_BODY(load_val(G, j->grad_dt, i)) }
+    } else if (j->phase == PHASE_WEIGHTS) {
+        ADAM_LOOPS((void)0)
+    } else {
+        ADAM_LOOPS((m_[i] = m, v_[i] = v))
     }
     if (r->end > j->tail_from)
         tail_update(j, r->begin > j->tail_from ? r->begin : j->tail_from, r->end, coeff, small, l2);
@@ -141,38 +172,55 @@ static void *run_range(void *arg) {
 
 #define MAX_THREADS 256
 #define MIN_PER_THREAD 65536
+#define CHUNKS_PER_THREAD 8
 
-/* Runs fn over [0, n) in contiguous ranges, one per thread (64 Ki elements each at least, ranges on cache lines); a
- * range whose thread could not be started is run by the calling thread, so the work is always whole. */
+/* The work of one call, handed out in chunks: each thread takes the next chunk until none is left. A thread that
+ * the OS deschedules (the main thread issuing kernels, a CUDA driver thread, a DMA interrupt on its core) then holds
+ * up one chunk, not a fixed 1/threads of the layer: with one static range per thread the call ended with its
+ * slowest thread. */
+typedef struct {
+    const void *job; void *(*fn)(void *);
+    int64_t n, chunk, next; /* next: the first element not yet taken (atomic) */
+} split_t;
+
+static void *take_chunks(void *arg) {
+    split_t *s = (split_t *)arg;
+    for (;;) {
+        int64_t a = __atomic_fetch_add(&s->next, s->chunk, __ATOMIC_RELAXED);
+        if (a >= s->n) return NULL;
+        range_t r = {s->job, a, a + s->chunk < s->n ? a + s->chunk : s->n};
+        s->fn(&r);
+    }
+}
+
+/* Runs fn over [0, n) on up to ``threads`` threads (the caller one of them), in chunks on cache lines (64
+ * elements), about CHUNKS_PER_THREAD per thread and 64 Ki elements at least; if a thread cannot be started, the
+ * others (the caller at least) take its chunks, so the work is always whole. */
 static void run_split(int64_t n, int threads, const void *j, void *(*fn)(void *)) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     /* a small segment (a norm's weight, a bias) is not worth a thread start per 64 elements: 64 Ki elements each */
     if ((int64_t)threads > (n + MIN_PER_THREAD - 1) / MIN_PER_THREAD) threads = (int)((n + MIN_PER_THREAD - 1) / MIN_PER_THREAD);
     if (threads < 1) threads = 1;
-    int64_t per = (n + threads - 1) / threads;
-    per = (per + 63) & ~(int64_t)63; /* 64 elements: ranges start on cache lines */
-    range_t ranges[MAX_THREADS];
+    int64_t chunk = (n + (int64_t)threads * CHUNKS_PER_THREAD - 1) / ((int64_t)threads * CHUNKS_PER_THREAD);
+    if (chunk < MIN_PER_THREAD / 4) chunk = MIN_PER_THREAD / 4;
+    chunk = (chunk + 63) & ~(int64_t)63;
+    split_t s = {j, fn, n, chunk, 0};
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS];
-    int k = 0;
-    for (int64_t a = 0; a < n; a += per, k++) {
-        ranges[k].job = j; ranges[k].begin = a; ranges[k].end = a + per < n ? a + per : n;
-    }
-    for (int t = 1; t < k; t++) started[t] = pthread_create(&tid[t], NULL, fn, &ranges[t]) == 0;
-    if (k > 0) fn(&ranges[0]);
-    for (int t = 1; t < k; t++) {
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, take_chunks, &s) == 0;
+    take_chunks(&s);
+    for (int t = 1; t < threads; t++)
         if (started[t]) pthread_join(tid[t], NULL);
-        else fn(&ranges[t]); /* no thread: this one runs the range itself */
-    }
 }
 
-/* Updates elements [0, n); elements from tail_from on as torch's scalar tail loop does them. Returns 0; a range
- * whose thread could not be started is run by the calling thread, so the update is always whole. */
+/* Updates elements [0, n); elements from tail_from on as torch's scalar tail loop does them; ``phase``: the whole
+ * update, or one of its two passes ([Note: deferred moments]). Returns 0 (1: PHASE_MOMENTS refused for Adam-L2);
+ * a range whose thread could not be started is run by the calling thread, so the update is always whole. */
 int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int grad_dt, float *exp_avg,
                    float *exp_avg_sq, void *wire, int wire_dt, double lr, double beta1, double beta2,
                    double weight_decay, double eps, double step, float grad_scale, int adamw, int threads,
-                   int64_t tail_from, int tail_form) {
+                   int64_t tail_from, int tail_form, int phase) {
     job_t j;
     /* the scalars as torch's kernel forms them: in double, then rounded to float where they enter the math */
     double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
@@ -183,7 +231,8 @@ int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int
     j.beta1_w = (float)(1.0 - beta1); j.beta2 = (float)beta2; j.c2 = (float)(1.0 - beta2);
     j.neg_step_size = (float)(-step_size); j.bc2_sqrt = (float)sqrt(bc2); j.eps = (float)eps;
     j.grad_scale = grad_scale; j.adamw = adamw; j.tail_from = tail_from < 0 ? n : tail_from;
-    j.tail_form = tail_form;
+    j.tail_form = tail_form; j.phase = phase;
+    if (phase == PHASE_MOMENTS && !adamw && weight_decay != 0.0) return 1; /* the L2 term needs the old master */
     run_split(n, threads, &j, run_range);
     return 0;
 }
