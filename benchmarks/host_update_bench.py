@@ -71,6 +71,12 @@ def main(argv=None) -> int:
     p.add_argument("--phases", action="store_true",
                    help="only: the whole native update against its two passes ([Note: deferred moments] in "
                         "host_update.py), bf16 grad + fp32 master, by --native-threads (default: torch's threads)")
+    p.add_argument("--engine-buffers", action="store_true",
+                   help="with --phases: the state in the engine's host buffers (host_memory.host_buffer: huge-page "
+                        "mappings, the master page-locked) instead of torch's allocator")
+    p.add_argument("--h2d-load", action="store_true",
+                   help="with --phases, CUDA: also time each pass while a side stream copies 1 GiB of pinned host "
+                        "memory to the GPU over and over (the forward's H2D of the masters during the update)")
     p.add_argument("--tail-forms", action="store_true",
                    help="only: which fusion of torch's scalar tail loop this torch build has (host_update.TAIL_FORM)")
     args = p.parse_args(argv)
@@ -126,15 +132,51 @@ def _rollback(n: int, args, native: bool) -> None:
 def _phases(n: int, counts: list[int], args) -> int:
     """Gparam/s of the whole update and of its weights and moments passes (the forward waits only for the first)."""
     t = _tensors(n, torch.bfloat16, torch.float32, None)
-    print(f"native host update, {n / 1e6:.0f} M params, bf16 grad + fp32 master, coef {args.coef}: Gparam/s "
-          "(whole | weights pass | moments pass | both passes)")
-    for k in counts:
-        s = [_median_s(lambda: host_update.native_adam(t[0], t[1], t[2], t[3], HP, args.coef, True, threads=k,
-                                                       phase=ph), args.repeats)
-             for ph in (host_update.PHASE_WHOLE, host_update.PHASE_WEIGHTS, host_update.PHASE_MOMENTS)]
-        print(f"  {k:3d} threads: {n / s[0] / 1e9:.2f} | {n / s[1] / 1e9:.2f} | {n / s[2] / 1e9:.2f} | "
-              f"{n / (s[1] + s[2]) / 1e9:.2f}", flush=True)
+    where = "torch's allocator"
+    if args.engine_buffers:
+        from megatrain_ds.host_memory import host_buffer
+        regions: list = []
+        t = tuple(host_buffer(n, x.dtype, pin=k == 0, regions=regions).copy_(x) if x is not None else None
+                  for k, x in enumerate(t))
+        where = "the engine's host buffers (master pinned)"
+    loads = [False, True] if args.h2d_load and torch.cuda.is_available() else [False]
+    print(f"native host update, {n / 1e6:.0f} M params, bf16 grad + fp32 master, coef {args.coef}, {where}: "
+          "Gparam/s (whole | weights pass | moments pass | both passes)")
+    for load in loads:
+        stop = _h2d_load() if load else None
+        for k in counts:
+            s = [_median_s(lambda: host_update.native_adam(t[0], t[1], t[2], t[3], HP, args.coef, True, threads=k,
+                                                           phase=ph), args.repeats)
+                 for ph in (host_update.PHASE_WHOLE, host_update.PHASE_WEIGHTS, host_update.PHASE_MOMENTS)]
+            print(f"  {k:3d} threads{' + H2D load' if load else ''}: {n / s[0] / 1e9:.2f} | {n / s[1] / 1e9:.2f} | "
+                  f"{n / s[2] / 1e9:.2f} | {n / (s[1] + s[2]) / 1e9:.2f}", flush=True)
+        if stop is not None:
+            print(f"  (H2D load: {stop():.1f} GB/s while it ran)")
     return 0
+
+
+def _h2d_load():
+    """Start copying 1 GiB of pinned host memory to the GPU in a loop on a side stream; returns stop() -> GB/s."""
+    import threading
+    import time
+    src = torch.ones(1 << 28, dtype=torch.float32).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    stream, done, copied = torch.cuda.Stream(), threading.Event(), [0, time.perf_counter()]
+
+    def loop():
+        with torch.cuda.stream(stream):
+            while not done.is_set():
+                dst.copy_(src, non_blocking=True)
+                stream.synchronize()
+                copied[0] += src.numel() * 4
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+
+    def stop() -> float:
+        done.set()
+        th.join()
+        return copied[0] / (time.perf_counter() - copied[1]) / 1e9
+    return stop
 
 
 def _native_threads(n: int, counts: list[int], args) -> int:

@@ -101,6 +101,8 @@ case $phase in
   defer26)  # issue 26: the update after the norm in two passes ([Note: deferred moments] in host_update.py)
         python3 -m benchmarks.host_update_bench --phases --native-threads 8,15 --repeats 3 2>&1 \
             | grep -v -i warn | tee -a "$log"
+        python3 -m benchmarks.host_update_bench --phases --engine-buffers --h2d-load --native-threads 15 --repeats 3 \
+            2>&1 | grep -v -i warn | tee -a "$log"
         h2h_call 240 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 100 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 100 hostonly_whole --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 \
