@@ -17,8 +17,8 @@
 #   hu26a     issue 26: host_update_bench (native kernel exactness + Gparam/s), then 16K clip 1.0: ZeRO-3, host-only,
 #             defaults;  hu26b: host-only and defaults at clip 1e9, host-only with host_kernel torch, ZeRO-3 clip 1e9
 #   defer26   issue 26, deferred moments: host_update_bench --phases, then 16K clip 1.0: ZeRO-3, host-only, host-only
-#             with deferred_moments false;  defer26b: the same at 8K with 10 GiB of GPU free (host-only both ways,
-#             defaults, ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests
+#             with deferred_moments false;  defer26b: the same at 8K with 10 GiB of GPU free (host-only, defaults,
+#             ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests
 #   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
@@ -110,8 +110,6 @@ case $phase in
   defer26b)  # the consumer-GPU row: 10 GiB of GPU free, 8K, clip 1.0
         h2h_call 120 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
             --tokens-per-step 8192 --warmup 2 --steps 4
-        h2h_call 120 hostonly_whole --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
-            --tokens-per-step 8192 --warmup 2 --steps 4 --megatrain-options '{"deferred_moments": false}'
         h2h_call 100 defaults --systems megatrain --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 \
             --warmup 2 --steps 4
         h2h_call 240 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
