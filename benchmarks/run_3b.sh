@@ -119,7 +119,7 @@ case $phase in
             --steps 4
         h2h_call 100 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         timeout 200 python3 -m pytest -q -m gpu tests 2>&1 | tail -n 8 | tee -a "$log"
-        timeout 150 python3 -m pytest -q tests/test_deferred_moments.py tests/test_native_update.py 2>&1 \
+        timeout 150 python3 -m pytest -q tests/test_deferred_moments.py tests/test_native_update.py tests/test_host_update.py 2>&1 \
             | tail -n 8 | tee -a "$log" ;;
   same28)  # issue 28: the refactor changes no behaviour: megatrain host-only, 16K, clip 1.0, on the tree before it
         # (BEFORE: a folder holding that commit's megatrain_ds/ and benchmarks/, e.g. from git archive) and on this
