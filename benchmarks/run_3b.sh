@@ -18,7 +18,8 @@
 #             defaults;  hu26b: host-only and defaults at clip 1e9, host-only with host_kernel torch, ZeRO-3 clip 1e9
 #   defer26   issue 26, deferred moments: host_update_bench --phases, then 16K clip 1.0: ZeRO-3, host-only, host-only
 #             with deferred_moments false;  defer26b: the same at 8K with 10 GiB of GPU free (host-only, defaults,
-#             ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests
+#             ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests;
+#             defer26d: ZeRO-3 and host-only at clip 1e9
 #   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
@@ -114,13 +115,18 @@ case $phase in
             --warmup 2 --steps 4
         h2h_call 240 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
             --steps 4 ;;
-  defer26c)  # clipping that never fires (speculation), defaults at clip 1.0, then the GPU-marked tests
+  defer26c)  # clipping that never fires (speculation), defaults at clip 1.0, then the GPU-marked tests;
+#             defer26d: ZeRO-3 and host-only at clip 1e9
         h2h_call 100 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
             --steps 4
         h2h_call 100 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         timeout 200 python3 -m pytest -q -m gpu tests 2>&1 | tail -n 8 | tee -a "$log"
         timeout 150 python3 -m pytest -q tests/test_deferred_moments.py tests/test_native_update.py tests/test_host_update.py 2>&1 \
             | tail -n 8 | tee -a "$log" ;;
+  defer26d)  # clipping that never fires: ZeRO-3 and megatrain host-only in the same lease
+        h2h_call 240 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 100 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
+            --steps 4 ;;
   same28)  # issue 28: the refactor changes no behaviour: megatrain host-only, 16K, clip 1.0, on the tree before it
         # (BEFORE: a folder holding that commit's megatrain_ds/ and benchmarks/, e.g. from git archive) and on this
         # one, alternating, then the rollback's Gparam/s (host_update_bench's last line)
