@@ -161,6 +161,8 @@ class HostAdamW(torch.optim.Optimizer):
         # AdamW thread: layers whose weights pass ran and whose moments pass is due, with the (hp, coef) it used
         # ([Note: deferred moments] in host_update.py; the moments task queued behind the step's tasks pops it)
         self._moments_due: dict[int, tuple[list[dict], float]] = {}
+        # main: layers updated whole from now on, their landings having waited for a moments pass (host_update.py)
+        self._whole_layers: frozenset[int] = frozenset()
         self.dp = parts.dp if parts.dp is not None and parts.dp.active else None  # data parallel: norms summed
         self.scaler = parts.scaler  # main reads the scale; the norm task (landing thread) updates it
         # when to speculate (main: allows(), abandon's count; AdamW thread: the close task's record and counts, which
@@ -460,6 +462,7 @@ class HostAdamW(torch.optim.Optimizer):
         (DeepSpeed's). See [Note: host threads]."""
         parts = self.parts
         hp = self._hyperparameters(step=None)
+        self._whole_layers |= parts.schedule.take_moments_waits()  # their moments passes came late: whole updates
         if self._decision is not None:  # the step count this one advances (engine.step() waited for it already)
             wait_futures([self._decision])
         step_count = self.step_count  # (the previous decision collected: its speculation is no longer open)
@@ -487,7 +490,8 @@ class HostAdamW(torch.optim.Optimizer):
             if layer_has[i] and not store.owned[i]:  # another rank updates it: the slot copy goes stale
                 schedule.rewrite(i, decided)  # (its owner's broadcast, after its update, brings the new bytes)
             elif layer_has[i]:
-                schedule.rewrite(i, parts.opt_worker.submit(self._layer_task, i, decided, spec))
+                schedule.rewrite(i, parts.opt_worker.submit(self._layer_task, i, decided, spec,
+                                                            defer=i not in self._whole_layers))
         self._closing = parts.opt_worker.submit(self._close_task, decided, spec)  # after every update task (FIFO)
         if self.parts.defer_moments:  # [Note: deferred moments]: after the close task (the next step's speculation
             # waits for that one, not for these); last layer first, the order the next backward lands gradients in
@@ -631,14 +635,14 @@ class HostAdamW(torch.optim.Optimizer):
                 self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], decision.hp[group], decision.coef)
         self.parts.schedule.updated_on_device(i, st.record(st.opt))
 
-    def _layer_task(self, i: int, decided: Future, spec: Speculation | None = None):
+    def _layer_task(self, i: int, decided: Future, spec: Speculation | None = None, defer: bool = True):
         decision = decided.result()
         if spec is not None and i in spec.done:  # final: the norm task ran after every landing
             return self._settle(i, decision, spec)
         if decision.skip:
             return
         with self.parts.timer.host_span("optimizer_s") as span, _range(f"adamw.L{i}"):
-            span["updated_params"] = self._update_layer(i, decision.hp, decision.coef, defer=True)
+            span["updated_params"] = self._update_layer(i, decision.hp, decision.coef, defer=defer)
 
     def _can_defer(self, i: int, hp) -> bool:
         """Layer i's update may leave its moments to a later pass ([Note: deferred moments]): on, the layer's state in
@@ -669,9 +673,8 @@ class HostAdamW(torch.optim.Optimizer):
             store.release_moments(i)  # a disk layer's region is written back behind the next updates
 
     def _moments_task(self, i: int) -> None:
-        """AdamW thread, queued after the step's update tasks: layer i's moments pass, when its weights pass ran
-        ([Note: deferred moments]); the same gradient, hyperparameters and coefficient, so the same moments. (Not
-        when the step was skipped, the layer speculated, its update failed or could not defer.)"""
+        """AdamW thread, after the step's update tasks: layer i's moments pass if its weights pass ran ([Note: deferred
+        moments]; not for a skipped step, a speculated layer, a failed or whole update): the same moments."""
         due, store = self._moments_due.pop(i, None), self.parts.store
         if due is not None:  # RAM views: a deferred layer is never on the NVMe tier (no release needed)
             (master, m, v), grad = store.acquire_state(i), store.grad_of(i)

@@ -119,20 +119,41 @@ def test_deferred_trains_as_whole_updates(ga):
 
 def test_slow_moments_pass_is_waited_for(monkeypatch):
     """Each moments pass sleeps first: the next backward's landing of that layer must wait for it (else the D2H
-    would overwrite the gradient the pass reads, and the moments would differ)."""
+    would overwrite the gradient the pass reads, and the moments would differ). Having waited, those layers are
+    updated whole from the next step on: fewer passes run, and the bits stay the same."""
     (l_w, s_w, _), _ = _run(_config(False), 6)
     real = HostAdamW._moments_task
     ran = []
 
     def slow(self, i):
-        time.sleep(0.05)
+        if i in self._moments_due:
+            time.sleep(0.2)
+            ran.append(i)
         real(self, i)
-        ran.append(i)
     monkeypatch.setattr(HostAdamW, "_moments_task", slow)
-    (l_d, s_d, _), _ = _run(_config(True), 6)
-    assert len(ran) >= 5 * 2  # every step but the last queued one per layer (tiny_hf: 2 layers)
+    (l_d, s_d, opt), _ = _run(_config(True), 6)
+    assert opt._whole_layers  # the landings waited, so those layers went whole
+    assert 1 <= len(ran) < 5 * 2  # passes ran after step 1, then fewer (tiny_hf: 2 layers, 5 steps with a next one)
     assert l_w == l_d
     _assert_same(s_w, s_d)
+
+
+def test_a_wait_is_recorded_only_when_it_waited():
+    from concurrent.futures import Future
+    import threading
+    from megatrain_ds.schedule import LayerSchedule
+    from megatrain_ds.timing import StepTimer
+    sched, timer = LayerSchedule(3), StepTimer(streams=type("S", (), {"kind": "cpu"})(), enabled=False)
+    done, late = Future(), Future()
+    done.set_result(None)
+    sched.defer_moments(0, done)
+    sched.defer_moments(2, late)
+    threading.Timer(0.02, late.set_result, args=(None,)).start()
+    for i in range(3):
+        sched.wait_moments(i, timer)
+    assert sched.take_moments_waits() == {2}
+    assert sched.take_moments_waits() == frozenset()  # taken once
+    assert timer.host["wait_for_moments_s"] >= 0.015
 
 
 def test_deferred_across_checkpoint(tmp_path):
