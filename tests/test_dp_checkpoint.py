@@ -77,11 +77,14 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 def _finish_all(launches: list[tuple[subprocess.Popen, Path]]) -> list[dict]:
     """Wait for every launch, then read each one's record. A launch whose rank died of the exit-time abort
-    (tests/launch.py) is run once more, after all of them finished (no launch reads a folder it rewrites)."""
+    (tests/launch.py) is run again, up to three launches in all, after all of them finished (no launch reads a
+    folder it rewrites)."""
     done = [(proc, *proc.communicate(timeout=600)) for proc, _ in launches]
     records = []
     for (proc, stdout, stderr), (_, out) in zip(done, launches):
-        if aborted_at_exit(proc.returncode, stderr):
+        for _ in range(2):
+            if not aborted_at_exit(proc.returncode, stderr):
+                break
             print(f"[tests/launch.py] a rank died of {EXIT_ABORT!r} after its script; launching again", flush=True)
             proc = _launch(*proc.args[proc.args.index(str(SCRIPT)) + 1:])
             stdout, stderr = proc.communicate(timeout=600)

@@ -1,4 +1,4 @@
-"""tests/launch.py: a launch is run again only when a rank died of the exit-time abort, and only once."""
+"""tests/launch.py: a launch is run again only when a rank died of the exit-time abort, up to three launches."""
 import subprocess
 
 from tests.launch import EXIT_ABORT, run_again_after_exit_abort
@@ -13,11 +13,11 @@ def _results(*procs):
     return launch, calls
 
 
-def test_runs_again_once_on_the_exit_abort_only():
+def test_runs_again_on_the_exit_abort_only():
     ok = subprocess.CompletedProcess([], 0, "", "")
     abort = subprocess.CompletedProcess([], 1, "", f"...\n{EXIT_ABORT}\nSignal 6 (SIGABRT)")
     other = subprocess.CompletedProcess([], 1, "", "Traceback ...\nAssertionError")
-    for first, second, want, n in ((ok, None, ok, 1), (other, None, other, 1), (abort, ok, ok, 2),
-                                   (abort, other, other, 2), (abort, abort, abort, 2)):
-        launch, calls = _results(first, second)
+    for procs, want, n in (((ok,), ok, 1), ((other,), other, 1), ((abort, ok), ok, 2), ((abort, other), other, 2),
+                           ((abort, abort, ok), ok, 3), ((abort, abort, abort), abort, 3)):
+        launch, calls = _results(*procs)
         assert run_again_after_exit_abort(launch) is want and len(calls) == n
