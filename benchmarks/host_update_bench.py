@@ -78,7 +78,8 @@ def main(argv=None) -> int:
                    help="with --phases, CUDA: also time each pass while a side stream copies 1 GiB of pinned host "
                         "memory to the GPU over and over (the forward's H2D of the masters during the update)")
     p.add_argument("--tail-forms", action="store_true",
-                   help="only: which fusion of torch's scalar tail loop this torch build has (host_update.TAIL_FORM)")
+                   help="only: which fusion of torch's scalar tail loop this torch build has (csrc/host_adam.c's "
+                        "tail forms; the engine does those elements with torch's own kernel)")
     args = p.parse_args(argv)
     if args.tail_forms:
         return _tail_forms()
@@ -192,7 +193,7 @@ def _native_threads(n: int, counts: list[int], args) -> int:
 
 def _tail_forms() -> int:
     """Elements differing from torch's kernel, for each tail_form (csrc/host_adam.c's tail_update): the one with 0
-    is this build's (put it in host_update.TAIL_FORM under the capability printed)."""
+    is this build's; none may be (AVX-512 builds), which is why the engine does them with torch's kernel."""
     cap = torch.backends.cpu.get_cpu_capability()
     print(f"torch {torch.__version__}, CPU capability {cap}: elements differing from torch's fused kernel by tail_form")
     for form in range(16):

@@ -231,19 +231,14 @@ def native_error() -> str | None:
     return _lib_error
 
 
-# How torch's CPU build fused the scalar tail loop of its fused Adam kernel, by the CPU dispatch it runs
-# (csrc/host_adam.c's tail_update; found with ``python -m benchmarks.host_update_bench --tail-forms``): AVX2 (torch
-# 2.13's CPU wheel) fuses exp_avg_sq as fma(v, beta2, c2*g*g): bit-identical. AVX-512 (torch 2.11 on the H100 box,
-# 2026-11-25): no form matches every element; form 1 leaves 4 of 37.7 M (tail elements) differing, within 2 ulp.
-TAIL_FORM = {"AVX2": 0, "DEFAULT": 0, "AVX512": 1}
-
-
 @functools.lru_cache(maxsize=1)
-def _torch_dispatch() -> tuple[int, int]:
-    """(floats per vector in torch's CPU kernels: AVX-512 16, else 8; the tail form of its build): its fused Adam
-    does the last ``n % width`` elements of a tensor in a scalar loop, which the kernel mirrors (TAIL_FORM)."""
+def _torch_width() -> int:
+    """Floats per vector in torch's CPU kernels (AVX-512 16, else 8): its fused Adam does the last ``n % width``
+    elements of a tensor in a scalar loop, whose fused multiply-adds each build's compiler chooses (AVX2 builds fuse
+    exp_avg_sq as fma(v, beta2, c2*g*g); under AVX-512 none of csrc/host_adam.c's tail forms matched every element:
+    ``host_update_bench --tail-forms``). Those elements are done by torch itself (``_torch_tail``)."""
     cap = torch.backends.cpu.get_cpu_capability().upper()
-    return (16 if "AVX512" in cap else 8), TAIL_FORM.get(cap, 0)
+    return 16 if "AVX512" in cap else 8
 
 
 def _flat(t: torch.Tensor, name: str) -> int:
@@ -260,7 +255,8 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     writing ``wire`` (bf16/fp16) from the new master when given; ``coef``: the clip coefficient over the loss
     scale (the gradient is divided by the fp32 value of ``1 / coef``, as the fused kernel's ``grad_scale``).
     ``phase``: the whole update, or one of its two passes ([Note: deferred moments]): ``PHASE_WEIGHTS`` stores the
-    master and wire only, ``PHASE_MOMENTS`` (later, same gradient, hyperparameters and ``coef``) the moments only."""
+    master and wire only, ``PHASE_MOMENTS`` (later, same gradient, hyperparameters and ``coef``) the moments only.
+    ``tail_form`` (the bench's): the last ``n % width`` elements by the C kernel's tail form instead of torch's."""
     if phase == PHASE_MOMENTS and not can_defer(adam_w_mode, hp):
         raise ValueError("native host update: the moments pass needs AdamW or no weight decay (Adam's L2 term "
                          "reads the master the weights pass has already overwritten)")
@@ -277,7 +273,7 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if n == 0:
         return
     scale = 1.0 if coef == 1.0 else float(torch.tensor(1.0 / coef, dtype=torch.float32))
-    width, _ = _torch_dispatch()
+    width = _torch_width()
     # the last n % width elements: torch's own kernel (_torch_tail), unless a C tail form is asked for (the bench)
     body = n - n % width if tail_form is None else n
     if body:

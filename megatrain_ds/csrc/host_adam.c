@@ -216,7 +216,7 @@ static void run_split(int64_t n, int threads, const void *j, void *(*fn)(void *)
 
 /* Updates elements [0, n); elements from tail_from on as torch's scalar tail loop does them; ``phase``: the whole
  * update, or one of its two passes ([Note: deferred moments]). Returns 0 (1: PHASE_MOMENTS refused for Adam-L2);
- * a range whose thread could not be started is run by the calling thread, so the update is always whole. */
+ * if a thread cannot be started, the others take its chunks (run_split), so the update is always whole. */
 int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int grad_dt, float *exp_avg,
                    float *exp_avg_sq, void *wire, int wire_dt, double lr, double beta1, double beta2,
                    double weight_decay, double eps, double step, float grad_scale, int adamw, int threads,
