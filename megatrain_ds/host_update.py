@@ -96,6 +96,21 @@ def can_defer(adam_w_mode: bool, hp: dict) -> bool:
     return bool(adam_w_mode) or float(hp["weight_decay"]) == 0.0
 
 
+def update_tensor(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, hp: dict,
+                  coef: float, adam_w_mode: bool, wire: torch.Tensor | None, kernel: str) -> None:
+    """One whole AdamW step of one tensor (a resident parameter: embedding, final norm, LM head) and its wire copy:
+    on the host with ``kernel`` "native", one pass of the C kernel that writes the wire in it; otherwise (the torch
+    kernel, or state held on the GPU) torch's fused kernel, then the copy. Bit-identical either way."""
+    if kernel == "native" and master.device.type == "cpu" and master.is_contiguous() and grad.is_contiguous():
+        native_adam(master.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1), hp, coef, adam_w_mode,
+                    None if wire is None else wire.view(-1))
+        return
+    step, scale = adamw_scalars(hp, coef, master.device)
+    fused_adam([master], [grad], [exp_avg], [exp_avg_sq], hp, step, scale, adam_w_mode)
+    if wire is not None:
+        wire.copy_(master)
+
+
 def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    a: int, b: int, hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None,
                    grad_scratch: torch.Tensor, master_scratch: torch.Tensor, block: int = BLOCK_ELEMENTS,

@@ -89,7 +89,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .host_update import (PHASE_MOMENTS, PHASE_WEIGHTS, PHASE_WHOLE, adamw_scalars, can_defer, fused_adam,
-                          native_adam_undo, update_segment)
+                          native_adam_undo, update_segment, update_tensor)
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .resident import ResidentParams
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
@@ -614,11 +614,9 @@ class HostAdamW(torch.optim.Optimizer):
                 self._update_resident_one(k, hp, coef)
 
     def _update_resident_one(self, k: int, hp, coef: float) -> None:
-        res = self.parts.resident
-        self._adamw([res.master[k]], [res.grad[k]], [res.exp_avg[k]], [res.exp_avg_sq[k]],
-                    hp[res.group_of.get(id(res.params[k]), 0)], coef)
-        if res.wire[k] is not None:
-            res.wire[k].copy_(res.master[k])
+        res = self.parts.resident  # host: one native pass that writes the wire too; GPU-held: torch's fused kernel
+        update_tensor(res.master[k], res.grad[k], res.exp_avg[k], res.exp_avg_sq[k],
+                      hp[res.group_of.get(id(res.params[k]), 0)], coef, self.adam_w_mode, res.wire[k], self.kernel)
 
     def _device_task(self, i: int, decided: Future, backward_done):
         """Launch layer i's update on the GPU, on the opt stream; the cast that reads the device master for the
