@@ -412,9 +412,11 @@ def breakdown_line(res: dict) -> str:
     b = res.get("breakdown") or {}
     if res.get("status") != "ok" or not b:
         return ""
-    parts = [f"{k[:-2]} {b[k]:.3f}" for k in ("step_s", "forward_s", "backward_s", "compute_s", "h2d_s", "d2h_s",
-                                               "cpu_optimizer_s", "wait_for_optimizer_s", "gpu_idle_s")
-             if isinstance(b.get(k), (int, float))]
+    keys = ("step_s", "forward_s", "backward_s", "compute_s", "h2d_s", "d2h_s", "cpu_optimizer_s",
+            "wait_for_optimizer_s", "gpu_idle_s")
+    if b.get("cpu_deferred_moments_s"):  # the moments passes under the step, and the landings' waits for them
+        keys += ("cpu_deferred_moments_s", "wait_for_moments_s")
+    parts = [f"{k[:-2]} {b[k]:.3f}" for k in keys if isinstance(b.get(k), (int, float))]
     idle = f", GPU idle {100 * b['gpu_idle_s'] / b['step_s']:.0f}%" if b.get("gpu_idle_s") and b.get("step_s") \
         else ""
     rate = f", host update {b['cpu_optimizer_gparam_s']:.2f} Gparam/s" if b.get("cpu_optimizer_gparam_s") else ""
