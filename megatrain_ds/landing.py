@@ -89,7 +89,8 @@ class GradientLanding:
             if dest.dtype != flat_grad.dtype:
                 flat_grad = flat_grad.to(dest.dtype)
         elif store.grad_direct:
-            self.schedule.wait_moments(i, self.timer)  # the moments pass has read the old gradient (host_update.py)
+            # the moments pass has read the old gradient ([Note: deferred moments] in host_update.py)
+            self.schedule.wait_moments(i, self.schedule.moments_of(i), self.timer)
             dest = store.grad_of(i)
             if final:  # GA 1: the gradient is final as it leaves the GPU, so its norm is taken there
                 torch.linalg.vector_norm(flat_grad, dtype=torch.float32, out=self.norm_dev[i])
@@ -107,7 +108,8 @@ class GradientLanding:
         st.hand_over(flat_grad, st.d2h)
         landed = st.record(st.d2h)
         self._log("d2h", i, None)
-        self.schedule.landing(i, self.worker.submit(self._land, i, landed, dest, slab, first, final))
+        moments = self.schedule.moments_of(i) if first and not store.grad_direct else None  # taken now: moments_of
+        self.schedule.landing(i, self.worker.submit(self._land, i, landed, dest, slab, first, final, moments))
 
     def _accumulate_on_device(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool) -> None:
         """Tail layer: the gradient stays on the GPU (fp32 accumulator); only its norm goes to the host."""
@@ -131,14 +133,15 @@ class GradientLanding:
         landed.synchronize()
         return float(self.norm_host[i]) ** 2
 
-    def _land(self, i: int, landed, dest: torch.Tensor, slab, first: bool, final: bool):
-        """Worker thread: wait for the D2H, fold the bytes into the layer's gradient, return its sq-norm."""
+    def _land(self, i: int, landed, dest: torch.Tensor, slab, first: bool, final: bool, moments=None):
+        """Worker thread: wait for the D2H, fold the bytes into the layer's gradient, return its sq-norm. ``moments``:
+        the layer's moments pass due when this landing was queued (a first fold into the home waits for it)."""
         landed.synchronize()
         listener = self.landing_listener if final else None  # See [Note: host threads] in optimizer.py
         if listener is not None:  # a second gradient for a layer stepped speculatively:
             listener.before_final_fold(i)  # undone while its gradient is the one it used
-        if first and not self.store.grad_direct:  # the fold overwrites the gradient the moments pass reads
-            self.schedule.wait_moments(i, self.timer)  # ([Note: deferred moments] in host_update.py)
+        # the fold overwrites the gradient the moments pass reads ([Note: deferred moments] in host_update.py)
+        self.schedule.wait_moments(i, moments, self.timer)
         with self.timer.host_span("landing_s"), _range("land", i):
             sq = self._fold(i, dest, first, final)
         if slab is not None:

@@ -94,11 +94,17 @@ class LayerSchedule:
         """The optimizer queued ``task``, layer i's moments pass, which reads gradient i as the step left it."""
         self.moments_due[i] = task
 
-    def wait_moments(self, i: int, timer) -> None:
+    def moments_of(self, i: int) -> Future | None:
+        """Layer i's moments pass as queued now. A landing takes it when it is queued (main thread), not when its
+        fold runs on the landing thread: by then step() may have queued the next pass of i, behind the norm task,
+        which runs behind that very fold (waiting for it would deadlock)."""
+        return self.moments_due[i]
+
+    def wait_moments(self, i: int, pending: Future | None, timer) -> None:
         """Before a new gradient of layer i is written into its home (the main thread's D2H, the landing thread's
-        fold): i's moments pass has run (or re-raise its error). Normally long done: the pass runs last layer first
-        from the end of the forward, ahead of the backward's landings; a wait shows as ``wait_for_moments_s``."""
-        pending = self.moments_due[i]
+        fold): ``pending``, i's moments pass as ``moments_of(i)`` gave it when the landing was queued, has run (or
+        re-raise its error). Normally long done: the pass runs last layer first from the end of the forward, ahead
+        of the backward's landings; a wait shows as ``wait_for_moments_s``."""
         if pending is None:
             return
         if not pending.done():

@@ -80,8 +80,12 @@ def _state(engine):
     return masters, opt["exp_avg"].clone(), opt["exp_avg_sq"].clone()
 
 
-def _run(config, steps, *, save_at=None, ckpt=None, resume_from=None):
-    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", seed=3), config=config)
+def _run(config, steps, *, save_at=None, ckpt=None, resume_from=None, layers_only=False):
+    model = tiny_hf("llama", seed=3)
+    if layers_only:  # only the decoder layers train: no resident gradient lands (as under LoRA)
+        for name, p in model.named_parameters():
+            p.requires_grad_(".layers." in name)
+    engine, *_ = megatrain_ds.initialize(model=model, config=config)
     if resume_from is not None:
         engine.load_checkpoint(resume_from)
     batches, ga, losses = _batches(steps), config["gradient_accumulation_steps"], []
@@ -150,7 +154,7 @@ def test_a_wait_is_recorded_only_when_it_waited():
     sched.defer_moments(2, late)
     threading.Timer(0.02, late.set_result, args=(None,)).start()
     for i in range(3):
-        sched.wait_moments(i, timer)
+        sched.wait_moments(i, sched.moments_of(i), timer)
     assert sched.take_moments_waits() == {2}
     assert sched.take_moments_waits() == frozenset()  # taken once
     assert timer.host["wait_for_moments_s"] >= 0.015
@@ -181,3 +185,29 @@ def test_deferred_true_needs_native_kernel():
     config["megatrain"]["host_kernel"] = "torch"
     with pytest.raises(megatrain_ds.config.ConfigError, match="deferred_moments"):
         megatrain_ds.initialize(model=tiny_hf("llama", seed=3), config=config)
+
+
+def test_a_late_fold_waits_for_the_pass_it_was_queued_behind(monkeypatch):
+    """GA 2, the landing thread slowed down so that the first micro-batch's folds are still queued when step() runs
+    (tiny_hf has 2 layers: 4 landings fit the ring; only the layers train, so no resident landing makes the backward
+    wait for them): such a fold must wait for the moments pass that was due when it was queued, not for the one
+    step() has just queued behind the norm (which waits for that very fold: a deadlock). Bit-identical to whole
+    updates."""
+    import threading
+    from megatrain_ds.landing import GradientLanding
+    real = GradientLanding._land
+
+    def slow(self, *args):
+        time.sleep(0.03)  # before the landing task looks at the moments pass
+        return real(self, *args)
+    monkeypatch.setattr(GradientLanding, "_land", slow)
+    out = {}
+    runner = threading.Thread(target=lambda: out.update(d=_run(_config(True, ga=2), 4, layers_only=True)[0]),
+                              daemon=True)
+    runner.start()
+    runner.join(timeout=300)
+    assert not runner.is_alive(), "training with deferred moments deadlocked"
+    (l_w, s_w, _), _ = _run(_config(False, ga=2), 4, layers_only=True)
+    l_d, s_d, _ = out["d"]
+    assert l_w == l_d
+    _assert_same(s_w, s_d)
