@@ -2,8 +2,9 @@
 norm, the moments pass later. The kernel's two passes equal its one pass bit for bit in every layout; training with
 the passes deferred equals training with whole updates bit for bit (masters and Adam moments), with GA 1 (the D2H
 into the gradient home waits for the moments pass) and GA 2 (the landing thread's fold waits), with a moments pass
-slowed down so that the next backward must wait for it, across a checkpoint save and load, and with Adam-L2 (which
-cannot defer: whole updates)."""
+slowed down so that the next backward must wait for it (those layers then update whole), with a landing thread so
+slow that a fold queued before step() runs after it (no deadlock), across a checkpoint save and load, and with
+Adam-L2 (which cannot defer: whole updates)."""
 import time
 
 import pytest
@@ -100,7 +101,7 @@ def _run(config, steps, *, save_at=None, ckpt=None, resume_from=None, layers_onl
             engine.save_checkpoint(ckpt)
     out = losses, _state(engine), engine.optimizer
     engine.destroy()
-    return out, None
+    return out
 
 
 def _assert_same(a, b):
@@ -113,8 +114,8 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("ga", [1, 2])
 def test_deferred_trains_as_whole_updates(ga):
-    (l_w, s_w, _), _ = _run(_config(False, ga=ga, clip=0.05), 8)  # clipping fires on every step
-    (l_d, s_d, opt), _ = _run(_config("auto", ga=ga, clip=0.05), 8)
+    l_w, s_w, _ = _run(_config(False, ga=ga, clip=0.05), 8)  # clipping fires on every step
+    l_d, s_d, opt = _run(_config("auto", ga=ga, clip=0.05), 8)
     assert opt.parts.defer_moments and not opt._moments_due  # on, and every moments pass has run
     assert l_w == l_d
     _assert_same(s_w, s_d)
@@ -125,7 +126,7 @@ def test_slow_moments_pass_is_waited_for(monkeypatch):
     """Each moments pass sleeps first: the next backward's landing of that layer must wait for it (else the D2H
     would overwrite the gradient the pass reads, and the moments would differ). Having waited, those layers are
     updated whole from the next step on: fewer passes run, and the bits stay the same."""
-    (l_w, s_w, _), _ = _run(_config(False), 6)
+    l_w, s_w, _ = _run(_config(False), 6)
     real = HostAdamW._moments_task
     ran = []
 
@@ -135,7 +136,7 @@ def test_slow_moments_pass_is_waited_for(monkeypatch):
             ran.append(i)
         real(self, i)
     monkeypatch.setattr(HostAdamW, "_moments_task", slow)
-    (l_d, s_d, opt), _ = _run(_config(True), 6)
+    l_d, s_d, opt = _run(_config(True), 6)
     assert opt._whole_layers  # the landings waited, so those layers went whole
     assert 1 <= len(ran) < 5 * 2  # passes ran after step 1, then fewer (tiny_hf: 2 layers, 5 steps with a next one)
     assert l_w == l_d
@@ -163,18 +164,18 @@ def test_a_wait_is_recorded_only_when_it_waited():
 def test_deferred_across_checkpoint(tmp_path):
     """Saved at step 3 and resumed: the moments in the checkpoint are the whole update's (the save waits for the
     moments passes), and the resumed run ends where the uninterrupted one does."""
-    (_, s_full, _), _ = _run(_config(False), 6)
+    _, s_full, _ = _run(_config(False), 6)
     _run(_config(True), 3, save_at=3, ckpt=str(tmp_path))
-    (_, s_resumed, _), _ = _run(_config(True), 6, resume_from=str(tmp_path))
+    _, s_resumed, _ = _run(_config(True), 6, resume_from=str(tmp_path))
     _assert_same(s_full, s_resumed)
 
 
 def test_adam_l2_updates_whole(monkeypatch):
     """Adam with L2 weight decay cannot defer (its term reads the old master): whole updates, still exact."""
-    (l_w, s_w, _), _ = _run(_config(False, optimizer="Adam"), 4)
+    l_w, s_w, _ = _run(_config(False, optimizer="Adam"), 4)
     real, asked = HostAdamW._can_defer, []
     monkeypatch.setattr(HostAdamW, "_can_defer", lambda self, i, hp: asked.append(real(self, i, hp)) or asked[-1])
-    (l_d, s_d, opt), _ = _run(_config(True, optimizer="Adam"), 4)
+    l_d, s_d, opt = _run(_config(True, optimizer="Adam"), 4)
     assert asked and not any(asked)
     assert l_w == l_d
     _assert_same(s_w, s_d)
@@ -202,12 +203,12 @@ def test_a_late_fold_waits_for_the_pass_it_was_queued_behind(monkeypatch):
         return real(self, *args)
     monkeypatch.setattr(GradientLanding, "_land", slow)
     out = {}
-    runner = threading.Thread(target=lambda: out.update(d=_run(_config(True, ga=2), 4, layers_only=True)[0]),
+    runner = threading.Thread(target=lambda: out.update(d=_run(_config(True, ga=2), 4, layers_only=True)),
                               daemon=True)
     runner.start()
     runner.join(timeout=300)
     assert not runner.is_alive(), "training with deferred moments deadlocked"
-    (l_w, s_w, _), _ = _run(_config(False, ga=2), 4, layers_only=True)
+    l_w, s_w, _ = _run(_config(False, ga=2), 4, layers_only=True)
     l_d, s_d, _ = out["d"]
     assert l_w == l_d
     _assert_same(s_w, s_d)
