@@ -79,7 +79,8 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 # for. The result is bit-identical to the whole update (tests/test_host_update.py, tests/test_deferred_moments.py).
 # The gradient must stay as the weights pass read it until the moments pass: the next gradient of layer i is not
 # written before that pass of layer i has run (``LayerSchedule.wait_moments``: the D2H into the gradient home, the
-# landing thread's fold), and everything that reads or replaces the moments (checkpoints, the GPU placement, a
+# landing thread's fold, each waiting for the pass that was due when its landing was queued: ``moments_of``), and
+# everything that reads or replaces the moments (checkpoints, the GPU placement, a
 # rollback, the next update) comes after it (engine.synchronize, the AdamW thread's FIFO). AdamW only: Adam's L2
 # term reads the old master, which the weights pass has overwritten.
 #
