@@ -86,8 +86,8 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 #
 # A landing that had to wait for its layer's moments pass (more than ``schedule.MOMENTS_WAIT_S``) means the backward
 # reached the layer before the pass did (seen at 7B on one H100: the trailing layers, kept without recompute, land
-# quickly, and their passes start only when the last weights pass ends). That layer is updated whole from the next
-# step on (``HostAdamW._whole_layers``): its moments are then written in the forward's critical path instead, and the
+# quickly, and their passes start only when the last weights pass ends). When that happens two steps in a row (one
+# wait may be the OS's jitter), the layer is updated whole from the next step on (``HostAdamW._whole_layers``): its moments are then written in the forward's critical path instead, and the
 # passes behind it start sooner. The bits are the same either way.
 PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 

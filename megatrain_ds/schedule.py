@@ -34,7 +34,7 @@ from concurrent.futures import Future
 import torch
 
 
-MOMENTS_WAIT_S = 0.002  # a landing that waited longer for a moments pass makes its layer update whole from then on
+MOMENTS_WAIT_S = 0.002  # a landing that waits longer for its moments pass, two steps in a row, makes the layer whole
 
 
 class LayerSchedule:

@@ -125,7 +125,7 @@ def test_deferred_trains_as_whole_updates(ga):
 def test_slow_moments_pass_is_waited_for(monkeypatch):
     """Each moments pass sleeps first: the next backward's landing of that layer must wait for it (else the D2H
     would overwrite the gradient the pass reads, and the moments would differ). Having waited, those layers are
-    updated whole from the next step on: fewer passes run, and the bits stay the same."""
+    updated whole once they waited two steps in a row: fewer passes run, and the bits stay the same."""
     l_w, s_w, _ = _run(_config(False), 6)
     real = HostAdamW._moments_task
     ran = []
