@@ -80,15 +80,16 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 # The gradient must stay as the weights pass read it until the moments pass: the next gradient of layer i is not
 # written before that pass of layer i has run (``LayerSchedule.wait_moments``: the D2H into the gradient home, the
 # landing thread's fold, each waiting for the pass that was due when its landing was queued: ``moments_of``), and
-# everything that reads or replaces the moments (checkpoints, the GPU placement, a
-# rollback, the next update) comes after it (engine.synchronize, the AdamW thread's FIFO). AdamW only: Adam's L2
-# term reads the old master, which the weights pass has overwritten.
+# everything that reads or replaces the moments (checkpoints, the GPU placement, a rollback, the next update) comes
+# after it (engine.synchronize, the AdamW thread's FIFO). AdamW only: Adam's L2 term reads the old master, which the
+# weights pass has overwritten (native_adam refuses the moments pass there).
 #
 # A landing that had to wait for its layer's moments pass (more than ``schedule.MOMENTS_WAIT_S``) means the backward
 # reached the layer before the pass did (seen at 7B on one H100: the trailing layers, kept without recompute, land
 # quickly, and their passes start only when the last weights pass ends). When that happens two steps in a row (one
-# wait may be the OS's jitter), the layer is updated whole from the next step on (``HostAdamW._whole_layers``): its moments are then written in the forward's critical path instead, and the
-# passes behind it start sooner. The bits are the same either way.
+# wait may be the OS's jitter), the layer is updated whole from the next step on (``HostAdamW._whole_layers``): its
+# moments are then written in the forward's critical path instead, and the passes behind it start sooner. The bits
+# are the same either way.
 PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 
 

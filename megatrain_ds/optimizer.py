@@ -16,7 +16,8 @@ it and mutate its ``param_groups``; hyperparameters are snapshotted when a step 
 
 Three threads touch the optimizer: the main thread (the script's: backward, step, forward), the landing thread
 (``worker``, "megatrain-host": gradient folds, squared norms, the norm task) and the AdamW thread (``opt_worker``,
-"megatrain-adamw": speculative updates, then each step's update tasks, then its close task). Each host thread is FIFO.
+"megatrain-adamw": speculative updates, then each step's update tasks, then its close task, then its deferred moments
+passes). Each host thread is FIFO.
 What one of them writes and another reads goes through one of these hand-offs (a future, the order of a FIFO submit,
 or a flag named here); everything else of HostAdamW is the main thread's:
 
@@ -88,8 +89,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .host_update import (PHASE_MOMENTS, PHASE_WEIGHTS, PHASE_WHOLE, adamw_scalars, can_defer, fused_adam,
-                          native_adam_undo, update_segment, update_tensor)
+from .host_update import (PHASE_MOMENTS, PHASE_WEIGHTS, PHASE_WHOLE, can_defer, native_adam_undo, update_segment,
+                          update_tensor)
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .resident import ResidentParams
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
@@ -580,12 +581,6 @@ class HostAdamW(torch.optim.Optimizer):
         ds = self.parts.executor.device_state
         return ds.grad_of(i) if ds is not None and ds.owns(i) else self.parts.store.grad_of(i)
 
-    def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, hp, coef):
-        # CPU (resident parameters) or the GPU (device-state layers): the same fused kernel; coef = clip
-        # coefficient / loss scale
-        step, scale = adamw_scalars(hp, coef, params[0].device)
-        fused_adam(params, grads, exp_avgs, exp_avg_sqs, hp, step, scale, self.adam_w_mode)
-
     def _resident_task(self, has, decided: Future, backward_done, spec: Speculation | None = None):
         """AdamW thread: the resident parameters' update. Returns the opt-stream event after it when their state is
         GPU-held (``ResidentParams.upload`` waits for it), else None."""
@@ -632,7 +627,8 @@ class HostAdamW(torch.optim.Optimizer):
         m, v = ds.moments_of(i)
         with st.on(st.opt), _range(f"adamw_gpu.L{i}"):
             for group, a, b in self.parts.store.layouts[i].segments:
-                self._adamw([master[a:b]], [grad[a:b]], [m[a:b]], [v[a:b]], decision.hp[group], decision.coef)
+                update_tensor(master[a:b], grad[a:b], m[a:b], v[a:b], decision.hp[group], decision.coef,
+                              self.adam_w_mode, None, self.kernel)  # GPU tensors: torch's fused kernel
         self.parts.schedule.updated_on_device(i, st.record(st.opt))
 
     def _layer_task(self, i: int, decided: Future, spec: Speculation | None = None, defer: bool = True):

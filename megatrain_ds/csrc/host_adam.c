@@ -35,7 +35,8 @@ typedef struct {
 /* [Note: deferred moments] in megatrain_ds/host_update.py: one update in two passes over the same values. WEIGHTS
  * computes the new moments exactly as WHOLE does but stores only the master and the wire copy; MOMENTS, later, from
  * the same gradient and moments, computes them again (the same operations, so the same bits) and stores only them.
- * AdamW only (Adam's L2 term reads the old master, which WEIGHTS has overwritten): host_update.py refuses the rest. */
+ * AdamW only (Adam's L2 term reads the old master, which WEIGHTS has overwritten): host_update.native_adam refuses
+ * the rest before it calls here. */
 enum { PHASE_WHOLE = 0, PHASE_WEIGHTS = 1, PHASE_MOMENTS = 2 };
 
 typedef struct { const void *job; int64_t begin, end; } range_t;
@@ -193,9 +194,9 @@ static void *take_chunks(void *arg) {
     }
 }
 
-/* Runs fn over [0, n) on up to ``threads`` threads (the caller one of them), in chunks on cache lines (64
- * elements), about CHUNKS_PER_THREAD per thread and 64 Ki elements at least; if a thread cannot be started, the
- * others (the caller at least) take its chunks, so the work is always whole. */
+/* Runs fn over [0, n) on up to ``threads`` threads (the caller one of them; no more than one per 64 Ki elements), in
+ * chunks on cache lines (64 elements), about CHUNKS_PER_THREAD per thread and 16 Ki elements at least; if a thread
+ * cannot be started, the others (the caller at least) take its chunks, so the work is always whole. */
 static void run_split(int64_t n, int threads, const void *j, void *(*fn)(void *)) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -215,8 +216,7 @@ static void run_split(int64_t n, int threads, const void *j, void *(*fn)(void *)
 }
 
 /* Updates elements [0, n); elements from tail_from on as torch's scalar tail loop does them; ``phase``: the whole
- * update, or one of its two passes ([Note: deferred moments]). Returns 0 (1: PHASE_MOMENTS refused for Adam-L2);
- * if a thread cannot be started, the others take its chunks (run_split), so the update is always whole. */
+ * update, or one of its two passes ([Note: deferred moments]). Returns 0; if a thread cannot be started, the others take its chunks (run_split), so the update is always whole. */
 int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int grad_dt, float *exp_avg,
                    float *exp_avg_sq, void *wire, int wire_dt, double lr, double beta1, double beta2,
                    double weight_decay, double eps, double step, float grad_scale, int adamw, int threads,
@@ -232,7 +232,6 @@ int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int
     j.neg_step_size = (float)(-step_size); j.bc2_sqrt = (float)sqrt(bc2); j.eps = (float)eps;
     j.grad_scale = grad_scale; j.adamw = adamw; j.tail_from = tail_from < 0 ? n : tail_from;
     j.tail_form = tail_form; j.phase = phase;
-    if (phase == PHASE_MOMENTS && !adamw && weight_decay != 0.0) return 1; /* the L2 term needs the old master */
     run_split(n, threads, &j, run_range);
     return 0;
 }
