@@ -26,6 +26,11 @@ LAYOUTS = {  # name: (grad dtype, master dtype, wire dtype or None)
     "fp32 grad, fp32 master, bf16 wire": (torch.float32, torch.float32, torch.bfloat16),
     "bf16 grad, bf16 master (bf16-master mode)": (torch.bfloat16, torch.bfloat16, None),
 }
+STATES = {  # --phases --state: name -> (master dtype, moments dtype); the gradient lands in bf16
+    "fp32-master": (torch.float32, torch.float32),
+    "bf16-master": (torch.bfloat16, torch.float32),
+    "bf16-state": (torch.bfloat16, torch.bfloat16),
+}
 HP = dict(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10)
 
 
@@ -70,7 +75,10 @@ def main(argv=None) -> int:
                    help="only: the native kernel's Gparam/s at each thread count (bf16 grad, fp32 master, no wire)")
     p.add_argument("--phases", action="store_true",
                    help="only: the whole native update against its two passes ([Note: deferred moments] in "
-                        "host_update.py), bf16 grad + fp32 master, by --native-threads (default: torch's threads)")
+                        "host_update.py), bf16 grad, by --state and --native-threads (default: torch's threads)")
+    p.add_argument("--state", default="fp32-master", metavar="NAME,NAME,...",
+                   help="with --phases: the layouts, of " + ", ".join(STATES) + " (bf16-state: bf16 masters and "
+                        "bf16 moments, [Note: compact moments])")
     p.add_argument("--engine-buffers", action="store_true",
                    help="with --phases: the state in the engine's host buffers (host_memory.host_buffer: huge-page "
                         "mappings, the master page-locked) instead of torch's allocator")
@@ -131,28 +139,34 @@ def _rollback(n: int, args, native: bool) -> None:
 
 
 def _phases(n: int, counts: list[int], args) -> int:
-    """Gparam/s of the whole update and of its weights and moments passes (the forward waits only for the first)."""
-    t = _tensors(n, torch.bfloat16, torch.float32, None)
-    where = "torch's allocator"
-    if args.engine_buffers:
-        from megatrain_ds.host_memory import host_buffer
-        regions: list = []
-        t = tuple(host_buffer(n, x.dtype, pin=k == 0, regions=regions).copy_(x) if x is not None else None
-                  for k, x in enumerate(t))
-        where = "the engine's host buffers (master pinned)"
-    loads = [False, True] if args.h2d_load and torch.cuda.is_available() else [False]
-    print(f"native host update, {n / 1e6:.0f} M params, bf16 grad + fp32 master, coef {args.coef}, {where}: "
-          "Gparam/s (whole | weights pass | moments pass | both passes)")
-    for load in loads:
-        stop = _h2d_load() if load else None
-        for k in counts:
-            s = [_median_s(lambda: host_update.native_adam(t[0], t[1], t[2], t[3], HP, args.coef, True, threads=k,
-                                                           phase=ph), args.repeats)
-                 for ph in (host_update.PHASE_WHOLE, host_update.PHASE_WEIGHTS, host_update.PHASE_MOMENTS)]
-            print(f"  {k:3d} threads{' + H2D load' if load else ''}: {n / s[0] / 1e9:.2f} | {n / s[1] / 1e9:.2f} | "
-                  f"{n / s[2] / 1e9:.2f} | {n / (s[1] + s[2]) / 1e9:.2f}", flush=True)
-        if stop is not None:
-            print(f"  (H2D load: {stop():.1f} GB/s while it ran)")
+    """Gparam/s of the whole update and of its weights and moments passes (the forward waits only for the first),
+    for each ``--state`` layout."""
+    for name in args.state.split(","):
+        if name not in STATES:
+            raise SystemExit(f"--state: unknown layout {name!r} (known: {', '.join(STATES)})")
+        master_dtype, moments_dtype = STATES[name]
+        master, grad, m, v, _ = _tensors(n, torch.bfloat16, master_dtype, None)
+        t = (master, grad, m.to(moments_dtype), v.to(moments_dtype))
+        where = "torch's allocator"
+        if args.engine_buffers:
+            from megatrain_ds.host_memory import host_buffer
+            regions: list = []
+            t = tuple(host_buffer(n, x.dtype, pin=k == 0, regions=regions).copy_(x) for k, x in enumerate(t))
+            where = "the engine's host buffers (master pinned)"
+        loads = [False, True] if args.h2d_load and torch.cuda.is_available() else [False]
+        print(f"native host update, {n / 1e6:.0f} M params, {name} (bf16 grad, {master_dtype} master, "
+              f"{moments_dtype} moments), coef {args.coef}, {where}: Gparam/s (whole | weights pass | moments pass | "
+              "both passes)")
+        for load in loads:
+            stop = _h2d_load() if load else None
+            for k in counts:
+                s = [_median_s(lambda: host_update.native_adam(t[0], t[1], t[2], t[3], HP, args.coef, True,
+                                                               threads=k, phase=ph), args.repeats)
+                     for ph in (host_update.PHASE_WHOLE, host_update.PHASE_WEIGHTS, host_update.PHASE_MOMENTS)]
+                print(f"  {k:3d} threads{' + H2D load' if load else ''}: {n / s[0] / 1e9:.2f} | {n / s[1] / 1e9:.2f} | "
+                      f"{n / s[2] / 1e9:.2f} | {n / (s[1] + s[2]) / 1e9:.2f}", flush=True)
+            if stop is not None:
+                print(f"  (H2D load: {stop():.1f} GB/s while it ran)")
     return 0
 
 

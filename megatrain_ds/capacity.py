@@ -407,7 +407,7 @@ class _Tally:
         dec, parts = self.dec, {}
         for r in range(self.world):
             for k, v in layer_store_bytes(self.layouts, self.owned[r], dec.wire, dec.grad, dec.ga, disk, dec.master,
-                                          staging, disk_masters=dec.nvme_masters).items():
+                                          staging, disk_masters=dec.nvme_masters, moments=dec.moments).items():
                 parts[f"layers: {k}"] = parts.get(f"layers: {k}", 0) + v
         parts["resident (embeddings, norms, head)"] = self.world * resident_host_bytes(
             self.resident, dec.compute, self.dev, dec.resident_on_device)

@@ -25,84 +25,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config_values import _bool, _check_keys, _ds_model, _num, _reject_auto, ds_default  # noqa: F401
 from .errors import ConfigError, validation_error_parts  # noqa: F401 (importable from here too)
 from .loss_scale import LossScaler
 from .monitor import monitor_config
 
-
-# DeepSpeed 0.19.8's values, used only when the installed DeepSpeed lacks the constant (or DeepSpeed is absent).
-_FALLBACK_DEFAULTS = {
-    "GRADIENT_CLIPPING_DEFAULT": 1.0, "STEPS_PER_PRINT_DEFAULT": None, "WALL_CLOCK_BREAKDOWN_DEFAULT": False,
-    "DATALOADER_DROP_LAST_DEFAULT": False, "FP16_ENABLED_DEFAULT": False, "FP16_AUTO_CAST_DEFAULT": False,
-    "FP16_LOSS_SCALE_DEFAULT": 0, "FP16_INITIAL_SCALE_POWER_DEFAULT": 16, "FP16_LOSS_SCALE_WINDOW_DEFAULT": 1000,
-    "FP16_HYSTERESIS_DEFAULT": 2, "FP16_CONSECUTIVE_HYSTERESIS_DEFAULT": False, "FP16_MIN_LOSS_SCALE_DEFAULT": 1,
-    "LOAD_UNIVERSAL_CHECKPOINT_DEFAULT": False, "USE_NODE_LOCAL_STORAGE_CHECKPOINT_DEFAULT": False,
-    "CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE_DEFAULT": False,
-}
-
-
-def ds_default(name: str):
-    """A default from the installed DeepSpeed's ``deepspeed.runtime.constants`` (so it follows its version)."""
-    try:
-        from deepspeed.runtime import constants
-    except ImportError:  # deepspeed is a dependency; a box without it gets 0.19.8's values
-        constants = None
-    return getattr(constants, name, _FALLBACK_DEFAULTS[name])
-
-
-def _check_keys(block: dict, allowed: set[str], where: str) -> None:
-    for key in block:
-        if key not in allowed:
-            raise ConfigError(f"unknown key '{where}.{key}' (allowed: {', '.join(sorted(allowed))})")
-
-
-def _ds_model(module: str, name: str, block: dict, where: str):
-    """``block`` validated (and coerced) by DeepSpeed's own pydantic model ``module.name``; None when the installed
-    DeepSpeed has no such model (the caller then checks what it needs itself)."""
-    try:
-        model = getattr(__import__(module, fromlist=[name]), name)
-    except (ImportError, AttributeError):
-        return None
-    try:
-        return model(**block)
-    except Exception as exc:  # pydantic.ValidationError (or a DeepSpeed assert in a validator)
-        key, why = validation_error_parts(exc)
-        raise ConfigError(f"{where}.{key}: {why}" if key else f"{where}: {why}") from None
-
-
-def _reject_auto(value: Any, key: str) -> None:
-    if value == "auto":
-        raise ConfigError(f"'{key}' is \"auto\": resolve it before initialize() (accelerate and the HF "
-                          "Trainer fill it in; a plain script must give a value)")
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _reject_auto(v, f"{key}.{k}")
-
-
-def _num(value: Any, key: str, cast=float, minimum: float | None = None):
-    """A number (bools are not numbers); ``cast=int`` also rejects fractions (``2.5`` micro-batches)."""
-    _reject_auto(value, key)
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = float(value)
-        if cast is int and not number.is_integer():
-            raise ValueError
-        number = cast(number) if cast is int else number
-    except (TypeError, ValueError, OverflowError):
-        kind = "an integer" if cast is int else "a number"
-        raise ConfigError(f"'{key}' must be {kind}, got {value!r}") from None
-    if minimum is not None and not number >= minimum:  # "not >=" also rejects nan
-        raise ConfigError(f"'{key}' must be >= {minimum}, got {value!r}")
-    return number
-
-
-def _bool(value: Any, key: str) -> bool:
-    """true/false only: ``bool("false")`` is True, so a string here would silently flip the setting."""
-    _reject_auto(value, key)
-    if not isinstance(value, bool):
-        raise ConfigError(f"'{key}' must be true or false, got {value!r}")
-    return value
 
 
 @dataclass(kw_only=True, slots=True)
@@ -299,6 +226,8 @@ class TrainConfig:
     nvme: Any = None  # nvme.NvmeSettings when zero_optimization.offload_optimizer.device is nvme (the NVMe tier)
     bf16_masters: bool = False  # bf16.bf16_master_weights_and_grads: the streamed layers' master weights in bf16
     # (opt-in capacity over precision: 12 host bytes per parameter instead of 16; host_state.py)
+    bf16_moments: bool = False  # bf16.bf16_optimizer_states (or fp32_optimizer_states false) beside bf16 masters: the
+    # streamed layers' Adam moments in bf16 too (8 host bytes per parameter; [Note: compact moments], host_update.py)
     megatrain: MegatrainSettings = field(default_factory=MegatrainSettings)
     monitor: Any = None  # DeepSpeed's monitor config when a tensorboard/wandb/csv_monitor/comet block is enabled
     not_acted_on: list[str] = field(default_factory=list)  # accepted settings megatrain_ds ignores, each
@@ -388,8 +317,6 @@ def _optimizer(cfg: dict, notes: list[str]) -> OptimizerSettings | None:
         raise ConfigError("optimizer.params.amsgrad=true is not supported by the host optimizer")
     if not flags.get("bias_correction", True):
         raise ConfigError("optimizer.params.bias_correction=false is not supported by the host optimizer")
-    if flags.get("fp32_optimizer_states") is False:
-        notes.append("optimizer.params.fp32_optimizer_states=false: Adam moments stay fp32 on the host")
     kwargs = {k: _num(v, f"optimizer.params.{k}") for k, v in params.items() if k in ("lr", "eps", "weight_decay")}
     if "betas" in params:
         betas = params["betas"]
@@ -451,9 +378,6 @@ def _precision(cfg: dict, notes: list[str]) -> tuple[str, LossScaler | None, boo
         notes.append("fp16.auto_cast without fp16.enabled: inputs are not cast to half (DeepSpeed would cast "
                      "floating-point inputs to half on an fp32 model)")
     if bf16["enabled"]:
-        if bf16.get("bf16_optimizer_states"):
-            notes.append("bf16.bf16_optimizer_states: the Adam moments stay fp32 (bf16_master_weights_and_grads "
-                         "alone selects bf16 masters)")
         if bf16.get("check_grad_overflow") is False:
             notes.append("bf16.check_grad_overflow=false: a step with non-finite gradients is still skipped "
                          "(as DeepSpeed's ZeRO-3 does)")
@@ -643,6 +567,27 @@ def _steps_per_print(cfg: dict) -> float:
     return _num(spp, "steps_per_print", int, minimum=1)
 
 
+def _compact_moments(cfg: dict, dtype: str, bf16_masters: bool, notes: list[str]) -> bool:
+    """Whether the streamed layers' Adam moments are bf16 ([Note: compact moments] in host_update.py), as DeepSpeed
+    decides it: ``bf16.bf16_optimizer_states`` (which requires ``bf16_master_weights_and_grads``), or
+    ``optimizer.params.fp32_optimizer_states: false`` (DeepSpeedCPUAdam's moments then take the parameters' dtype:
+    bf16 beside bf16 masters, fp32 beside fp32 ones)."""
+    bf16 = cfg.get("bf16") or {}
+    asked = dtype == "bf16" and _bool(bf16.get("bf16_optimizer_states", False), "bf16.bf16_optimizer_states")
+    if asked and not bf16_masters:
+        raise ConfigError("bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads: true (as "
+                          "DeepSpeed requires it): bf16 Adam moments beside bf16 master weights")
+    fp32_states = ((cfg.get("optimizer") or {}).get("params") or {}).get("fp32_optimizer_states")
+    if fp32_states is False and not bf16_masters:
+        notes.append("optimizer.params.fp32_optimizer_states=false: the Adam moments stay fp32, as DeepSpeedCPUAdam's "
+                     "do beside fp32 master weights (they take the masters' dtype; bf16 with "
+                     "bf16.bf16_master_weights_and_grads)")
+    if asked and fp32_states is True:
+        notes.append("optimizer.params.fp32_optimizer_states=true: overridden by bf16.bf16_optimizer_states (bf16 "
+                     "moments), as DeepSpeed overrides it")
+    return asked or (fp32_states is False and bf16_masters)
+
+
 def check_combinations(settings: TrainConfig) -> None:
     """Settings valid one by one that exclude each other: a ``ConfigError`` naming both, at parse time."""
     mt, fp32, low = settings.megatrain, settings.compute_dtype == "fp32", settings.bf16_masters
@@ -650,6 +595,10 @@ def check_combinations(settings: TrainConfig) -> None:
     if low and (mt.stream_fp32_master is True or on_gpu):  # no fp32 master to stream, none on the GPU either
         raise ConfigError("bf16.bf16_master_weights_and_grads keeps bf16 master weights: it excludes "
                           "megatrain.stream_fp32_master=true and megatrain.gpu_optimizer_layers > 0")
+    if settings.bf16_moments and settings.nvme is not None:
+        raise ConfigError("bf16.bf16_optimizer_states (bf16 Adam moments) excludes "
+                          "zero_optimization.offload_optimizer.device=nvme: the NVMe tier holds fp32 moments. Use "
+                          "one or the other")
     if settings.nvme is not None and settings.nvme.masters and (fp32 or low or mt.stream_fp32_master is True):
         what = "fp32 compute" if fp32 else "bf16.bf16_master_weights_and_grads" if low else \
             "megatrain.stream_fp32_master=true"
@@ -686,7 +635,7 @@ def parse_config(config, world_size: int = 1, *, warn: bool = True) -> TrainConf
         dataloader_drop_last=_bool(cfg.get("dataloader_drop_last", ds_default("DATALOADER_DROP_LAST_DEFAULT")),
                                    "dataloader_drop_last"),
         zero_stage=zero_stage, offload_optimizer_ratio=ratio, nvme=nvme, bf16_masters=bf16_masters,
-        megatrain=MegatrainSettings(**mt),
+        bf16_moments=_compact_moments(cfg, dtype, bf16_masters, notes), megatrain=MegatrainSettings(**mt),
         monitor=monitor_config(cfg), not_acted_on=notes, raw=cfg)
     check_combinations(settings)
     if warn:

@@ -48,6 +48,7 @@ class Decisions:
     stream_fp32_master: bool  # the fp32 master crosses PCIe (cast on the GPU) instead of a compute-dtype wire copy
     wire: str  # what crosses PCIe and is kept for frozen weights: "fp32" (the master) or the compute dtype
     master: str  # the streamed layers' master weights: "fp32", or the compute dtype (bf16_master_weights_and_grads)
+    moments: str  # the streamed layers' Adam moments: "fp32", or "bf16" (bf16_optimizer_states: compact moments)
     landing: str  # what a layer's gradient lands in from the GPU (host_update.lands_fp32; with GA 1 its home)
     grad: str  # the gradient home: ``landing`` with GA 1, "fp32" with GA > 1 (an fp32 accumulator)
     ga: int
@@ -82,6 +83,10 @@ class Decisions:
     @property
     def master_dtype(self) -> torch.dtype:
         return DTYPES[self.master]
+
+    @property
+    def moments_dtype(self) -> torch.dtype:
+        return DTYPES[self.moments]
 
     @property
     def landing_dtype(self) -> torch.dtype:
@@ -152,10 +157,13 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
     if n_device == -1:  # from DeepSpeed's offload_optimizer.ratio (the fraction of optimizer state on the CPU)
         ratio = config.offload_optimizer_ratio
         n_device = "auto" if ratio is None else round((1.0 - ratio) * n)
-    auto_state = n_device == "auto" and config.optimizer is not None and not config.bf16_masters
+    # bf16-master mode: the resident parameters' state only (their masters are fp32; the layers' bf16 masters have
+    # no GPU-held form): engine_auto.place_auto
+    auto_state = n_device == "auto" and config.optimizer is not None
     if auto_state:
         notes.append("gpu_optimizer_layers \"auto\": after the first step the engine moves optimizer state to "
-                     "the GPU memory that step left free (not counted here; host state shrinks by as much)")
+                     "the GPU memory that step left free (not counted here; host state shrinks by as much)"
+                     + (": the resident parameters' only, with bf16 masters" if config.bf16_masters else ""))
     n_device = 0 if n_device == "auto" else min(int(n_device), n)
     auto_keep = mt.keep_activations == "auto"
     if auto_keep:
@@ -164,7 +172,8 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
     nvme, _, buffer_count = nvme_settings(config)
     before_split = Decisions(
         compute=compute, stream_fp32_master=stream, wire="fp32" if stream else compute,
-        master=compute if config.bf16_masters else "fp32", landing=landing, grad="fp32" if ga > 1 else landing,
+        master=compute if config.bf16_masters else "fp32", moments="bf16" if config.bf16_moments else "fp32",
+        landing=landing, grad="fp32" if ga > 1 else landing,
         ga=ga, host_kernel=kernel, deferred_moments=defer_moments(mt.deferred_moments, kernel),
         liger_kernels=liger_setting(config), n_layers=n, disk_layers=0,
         nvme_masters=nvme and nvme_masters(config), n_device_layers=n_device, resident_on_device=n_device > 0,
@@ -189,7 +198,8 @@ def _nvme_auto(dec: Decisions, layouts: list[LayerLayout], device_type: str, sha
     scratch) and what the share holds beside them."""
     all_disk = frozenset(range(len(layouts)))
     without = sum(sum(layer_store_bytes(layouts, list(mask), dec.wire, dec.grad, dec.ga, all_disk, dec.master,
-                                        disk_masters=dec.nvme_masters).values()) for mask in share.owned)
+                                        disk_masters=dec.nvme_masters, moments=dec.moments).values())
+                  for mask in share.owned)
     without += len(share.owned) * resident_host_bytes(list(share.resident), dec.compute, device_type,
                                                       dec.resident_on_device)
     without += sum(optimizer_scratch_bytes(layouts, list(mask), dec.master) for mask in share.owned)

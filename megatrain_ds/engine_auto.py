@@ -48,7 +48,9 @@ def place_auto(engine) -> None:
             placed.append(f"resident optimizer state {need / 2**30:.1f} GiB")
     if auto_keep:
         budget -= _keep_layers(engine, budget, placed)
-    if auto_state and engine.optimizer is not None and engine.layer_states.gpu_layers() is None:
+    # layers' state: fp32 masters only (a GPU-held layer keeps an fp32 master; bf16-master mode has none)
+    if auto_state and engine.optimizer is not None and engine.layer_states.gpu_layers() is None and \
+            engine.store.master_dtype == torch.float32:
         store = engine.store
         n_layers = min(len(store.layouts), store.disk_from)  # not the NVMe tier's (they trail)
         n = 0

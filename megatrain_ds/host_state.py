@@ -53,7 +53,7 @@ class HostLayerStore:
     def __init__(self, layouts: list[LayerLayout], wire_dtype: torch.dtype, grad_accum_fp32: bool,
                  pin: bool, grad_dtype: torch.dtype | None = None, owned: list[bool] | None = None,
                  disk_from: int | None = None, nvme=None, rank: int = 0, nvme_backend: str = "auto",
-                 master_dtype: torch.dtype = torch.float32) -> None:
+                 master_dtype: torch.dtype = torch.float32, moments_dtype: torch.dtype = torch.float32) -> None:
         self.layouts = layouts
         self.wire_dtype = wire_dtype
         # bf16-master mode (opt-in, DeepSpeed's bf16.bf16_master_weights_and_grads): the master *is* the bf16 wire
@@ -61,6 +61,9 @@ class HostLayerStore:
         if master_dtype not in (torch.float32, wire_dtype):
             raise ValueError(f"master dtype {master_dtype} must be fp32 or the wire dtype {wire_dtype}")
         self.master_dtype = master_dtype
+        if moments_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"moments dtype {moments_dtype} must be fp32 or bf16")
+        self.moments_dtype = moments_dtype  # bf16: [Note: compact moments] in host_update.py
         # Data parallel (dp.py): this process holds the state of the layers it owns only. A layer it does not own
         # takes no bytes (its offsets are those of the next owned layer) and has no views (``_owned``).
         self.owned = list(owned) if owned is not None else [True] * len(layouts)
@@ -89,6 +92,8 @@ class HostLayerStore:
         if self.masters_on_disk and not self.compact:
             raise ValueError("the masters can go to NVMe only beside a separate wire copy (a bf16 wire and fp32 "
                              f"masters); here the {master_dtype} master is the wire itself")
+        if disk and moments_dtype != torch.float32:
+            raise ValueError("the NVMe tier holds fp32 moments: bf16 moments stay in RAM")
         if disk:
             from .nvme import NvmeMoments
             self.tier = NvmeMoments(disk, nvme, rank=rank, backend=nvme_backend)
@@ -98,8 +103,8 @@ class HostLayerStore:
         # layers are loaded the model still holds its own copy of them (peak host memory: one copy + one layer).
         self.master = host_buffer(ram_train if self.masters_on_disk else self.n_master, master_dtype,
                                   pin and self.wire_is_master, self.regions, defer=True)
-        self.exp_avg = host_buffer(ram_train, torch.float32, False, self.regions)
-        self.exp_avg_sq = host_buffer(ram_train, torch.float32, False, self.regions)
+        self.exp_avg = host_buffer(ram_train, moments_dtype, False, self.regions)
+        self.exp_avg_sq = host_buffer(ram_train, moments_dtype, False, self.regions)
         self.wire = self.master if self.wire_is_master else host_buffer(full, wire_dtype, pin, self.regions,
                                                                         defer=True)
         # Gradients: landed directly in their home (GA 1; in the wire dtype, or fp32 when

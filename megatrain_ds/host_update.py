@@ -92,6 +92,19 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 # are the same either way.
 PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 
+# [Note: compact moments] Opt-in, never the default: DeepSpeed's ``bf16.bf16_optimizer_states`` (it requires
+# ``bf16_master_weights_and_grads``, as DeepSpeed does), or ``optimizer.params.fp32_optimizer_states: false`` beside bf16
+# masters (DeepSpeedCPUAdam's moments then take the parameters' dtype), keeps the streamed layers' Adam moments in
+# bf16: a bf16 master, two bf16 moments and the bf16 gradient are 8 host bytes per trained parameter instead of 12,
+# and the update moves 14 B/param instead of 22. The arithmetic is fp32: each moment is read as fp32, the update
+# computed as torch's fused kernel computes it (the master from the new moments before they are rounded), and the new
+# moments stored rounded to nearest even. So it equals, bit for bit, torch's fused AdamW on fp32 copies of the moments
+# followed by a copy back (tests/test_compact_moments.py), which is what the torch kernel's blocked path does here.
+# The cost is the moments' precision: exp_avg_sq keeps 8 bits of mantissa, so small updates to it round away (beta2
+# 0.999 moves it by 0.1% a step, under bf16's 0.4% resolution): the loss curve against exact fp32 state is in
+# docs/compact_moments.md. The resident parameters (embeddings, final norm, LM head) keep fp32 masters and moments, as
+# they do in bf16-master mode. Not with the NVMe tier (its swap file holds fp32 moments).
+
 
 def can_defer(adam_w_mode: bool, hp: dict) -> bool:
     """Whether the moments pass can run after the weights pass: AdamW, or Adam without weight decay."""
@@ -117,7 +130,7 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
                    a: int, b: int, hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None,
                    grad_scratch: torch.Tensor, master_scratch: torch.Tensor, block: int = BLOCK_ELEMENTS,
                    kernel: str = "torch", phase: int = PHASE_WHOLE) -> None:
-    """AdamW of elements [a, b) of one layer's flat state (fp32 moments; ``master`` fp32 or bf16, ``grad`` in its
+    """AdamW of elements [a, b) of one layer's flat state (moments fp32 or bf16; ``master`` fp32 or bf16, ``grad`` in its
     landing dtype), writing ``wire[a:b]`` (the compute-dtype copy the GPU streams) from the new master when given.
     ``kernel`` "native": one pass of the C kernel ([Note: native host update]); "torch": the fused kernel, in
     blocks where conversions are needed (the scratch buffers hold at least ``block`` fp32 elements). ``phase``: one
@@ -131,8 +144,9 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
                          "updates only)")
     convert_grad = grad.dtype != torch.float32
     low_master = master.dtype != torch.float32
+    low_moments = exp_avg.dtype != torch.float32  # [Note: compact moments]
     step, scale = adamw_scalars(hp, coef, master.device)
-    if not (convert_grad or low_master or wire is not None):
+    if not (convert_grad or low_master or low_moments or wire is not None):
         fused_adam([master[a:b]], [grad[a:b]], [exp_avg[a:b]], [exp_avg_sq[a:b]], hp, step, scale, adam_w_mode)
         return
     for start in range(a, b, block):
@@ -140,7 +154,13 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         n = end - start
         g = grad_scratch[:n].copy_(grad[start:end]) if convert_grad else grad[start:end]
         w = master_scratch[:n].copy_(master[start:end]) if low_master else master[start:end]
-        fused_adam([w], [g], [exp_avg[start:end]], [exp_avg_sq[start:end]], hp, step, scale, adam_w_mode)
+        # bf16 moments: fp32 copies of the block (the fallback's only allocation per block), rounded back after
+        m, v = (exp_avg[start:end].float(), exp_avg_sq[start:end].float()) if low_moments else \
+            (exp_avg[start:end], exp_avg_sq[start:end])
+        fused_adam([w], [g], [m], [v], hp, step, scale, adam_w_mode)
+        if low_moments:
+            exp_avg[start:end].copy_(m)
+            exp_avg_sq[start:end].copy_(v)
         if low_master:
             master[start:end].copy_(w)  # round to nearest, as the whole-layer copy did
         if wire is not None:  # cast from the master as it now is, as refresh_wire casts it
@@ -169,6 +189,7 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.c"
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # the Adam moments: fp32, or bf16 ([Note: compact moments])
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 _lib_lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -232,7 +253,8 @@ def native_library() -> ctypes.CDLL | None:
             fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_double,
                            ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                           ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                           ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int]
             undo = lib.megatrain_adam_undo
             undo.restype = ctypes.c_int
             undo.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -268,8 +290,8 @@ def _flat(t: torch.Tensor, name: str) -> int:
 def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None = None,
                 threads: int | None = None, tail_form: int | None = None, phase: int = PHASE_WHOLE) -> None:
-    """One pass of Adam(W) over ``master`` (fp32 or bf16) with ``grad`` (fp32/bf16/fp16) and the fp32 moments,
-    writing ``wire`` (bf16/fp16) from the new master when given; ``coef``: the clip coefficient over the loss
+    """One pass of Adam(W) over ``master`` (fp32 or bf16) with ``grad`` (fp32/bf16/fp16) and the moments (fp32, or
+    bf16: [Note: compact moments]), writing ``wire`` (bf16/fp16) from the new master when given; ``coef``: the clip coefficient over the loss
     scale (the gradient is divided by the fp32 value of ``1 / coef``, as the fused kernel's ``grad_scale``).
     ``phase``: the whole update, or one of its two passes ([Note: deferred moments]): ``PHASE_WEIGHTS`` stores the
     master and wire only, ``PHASE_MOMENTS`` (later, same gradient, hyperparameters and ``coef``) the moments only.
@@ -285,8 +307,9 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
             (((wire, "wire"),) if wire is not None else ()):
         if t.numel() != n:
             raise ValueError(f"native host update: {name} has {t.numel()} elements, the master {n}")
-    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
-        raise ValueError("native host update: the Adam moments must be fp32")
+    if exp_avg.dtype not in MOMENT_DTYPES or exp_avg_sq.dtype != exp_avg.dtype:
+        raise ValueError(f"native host update: the Adam moments must be both fp32 or both bf16, got {exp_avg.dtype} "
+                         f"and {exp_avg_sq.dtype}")
     if n == 0:
         return
     scale = 1.0 if coef == 1.0 else float(torch.tensor(1.0 / coef, dtype=torch.float32))
@@ -299,7 +322,8 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                            None if wire is None else _flat(wire, "wire"), 0 if wire is None else _DT[wire.dtype],
                            float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"]), float(hp["weight_decay"]),
                            float(hp["eps"]), float(hp["step"]), scale, int(bool(adam_w_mode)),
-                           int(threads or torch.get_num_threads()), n - n % width, tail_form or 0, int(phase))
+                           int(threads or torch.get_num_threads()), n - n % width, tail_form or 0, int(phase),
+                           _DT[exp_avg.dtype])
     if body < n:
         _torch_tail(master[body:], grad[body:], exp_avg[body:], exp_avg_sq[body:],
                     None if wire is None else wire[body:], hp, coef, adam_w_mode, phase)
@@ -312,9 +336,12 @@ def _torch_tail(master, grad, exp_avg, exp_avg_sq, wire, hp: dict, coef: float, 
     p = master.to(torch.float32, copy=True)
     g = grad.to(torch.float32, copy=True)  # torch's kernel writes the scaled gradient back: never the landed one
     keep = phase != PHASE_WEIGHTS  # the weights pass leaves the moments as they were
-    m, v = (exp_avg, exp_avg_sq) if keep else (exp_avg.clone(), exp_avg_sq.clone())
+    m, v = exp_avg.to(torch.float32, copy=True), exp_avg_sq.to(torch.float32, copy=True)
     step, scale = adamw_scalars(hp, coef, master.device)
     fused_adam([p], [g], [m], [v], hp, step, scale, adam_w_mode)
+    if keep:  # rounded to nearest with bf16 moments, as the kernel rounds
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
     if phase != PHASE_MOMENTS:
         master.copy_(p)  # rounded to nearest in bf16-master mode, as the kernel rounds
         if wire is not None:

@@ -57,6 +57,8 @@ CASES = {
         bf16={"enabled": True}, megatrain={"gpu_optimizer_layers": 1})),
     "plain nn.Module, biases": (lambda: PlainLM(), _config(gradient_accumulation_steps=2)),
     "bf16 masters": (lambda: tiny_hf("llama"), _config(bf16={"enabled": True, "bf16_master_weights_and_grads": True})),
+    "bf16 masters and moments, GA 2": (lambda: tiny_hf("llama"), _config(gradient_accumulation_steps=2, bf16={
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})),
     "LoRA, bf16": (_lora, _config(bf16={"enabled": True})),
     "NVMe tier, 2 layers": (lambda: tiny_hf("llama"), _config(
         zero_optimization=NVME, megatrain={"nvme_layers": 2, "nvme_backend": "threads"})),

@@ -18,7 +18,7 @@ typedef struct {
     int64_t n;
     void *master; int master_dt;      /* fp32 or bf16 */
     const void *grad; int grad_dt;    /* fp32, bf16 or fp16 */
-    float *exp_avg, *exp_avg_sq;
+    void *exp_avg, *exp_avg_sq; int mom_dt; /* the Adam moments: fp32, or bf16 (compact optimizer state) */
     void *wire; int wire_dt;          /* NULL, bf16 or fp16 */
     float keep;                       /* AdamW: 1 - lr * weight_decay (rounded from double); 1 otherwise (exact) */
     float wd;                         /* Adam (L2): weight_decay */
@@ -73,9 +73,9 @@ static inline void store_val(void *p, int dt, int64_t i, float v) {
         float p = LOAD_P;                                                                     \
         g = l2 ? fmaf(p, wd, g) : g;                                                       \
         p = p * keep;                                                                      \
-        float m = m_[i];                                                                      \
+        float m = LOAD_M;                                                                     \
         m = fmaf(coeff, g - m, small ? m : g);                                                \
-        float v = fmaf(c2 * g, g, v_[i] * beta2);                                             \
+        float v = fmaf(c2 * g, g, LOAD_V * beta2);                                            \
         STORE_MV;                                                                             \
         float denom = sqrtf(v) / bc2_sqrt + eps;                                        \
         p = p + (neg_step_size * m) / denom;                                               \
@@ -87,10 +87,10 @@ static inline void store_val(void *p, int dt, int64_t i, float v) {
 #define MOMENTS_BODY(LOAD_G)                                                                      \
     for (int64_t i = r->begin; i < body_end; i++) {                                           \
         float g = LOAD_G / grad_scale;                                                        \
-        float m = m_[i];                                                                      \
+        float m = LOAD_M;                                                                     \
         m = fmaf(coeff, g - m, small ? m : g);                                                \
-        float v = fmaf(c2 * g, g, v_[i] * beta2);                                             \
-        m_[i] = m; v_[i] = v;                                                                 \
+        float v = fmaf(c2 * g, g, LOAD_V * beta2);                                            \
+        STORE_M(m); STORE_V(v);                                                               \
     }
 
 /* torch's scalar tail loop (the last n mod vector-width elements of a tensor): the same operations, which the
@@ -104,14 +104,15 @@ static void tail_update(const job_t *j, int64_t begin, int64_t end, float coeff,
         float p = j->phase == PHASE_MOMENTS ? 0.0f : load_val(j->master, j->master_dt, i);
         if (l2) g = (form & 4) ? g + p * j->wd : fmaf(p, j->wd, g);
         p = p * j->keep;
-        float m = j->exp_avg[i], v = j->exp_avg_sq[i], base = small ? m : g;
+        float m = load_val(j->exp_avg, j->mom_dt, i), v = load_val(j->exp_avg_sq, j->mom_dt, i);
+        float base = small ? m : g;
         m = (form & 8) ? base + coeff * (g - m) : fmaf(coeff, g - m, base);
         switch (form & 3) {
             case 0: v = fmaf(v, j->beta2, j->c2 * g * g); break;
             case 1: v = fmaf(j->c2 * g, g, v * j->beta2); break;
             default: v = v * j->beta2 + j->c2 * g * g; break;
         }
-        if (j->phase != PHASE_WEIGHTS) { j->exp_avg[i] = m; j->exp_avg_sq[i] = v; }
+        if (j->phase != PHASE_WEIGHTS) { store_val(j->exp_avg, j->mom_dt, i, m); store_val(j->exp_avg_sq, j->mom_dt, i, v); }
         if (j->phase == PHASE_MOMENTS) continue;
         p = p + (j->neg_step_size * m) / (sqrtf(v) / j->bc2_sqrt + j->eps);
         store_val(j->master, j->master_dt, i, p);
@@ -135,7 +136,7 @@ static void tail_update(const job_t *j, int64_t begin, int64_t end, float coeff,
         uint16_t *restrict W = (uint16_t *)j->wire; \
         ADAM_BODY(P[i], G[i], P[i] = p, W[i] = f32_to_bf16(p), STORE_MV) \
     } else if (j->master_dt == DT_BF16 && j->grad_dt == DT_BF16 && !j->wire) { \
-        uint16_t *P = (uint16_t *)j->master; const uint16_t *G = (const uint16_t *)j->grad; \
+        uint16_t *restrict P = (uint16_t *)j->master; const uint16_t *restrict G = (const uint16_t *)j->grad; \
         ADAM_BODY(bf16_to_f32(P[i]), bf16_to_f32(G[i]), P[i] = f32_to_bf16(p), (void)0, STORE_MV) \
     } else { /* any other combination (fp16 gradients or wire, ...): the same arithmetic, per-element dtypes */ \
         void *P = j->master; const void *G = j->grad; \
@@ -143,11 +144,25 @@ static void tail_update(const job_t *j, int64_t begin, int64_t end, float coeff,
                   if (j->wire) store_val(j->wire, j->wire_dt, i, p), STORE_MV) \
     }
 
+/* The moment loads and stores of the loops above, by the moments' dtype: fp32, or bf16 (compact optimizer state:
+ * read as fp32, the update computed in fp32 from the unrounded new moments, stored rounded to nearest even, as
+ * torch's fused kernel on fp32 copies followed by a copy back). */
+#define PHASES                                                                                         \
+    if (j->phase == PHASE_MOMENTS) { /* the moments alone: the master and the wire copy are not touched */ \
+        if (j->grad_dt == DT_F32) { const float *restrict G = (const float *)j->grad; MOMENTS_BODY(G[i]) }   \
+        else if (j->grad_dt == DT_BF16) { const uint16_t *restrict G = (const uint16_t *)j->grad;          \
+                                          MOMENTS_BODY(bf16_to_f32(G[i])) }                                 \
+        else { const void *G = j->grad; MOMENTS_BODY(load_val(G, j->grad_dt, i)) }                         \
+    } else if (j->phase == PHASE_WEIGHTS) {                                                             \
+        ADAM_LOOPS((void)0)                                                                             \
+    } else {                                                                                            \
+        ADAM_LOOPS((STORE_M(m), STORE_V(v)))                                                            \
+    }
+
 static void *run_range(void *arg) {
     const range_t *r = (const range_t *)arg;
     const job_t *j = (const job_t *)r->job;
     int64_t body_end = r->end < j->tail_from ? r->end : j->tail_from;
-    float *restrict m_ = j->exp_avg, *restrict v_ = j->exp_avg_sq;
     const float w = j->beta1_w;
     const int small = fabsf(w) < 0.5f;  /* the lerp's two forms, as torch picks them */
     const float coeff = small ? w : w - 1.0f;
@@ -156,15 +171,28 @@ static void *run_range(void *arg) {
     const float grad_scale = j->grad_scale, wd = j->wd, keep = j->keep, beta2 = j->beta2, c2 = j->c2;
     const float bc2_sqrt = j->bc2_sqrt, eps = j->eps, neg_step_size = j->neg_step_size;
     /* the common layouts get their own loops, so the compiler vectorizes them without per-element dtype tests */
-    if (j->phase == PHASE_MOMENTS) { /* the moments alone: the master and the wire copy are not touched */
-        if (j->grad_dt == DT_F32) { const float *restrict G = (const float *)j->grad; MOMENTS_BODY(G[i]) }
-        else if (j->grad_dt == DT_BF16) { const uint16_t *restrict G = (const uint16_t *)j->grad;
-                                          MOMENTS_BODY(bf16_to_f32(G[i])) }
-        else { const void *G = j->grad; MOMENTS_BODY(load_val(G, j->grad_dt, i)) }
-    } else if (j->phase == PHASE_WEIGHTS) {
-        ADAM_LOOPS((void)0)
+    if (j->mom_dt == DT_BF16) {
+        uint16_t *restrict mb_ = (uint16_t *)j->exp_avg, *restrict vb_ = (uint16_t *)j->exp_avg_sq;
+#define LOAD_M bf16_to_f32(mb_[i])
+#define LOAD_V bf16_to_f32(vb_[i])
+#define STORE_M(x) (mb_[i] = f32_to_bf16(x))
+#define STORE_V(x) (vb_[i] = f32_to_bf16(x))
+        PHASES
+#undef LOAD_M
+#undef LOAD_V
+#undef STORE_M
+#undef STORE_V
     } else {
-        ADAM_LOOPS((m_[i] = m, v_[i] = v))
+        float *restrict m_ = (float *)j->exp_avg, *restrict v_ = (float *)j->exp_avg_sq;
+#define LOAD_M m_[i]
+#define LOAD_V v_[i]
+#define STORE_M(x) (m_[i] = (x))
+#define STORE_V(x) (v_[i] = (x))
+        PHASES
+#undef LOAD_M
+#undef LOAD_V
+#undef STORE_M
+#undef STORE_V
     }
     if (r->end > j->tail_from)
         tail_update(j, r->begin > j->tail_from ? r->begin : j->tail_from, r->end, coeff, small, l2);
@@ -217,16 +245,16 @@ static void run_split(int64_t n, int threads, const void *j, void *(*fn)(void *)
 
 /* Updates elements [0, n); elements from tail_from on as torch's scalar tail loop does them; ``phase``: the whole
  * update, or one of its two passes ([Note: deferred moments]). Returns 0; if a thread cannot be started, the others take its chunks (run_split), so the update is always whole. */
-int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int grad_dt, float *exp_avg,
-                   float *exp_avg_sq, void *wire, int wire_dt, double lr, double beta1, double beta2,
+int megatrain_adam(int64_t n, void *master, int master_dt, const void *grad, int grad_dt, void *exp_avg,
+                   void *exp_avg_sq, void *wire, int wire_dt, double lr, double beta1, double beta2,
                    double weight_decay, double eps, double step, float grad_scale, int adamw, int threads,
-                   int64_t tail_from, int tail_form, int phase) {
+                   int64_t tail_from, int tail_form, int phase, int mom_dt) {
     job_t j;
     /* the scalars as torch's kernel forms them: in double, then rounded to float where they enter the math */
     double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
     double step_size = lr / bc1;
     j.n = n; j.master = master; j.master_dt = master_dt; j.grad = grad; j.grad_dt = grad_dt;
-    j.exp_avg = exp_avg; j.exp_avg_sq = exp_avg_sq; j.wire = wire; j.wire_dt = wire_dt;
+    j.exp_avg = exp_avg; j.exp_avg_sq = exp_avg_sq; j.mom_dt = mom_dt; j.wire = wire; j.wire_dt = wire_dt;
     j.keep = (adamw && weight_decay != 0.0) ? (float)(1.0 - lr * weight_decay) : 1.0f; j.wd = (float)weight_decay;
     j.beta1_w = (float)(1.0 - beta1); j.beta2 = (float)beta2; j.c2 = (float)(1.0 - beta2);
     j.neg_step_size = (float)(-step_size); j.bc2_sqrt = (float)sqrt(bc2); j.eps = (float)eps;
