@@ -147,10 +147,9 @@ def _phases(n: int, counts: list[int], args) -> int:
         master_dtype, moments_dtype = STATES[name]
         master, grad, m, v, _ = _tensors(n, torch.bfloat16, master_dtype, None)
         t = (master, grad, m.to(moments_dtype), v.to(moments_dtype))
-        where = "torch's allocator"
+        where, regions = "torch's allocator", []
         if args.engine_buffers:
             from megatrain_ds.host_memory import host_buffer
-            regions: list = []
             t = tuple(host_buffer(n, x.dtype, pin=k == 0, regions=regions).copy_(x) for k, x in enumerate(t))
             where = "the engine's host buffers (master pinned)"
         loads = [False, True] if args.h2d_load and torch.cuda.is_available() else [False]
@@ -167,6 +166,10 @@ def _phases(n: int, counts: list[int], args) -> int:
                       f"{n / s[2] / 1e9:.2f} | {n / (s[1] + s[2]) / 1e9:.2f}", flush=True)
             if stop is not None:
                 print(f"  (H2D load: {stop():.1f} GB/s while it ran)")
+        # unpinned before the next layout's buffers (a new mapping may reuse a registered address: CUDA error 712)
+        from megatrain_ds.host_memory import _release_all
+        del t
+        _release_all(regions)
     return 0
 
 

@@ -103,6 +103,9 @@ def megatrain_settings(ds_config: dict, seq: int, steps: int, warmup: int, devic
                                     else "")
     bf16 = ds_config["bf16"]["enabled"]
     precision = "fp32 master, bf16 compute" if bf16 else "fp32"
+    if bf16 and ds_config["bf16"].get("bf16_master_weights_and_grads"):  # the layers' masters (and moments) in bf16
+        precision = "bf16 master" + (", bf16 Adam moments" if ds_config["bf16"].get("bf16_optimizer_states") else
+                                     ", fp32 Adam moments") + ", bf16 compute"
     if lora:
         precision = (("frozen base built in bf16; adapters bf16 with fp32 masters, bf16 compute" if bf16 else
                       "frozen base fp32; adapters fp32 (cpu)"))

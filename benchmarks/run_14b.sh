@@ -2,7 +2,7 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
 #
 # Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
 # limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
@@ -46,5 +46,16 @@ case $phase in
          h2h_call 300 fp32masters --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3
          h2h_call 270 bf16masters --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 \
              --ds-config '{"bf16": {"enabled": true, "bf16_master_weights_and_grads": true}}' ;;
+  # issue 26, item 6: bf16-master mode (its resident state now "auto"-placed on the GPU) and compact moments
+  # (bf16.bf16_optimizer_states: 8 host bytes/param), each with fp32 masters on the same machine; the per-pass rates
+  7bstate) model=qwen2.5-7b
+         python3 -m benchmarks.host_update_bench --phases --engine-buffers --state fp32-master,bf16-master,bf16-state \
+             --repeats 3 2>&1 | grep -v -i warning | tee -a "$log"
+         bf16='"enabled": true, "bf16_master_weights_and_grads": true'
+         h2h_call 200 bf16masters --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 \
+             --ds-config "{\"bf16\": {$bf16}}"
+         h2h_call 200 bf16state --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 \
+             --ds-config "{\"bf16\": {$bf16, \"bf16_optimizer_states\": true}}"
+         h2h_call 200 fp32masters --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

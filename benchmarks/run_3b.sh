@@ -20,6 +20,7 @@
 #             with deferred_moments false;  defer26b: the same at 8K with 10 GiB of GPU free (host-only, defaults,
 #             ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests;
 #             defer26d: ZeRO-3 and host-only at clip 1e9
+#   wire26    the 10 GiB row with the bf16 wire streamed (stream_fp32_master false) and the fp32 master, ZeRO-3
 #   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
@@ -115,6 +116,26 @@ case $phase in
             --warmup 2 --steps 4
         h2h_call 240 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
             --steps 4 ;;
+  wire26)  # the consumer-GPU row streaming the bf16 wire (stream_fp32_master false: half the H2D bytes, whose fp32
+            # masters, twice a step, nearly bind at 8K on 10 GiB) against the fp32 master (auto), and ZeRO-3
+        h2h_call 110 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
+            --tokens-per-step 8192 --warmup 2 --steps 4
+        h2h_call 110 hostonly_wire --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
+            --tokens-per-step 8192 --warmup 2 --steps 4 --megatrain-options '{"stream_fp32_master": false}'
+        h2h_call 110 defaults_wire --systems megatrain --gpu-memory-limit 10 --clip 1.0 \
+            --tokens-per-step 8192 --warmup 2 --steps 4 --megatrain-options '{"stream_fp32_master": false}'
+        h2h_call 220 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
+            --steps 4 ;;
+  wire26b)  # wire26's megatrain runs with room for a cold machine's model build (~60 s on the CPU)
+        h2h_call 200 hostonly_wire --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
+            --tokens-per-step 8192 --warmup 2 --steps 4 --megatrain-options '{"stream_fp32_master": false}'
+        h2h_call 200 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
+            --tokens-per-step 8192 --warmup 2 --steps 4 ;;
+  idle26)  # 16K clip 1.0: host-only and defaults (GPU idle of the exact-clipping floor)
+        h2h_call 140 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 140 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  idle26z)  # idle26's peer, on the same warm machine
+        h2h_call 280 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
   defer26c)  # clipping that never fires (speculation), defaults at clip 1.0, then the GPU-marked tests;
 #             defer26d: ZeRO-3 and host-only at clip 1e9
         h2h_call 100 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \

@@ -515,6 +515,10 @@ class _Tally:
                 (nvme_layer_bytes(lay.n_train, masters) for lay in layouts), default=0) - \
             sum(v for k, v in self.host_parts.items() if k.endswith("NVMe staging buffers"))
         optimizer = self.config.optimizer is not None
+        if optimizer and not nvme and dec.master != "fp32" and dec.moments == "fp32":  # [Note: compact moments]
+            compact = self.host_need_now - 4 * sum(layouts[i].n_train for i in range(self.n))
+            advice.append(f"bf16.bf16_optimizer_states: true (bf16 Adam moments beside the bf16 masters, rounded "
+                          f"each step; host RAM then {_fmt(compact)})")
         if not nvme and optimizer and lean <= self.budget:
             advice.append(f"set zero_optimization.offload_optimizer.device=nvme (and nvme_path): the Adam moments of "
                           f"trailing layers go to disk (host RAM with every layer's moments on disk: {_fmt(lean)})")

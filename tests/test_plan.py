@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds import plan, plan_cli
+from megatrain_ds import capacity, plan, plan_cli
 from megatrain_ds.config import ConfigError
 from megatrain_ds.model_map import build_layout, find_block_list
 from tests.models import PlainLM, tiny_hf
@@ -172,6 +172,19 @@ def test_capacity_error_names_the_numbers(tmp_path):
     # without the NVMe tier: refused too, with what the tier would (here: would not) give
     with pytest.raises(plan.CapacityError, match="host RAM: needs .*Adam moments on NVMe"):
         plan.check_capacity(layouts, resident, plan.load_train_config(_config()), "cpu", host_budget=1e-3)
+
+
+def test_bf16_masters_refusal_advises_compact_moments():
+    """bf16 masters with fp32 moments over the budget: the advice names bf16_optimizer_states and the bytes it would
+    need, which are what a plan with it predicts (4 host bytes less per trained streamed parameter)."""
+    layouts, resident = _layouts(tiny_hf("llama"))
+    masters = {"enabled": True, "bf16_master_weights_and_grads": True}
+    with pytest.raises(plan.CapacityError, match="bf16.bf16_optimizer_states: true") as err:
+        plan.check_capacity(layouts, resident, plan.load_train_config(_config(bf16=masters)), "cpu", host_budget=1e-6)
+    compact = plan.check_capacity(layouts, resident, plan.load_train_config(_config(bf16={
+        **masters, "bf16_optimizer_states": True})), "cpu", host_budget=1)
+    assert err.value.prediction.host_need_bytes - compact.host_need_bytes == 4 * sum(lay.n_train for lay in layouts)
+    assert f"host RAM then {capacity._fmt(compact.host_need_bytes)}" in str(err.value)
 
 
 def test_gpu_refusal_and_data_parallel_host_total():
