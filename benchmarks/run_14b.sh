@@ -57,5 +57,15 @@ case $phase in
          h2h_call 200 bf16state --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 \
              --ds-config "{\"bf16\": {$bf16, \"bf16_optimizer_states\": true}}"
          h2h_call 200 fp32masters --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 ;;
+  # the 7B steady state: deferred moments against whole updates, 6 measured steps each (the first measured step of
+  # 7bstate ran ~0.5 s faster than the next two)
+  7bdefer) model=qwen2.5-7b
+         h2h_call 180 fp32_deferred --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 6
+         h2h_call 180 fp32_whole --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 6 \
+             --megatrain-options '{"deferred_moments": false}'
+         bf16='"enabled": true, "bf16_master_weights_and_grads": true'
+         h2h_call 180 bf16state_whole --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 6 \
+             --ds-config "{\"bf16\": {$bf16, \"bf16_optimizer_states\": true}}" \
+             --megatrain-options '{"deferred_moments": false}' ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

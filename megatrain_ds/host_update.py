@@ -84,12 +84,11 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 # after it (engine.synchronize, the AdamW thread's FIFO). AdamW only: Adam's L2 term reads the old master, which the
 # weights pass has overwritten (native_adam refuses the moments pass there).
 #
-# A landing that had to wait for its layer's moments pass (more than ``schedule.MOMENTS_WAIT_S``) means the backward
-# reached the layer before the pass did (seen at 7B on one H100: the trailing layers, kept without recompute, land
-# quickly, and their passes start only when the last weights pass ends). When that happens two steps in a row (one
-# wait may be the OS's jitter), the layer is updated whole from the next step on (``HostAdamW._whole_layers``): its
-# moments are then written in the forward's critical path instead, and the passes behind it start sooner. The bits
-# are the same either way.
+# A landing may have to wait for its layer's moments pass: the backward reached the layer first (at 7B on one H100:
+# the trailing layers, kept without recompute, land quickly, and their passes start only when the last weights pass
+# ends; about 0.5 s of main-thread waits per step). Updating those layers whole instead costs more, as measured there
+# (benchmarks/results/2026-11-27_h100_compact_moments, 7bdefer: steps of 2.39-2.43 s with the waits, 2.55-2.59 s once
+# an earlier version made the layers that waited whole, 2.62-2.73 s with every update whole): so they wait.
 PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 
 # [Note: compact moments] Opt-in, never the default: DeepSpeed's ``bf16.bf16_optimizer_states`` (it requires

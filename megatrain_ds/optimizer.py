@@ -162,9 +162,6 @@ class HostAdamW(torch.optim.Optimizer):
         # AdamW thread: layers whose weights pass ran and whose moments pass is due, with the (hp, coef) it used
         # ([Note: deferred moments] in host_update.py; the moments task queued behind the step's tasks pops it)
         self._moments_due: dict[int, tuple[list[dict], float]] = {}
-        # main: layers updated whole from now on, their landings having waited for a moments pass two steps in a row
-        self._whole_layers: frozenset[int] = frozenset()  # (host_update.py; one wait may be the OS's jitter)
-        self._waited: frozenset[int] = frozenset()  # main: the layers whose landings waited in the last step
         self.dp = parts.dp if parts.dp is not None and parts.dp.active else None  # data parallel: norms summed
         self.scaler = parts.scaler  # main reads the scale; the norm task (landing thread) updates it
         # when to speculate (main: allows(), abandon's count; AdamW thread: the close task's record and counts, which
@@ -464,8 +461,6 @@ class HostAdamW(torch.optim.Optimizer):
         (DeepSpeed's). See [Note: host threads]."""
         parts = self.parts
         hp = self._hyperparameters(step=None)
-        waited = parts.schedule.take_moments_waits()  # their moments passes came late: whole updates if again
-        self._whole_layers, self._waited = self._whole_layers | (waited & self._waited), waited
         if self._decision is not None:  # the step count this one advances (engine.step() waited for it already)
             wait_futures([self._decision])
         step_count = self.step_count  # (the previous decision collected: its speculation is no longer open)
@@ -493,8 +488,7 @@ class HostAdamW(torch.optim.Optimizer):
             if layer_has[i] and not store.owned[i]:  # another rank updates it: the slot copy goes stale
                 schedule.rewrite(i, decided)  # (its owner's broadcast, after its update, brings the new bytes)
             elif layer_has[i]:
-                schedule.rewrite(i, parts.opt_worker.submit(self._layer_task, i, decided, spec,
-                                                            defer=i not in self._whole_layers))
+                schedule.rewrite(i, parts.opt_worker.submit(self._layer_task, i, decided, spec))
         self._closing = parts.opt_worker.submit(self._close_task, decided, spec)  # after every update task (FIFO)
         if self.parts.defer_moments:  # [Note: deferred moments]: after the close task (the next step's speculation
             # waits for that one, not for these); last layer first, the order the next backward lands gradients in

@@ -28,13 +28,11 @@ The device side of the same cycle (events between streams) is [Note: stream and 
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 
 import torch
 
 
-MOMENTS_WAIT_S = 0.002  # a landing that waits longer for its moments pass, two steps in a row, makes the layer whole
 
 
 class LayerSchedule:
@@ -49,8 +47,6 @@ class LayerSchedule:
         self.device_ready: list[object] = [None] * n_layers  # GPU-held state: event after i's update (opt stream)
         self.moments_due: list[Future | None] = [None] * n_layers  # i's deferred moments pass (host_update.py's
         # [Note: deferred moments]): it reads gradient i, so no new gradient of i is written before it has run
-        self._moments_waited: set[int] = set()  # layers whose landing waited > MOMENTS_WAIT_S for that pass (the
-        # waiting thread adds; the optimizer takes them at the next step and updates those layers whole)
 
     # --- weights ------------------------------------------------------------------------------------
     def rewrite(self, i: int, task: Future) -> None:
@@ -108,19 +104,11 @@ class LayerSchedule:
         if pending is None:
             return
         if not pending.done():
-            t0 = time.perf_counter()
             with timer.host_span("wait_for_moments_s"), \
                     torch.profiler.record_function(f"megatrain.wait_moments.L{i}"):
                 pending.result()
-            if time.perf_counter() - t0 > MOMENTS_WAIT_S:
-                self._moments_waited.add(i)  # one thread waits per landing; set.add is atomic under the GIL
         else:
             pending.result()
-
-    def take_moments_waits(self) -> frozenset[int]:
-        """Main thread, at the step: the layers whose landings waited for their moments pass since the last call."""
-        waited, self._moments_waited = frozenset(self._moments_waited), set()
-        return waited
 
     def pending_moments(self) -> list[Future]:
         return [f for f in self.moments_due if f is not None]

@@ -2,7 +2,7 @@
 norm, the moments pass later. The kernel's two passes equal its one pass bit for bit in every layout; training with
 the passes deferred equals training with whole updates bit for bit (masters and Adam moments), with GA 1 (the D2H
 into the gradient home waits for the moments pass) and GA 2 (the landing thread's fold waits), with a moments pass
-slowed down so that the next backward must wait for it (those layers then update whole), with a landing thread so
+slowed down so that the next backward must wait for it, with a landing thread so
 slow that a fold queued before step() runs after it (no deadlock), across a checkpoint save and load, and with
 Adam-L2 (which cannot defer: whole updates)."""
 import time
@@ -124,8 +124,7 @@ def test_deferred_trains_as_whole_updates(ga):
 
 def test_slow_moments_pass_is_waited_for(monkeypatch):
     """Each moments pass sleeps first: the next backward's landing of that layer must wait for it (else the D2H
-    would overwrite the gradient the pass reads, and the moments would differ). Having waited, those layers are
-    updated whole once they waited two steps in a row: fewer passes run, and the bits stay the same."""
+    would overwrite the gradient the pass reads, and the moments would differ): the bits stay the same."""
     l_w, s_w, _ = _run(_config(False), 6)
     real = HostAdamW._moments_task
     ran = []
@@ -137,13 +136,12 @@ def test_slow_moments_pass_is_waited_for(monkeypatch):
         real(self, i)
     monkeypatch.setattr(HostAdamW, "_moments_task", slow)
     l_d, s_d, opt = _run(_config(True), 6)
-    assert opt._whole_layers  # the landings waited, so those layers went whole
-    assert 1 <= len(ran) < 5 * 2  # passes ran after step 1, then fewer (tiny_hf: 2 layers, 5 steps with a next one)
+    assert len(ran) >= 5 * 2  # every step's passes ran (tiny_hf: 2 layers; 5 steps with a next one at least)
     assert l_w == l_d
     _assert_same(s_w, s_d)
 
 
-def test_a_wait_is_recorded_only_when_it_waited():
+def test_a_wait_is_timed():
     from concurrent.futures import Future
     import threading
     from megatrain_ds.schedule import LayerSchedule
@@ -156,8 +154,6 @@ def test_a_wait_is_recorded_only_when_it_waited():
     threading.Timer(0.02, late.set_result, args=(None,)).start()
     for i in range(3):
         sched.wait_moments(i, sched.moments_of(i), timer)
-    assert sched.take_moments_waits() == {2}
-    assert sched.take_moments_waits() == frozenset()  # taken once
     assert timer.host["wait_for_moments_s"] >= 0.015
 
 

@@ -171,6 +171,21 @@ def test_bf16_masters_two_ranks(tmp_path):
         assert torch.equal(tier["weights"][name], w), name
 
 
+def test_compact_moments_two_ranks(tmp_path):
+    """bf16 masters and bf16 moments (bf16_optimizer_states) on 2 ranks: each owner holds its layers' bf16 moments;
+    trains as 1 process with GA 2 does to bf16 rounding, and every rank ends with the same weights."""
+    args = ("--bf16", "--bf16-masters", "--bf16-moments", "--steps", "3")
+    got = run(tmp_path / "a.json", *args, ranks=2)
+    want = run(tmp_path / "b.json", *args, "--ga", "2")
+    assert got["moments_dtype"] == want["moments_dtype"] == "torch.bfloat16"
+    for k, loss in want["loss"].items():
+        assert abs(got["loss"][k] - loss) <= 2e-2 * abs(loss), f"micro-batch {k}"
+    assert len(set(got["digests"])) == 1
+    for name, w in want["weights"].items():
+        if "layers" in name:
+            assert (got["weights"][name].float() - w.float()).abs().max().item() <= 2e-2, name
+
+
 def test_lora_bf16_two_ranks(tmp_path):
     """PEFT LoRA in bf16 on 2 ranks (each layer's frozen base held by its owner in bf16 only, host_state.py): trains
     as 1 process with GA 2 (to bf16 rounding: the ranks' gradients are reduced in bf16), and the checkpoint holds

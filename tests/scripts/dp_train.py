@@ -37,6 +37,7 @@ def main():
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank on every linear layer")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--bf16-masters", action="store_true", help="with --bf16: bf16_master_weights_and_grads")
+    parser.add_argument("--bf16-moments", action="store_true", help="with --bf16-masters: bf16_optimizer_states")
     parser.add_argument("--nvme", default=None, help="offload_optimizer.device nvme with this nvme_path")
     parser.add_argument("--nvme-masters", action="store_true", help="with --nvme: offload_param.device nvme too")
     args = parser.parse_args()
@@ -75,7 +76,8 @@ def main():
                               "offload_optimizer": {"device": "cpu"}},
     }
     if args.bf16:
-        ds_config["bf16"] = {"enabled": True, **({"bf16_master_weights_and_grads": True} if args.bf16_masters else {})}
+        ds_config["bf16"] = {"enabled": True, **({"bf16_master_weights_and_grads": True} if args.bf16_masters else {}),
+                             **({"bf16_optimizer_states": True} if args.bf16_moments else {})}
     if args.nvme:  # the NVMe tier (each rank's own swap file for the layers it owns)
         ds_config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme,
                                                                "buffer_count": 2, "pipeline_read": True,
@@ -125,6 +127,7 @@ def main():
         held = [None] * world
         dist.all_gather_object(held, (engine.store.n_full, sum(l.numel for l in engine.store.layouts)))
         record["host_elements"] = held
+        record["moments_dtype"] = str(engine.store.exp_avg.dtype)
     if rank == 0:
         torch.save(weights, args.out + ".pt")
         with open(args.out, "w") as f:
