@@ -67,5 +67,13 @@ case $phase in
          h2h_call 180 bf16state_whole --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 6 \
              --ds-config "{\"bf16\": {$bf16, \"bf16_optimizer_states\": true}}" \
              --megatrain-options '{"deferred_moments": false}' ;;
+  # 7bdefer after the whole-layer fallback's removal: the three states, 6 measured steps each
+  7bsteady) model=qwen2.5-7b
+         bf16='"enabled": true, "bf16_master_weights_and_grads": true'
+         h2h_call 180 fp32 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 6
+         h2h_call 180 bf16masters --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 6 \
+             --ds-config "{\"bf16\": {$bf16}}"
+         h2h_call 180 bf16state --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 6 \
+             --ds-config "{\"bf16\": {$bf16, \"bf16_optimizer_states\": true}}" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
