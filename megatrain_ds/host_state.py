@@ -14,7 +14,9 @@ outside its fp32 partitions). So the master buffer holds each layer's trainable 
 
 Opt-in bf16-master mode (DeepSpeed's ``bf16.bf16_master_weights_and_grads``; what the official MegaTrain code
 does): the master is the bf16 wire copy itself, 2 bytes: 12 bytes per trained parameter with GA 1 (14 with GA > 1),
-at the cost of updates smaller than bf16's resolution rounding away. fp32 masters stay the default.
+at the cost of updates smaller than bf16's resolution rounding away. fp32 masters stay the default. With DeepSpeed's
+``bf16.bf16_optimizer_states`` beside it the moments are bf16 too: 8 bytes ([Note: compact moments] in
+host_update.py).
 
 NVMe tier (nvme.py, ``offload_optimizer.device: nvme``): the Adam moments of a suffix of the layers live in a
 swap file; their 8 bytes per parameter leave RAM (``disk_from``; ``acquire_moments``/``release_moments``). With

@@ -167,9 +167,9 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 
 
 # [Note: native host update] One pass per layer: the C kernel in csrc/host_adam.c reads the gradient in its landing
-# dtype (bf16, fp16 or fp32), reads and writes the master (fp32, or bf16 in bf16-master mode) and the fp32 moments
-# once, and writes the wire copy (bf16/fp16) in the same pass: no fp32 scratch, no second pass, so the host update
-# moves the bytes it must and no more (bf16 gradient + fp32 master + bf16 wire: 2 + 8 + 8 + 8 + 2 = 28 B/param).
+# dtype (bf16, fp16 or fp32), reads and writes the master (fp32, or bf16 in bf16-master mode) and the moments (fp32,
+# or bf16: [Note: compact moments]) once, and writes the wire copy (bf16/fp16) in the same pass: no fp32 scratch, no
+# second pass, so the host update moves the bytes it must and no more (bf16 gradient + fp32 master + bf16 wire: 2 + 8 + 8 + 8 + 2 = 28 B/param).
 #
 # Exactness: its arithmetic is torch's fused CPU kernel's vector loop, operation for operation (the lerp form of
 # exp_avg, the same three fused multiply-adds, the scalars formed in double and rounded to float), compiled with

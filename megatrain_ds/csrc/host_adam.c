@@ -1,11 +1,11 @@
 /* One pass of Adam/AdamW over a layer's host state: [Note: native host update] in megatrain_ds/host_update.py.
  *
  * Reads the gradient in the dtype it landed in (fp32, bf16 or fp16), reads and writes the master (fp32, or bf16 in
- * bf16-master mode) and the fp32 moments once, and writes the compute-dtype wire copy (bf16 or fp16) when there is
- * one, all in the same pass. The arithmetic is torch's fused CPU Adam kernel's, operation for operation, with the
+ * bf16-master mode) and the moments (fp32, or bf16: [Note: compact moments]) once, and writes the compute-dtype
+ * wire copy (bf16 or fp16) when there is one, all in the same pass. The arithmetic is torch's fused CPU Adam kernel's, operation for operation, with the
  * same fused multiply-adds (compiled with -ffp-contract=off: only the fmaf() calls below fuse), so that the result
  * equals torch._fused_adamw_ on the same fp32 values (host_update.py says where this is checked and the bound).
- * Built at first use by host_update.py with the machine's C compiler; threads: POSIX, one contiguous range each.
+ * Built at first use by host_update.py with the machine's C compiler; threads: POSIX, taking chunks (run_split).
  */
 #include <math.h>
 #include <pthread.h>
@@ -112,7 +112,10 @@ static void tail_update(const job_t *j, int64_t begin, int64_t end, float coeff,
             case 1: v = fmaf(j->c2 * g, g, v * j->beta2); break;
             default: v = v * j->beta2 + j->c2 * g * g; break;
         }
-        if (j->phase != PHASE_WEIGHTS) { store_val(j->exp_avg, j->mom_dt, i, m); store_val(j->exp_avg_sq, j->mom_dt, i, v); }
+        if (j->phase != PHASE_WEIGHTS) {
+            store_val(j->exp_avg, j->mom_dt, i, m);
+            store_val(j->exp_avg_sq, j->mom_dt, i, v);
+        }
         if (j->phase == PHASE_MOMENTS) continue;
         p = p + (j->neg_step_size * m) / (sqrtf(v) / j->bc2_sqrt + j->eps);
         store_val(j->master, j->master_dt, i, p);
