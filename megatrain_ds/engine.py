@@ -126,6 +126,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.lr_scheduler = None
         if self.optimizer is not None:
             self.timer.counters = step_counters(self.optimizer, self.store)
+        self._implicit_final: bool | None = None  # a loss.backward() is open: its ``final`` ([Note: loss.backward()])
+        self.executor.open_implicit_backward = self._open_implicit_backward
         self.micro_steps = 0
         self.window_micro_steps = 0  # micro-steps of the current accumulation window (its partial gradient)
         self.global_steps = 0
@@ -148,6 +150,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        self._close_implicit_backward()
         self.dp.mark("forward", self.micro_steps, self.global_steps, arrive=True)  # dp.py: collective timeouts
         refuse_empty_sequences(args, kwargs)
         self._check_trained()
@@ -202,6 +205,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward through the head, the streamed layers (recompute + grad) and the embeddings."""
+        self._close_implicit_backward()
         self.dp.mark("backward", self.micro_steps, self.global_steps, arrive=True)
         done = getattr(self, "_backward_done_for", None)
         if done is not None and done[0]() is loss and not done[1]:
@@ -245,6 +249,38 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.dp.mark("backward_done", self.micro_steps, self.global_steps)
         return loss
 
+    # [Note: loss.backward()] DeepSpeed >= 0.17 lets a script call loss.backward() itself, then engine.step() (its
+    # bf16_master_weight example does). The first streamed layer the backward reaches finds no engine.backward open
+    # and calls ``_open_implicit_backward`` (on autograd's thread, while the script's thread waits in it): it does what
+    # engine.backward does before autograd. What engine.backward does after autograd (the resident gradients out, the
+    # event the GPU-held updates wait for) runs at the engine's next call on the script's thread: step(), forward()
+    # or backward() (``_close_implicit_backward``). Only where engine.backward would not change the loss: GA 1, no
+    # fp16 loss scale (it scales the loss), one process (the ranks' collectives are ordered by engine.backward);
+    # elsewhere the backward raises and names engine.backward(loss). No speculative step in such a backward.
+    def _open_implicit_backward(self) -> None:
+        why = "gradient_accumulation_steps > 1 (engine.backward divides the loss by it)" \
+            if self.config_settings.gradient_accumulation_steps > 1 else \
+            "fp16 loss scaling (engine.backward scales the loss)" if self.config_settings.loss_scaler is not None \
+            else "data parallel (engine.backward orders the ranks' collectives)" if self.dp.active else None
+        if why is not None:
+            raise RuntimeError(f"loss.backward() outside engine.backward(loss) is supported with GA 1, bf16/fp32 and "
+                               f"one process; here {why}. Call engine.backward(loss) (accelerate: "
+                               "accelerator.backward(loss)); the gradients of this backward were not kept")
+        final = self.is_gradient_accumulation_boundary()
+        if final and self.optimizer is not None:
+            self.optimizer.begin_speculation(allowed=False)
+        self.executor.begin_backward(final)
+        self._implicit_final = final
+
+    def _close_implicit_backward(self) -> None:
+        """The script's thread, at the engine's next call after a loss.backward(): engine.backward's epilogue."""
+        if self._implicit_final is None:
+            return
+        final, self._implicit_final = self._implicit_final, None
+        self.executor.end_backward()
+        self.resident.evacuate(self.worker, final)
+        self.executor.mark_backward_done()
+
     # ------------------------------------------------------------------ step
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: queue clip + AdamW (host) and advance counters and scheduler.
@@ -253,6 +289,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         held until the counters, scheduler and monitors agree with the weights, then raised: a checkpoint the
         script saves in its ``except KeyboardInterrupt:`` has step N+1's weights with ``global_steps`` N+1
         (it had N, and a resume repeated a batch)."""
+        self._close_implicit_backward()
         self.dp.mark("step", self.micro_steps, self.global_steps)
         with deferred_interrupt() as deferred:
             self._step(lr_kwargs, deferred)

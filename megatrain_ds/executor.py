@@ -124,6 +124,9 @@ class StreamedLayers(GradientLanding):
         self.check = check if check is not None else RecomputeCheck(False, "auto", torch.float32, "", False)
         self._last_call: LayerCall | None = None
         self.in_engine_backward = False  # between begin_backward() and end_backward(); other backwards are refused
+        # set by the engine: called (on autograd's thread) by a backward through the streamed layers outside
+        # engine.backward(loss), e.g. a script's loss.backward(); it opens the backward or raises why it cannot
+        self.open_implicit_backward = None
         # told of each final landing, on the landing thread (landing.py); set once, by ``listen``
         self.landing_listener: LandingListener | None = None
         max_numel = max(l.numel for l in layouts)
@@ -572,6 +575,8 @@ class _StreamedLayerFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
+        if not ctx.executor.in_engine_backward and ctx.executor.open_implicit_backward is not None:
+            ctx.executor.open_implicit_backward()  # loss.backward() (engine.py: [Note: loss.backward()])
         if not ctx.executor.in_engine_backward:
             raise RuntimeError(
                 "a backward through the streamed layers outside engine.backward(loss) (loss.backward() or "

@@ -138,21 +138,24 @@ def test_eval_forward_between_backward_and_step_cuda():
 
 
 def test_loss_backward_outside_the_engine_is_refused():
-    """loss.backward() (instead of engine.backward(loss)) would land layer gradients without the engine's
-    scaling or its resident gradients: a clear error, and the next engine.backward() trains as if it never
-    happened."""
-    clean = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())[0]
-    engine = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())[0]
-    with pytest.raises(RuntimeError, match=r"engine\.backward\(loss\)"):
+    """loss.backward() (instead of engine.backward(loss)) with GA 2 would land layer gradients without the engine's
+    division by GA (with GA 1 it is supported: tests/test_loss_backward.py): a clear error naming why, and the next
+    engine.backward() trains as if it never happened."""
+    ga2 = {**_config(), "gradient_accumulation_steps": 2}
+    clean = megatrain_ds.initialize(model=tiny_hf("llama"), config=ga2)[0]
+    engine = megatrain_ds.initialize(model=tiny_hf("llama"), config=ga2)[0]
+    with pytest.raises(RuntimeError, match=r"gradient_accumulation_steps > 1.*engine\.backward\(loss\)"):
         _lm_loss(engine, _ids(3)).backward()
     for e in (clean, engine):  # no zero_grad(): the head's partial .grad from the refused backward is dropped
-        loss = _lm_loss(e, _ids(0))
-        if e is engine:
-            with pytest.warns(UserWarning, match="outside engine.backward"):
+        for k in (0, 1):  # one accumulation window
+            loss = _lm_loss(e, _ids(k))
+            if e is engine and k == 0:
+                with pytest.warns(UserWarning, match="outside engine.backward"):
+                    e.backward(loss)
+            else:
                 e.backward(loss)
-        else:
-            e.backward(loss)
-        e.step()
+            e.step()
+    assert engine.global_steps == clean.global_steps == 1
     assert engine.get_global_grad_norm() == pytest.approx(clean.get_global_grad_norm(), rel=1e-6)
 
 
