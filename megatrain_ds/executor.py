@@ -34,6 +34,7 @@ from torch.func import functional_call
 from .host_state import HostLayerStore
 from .landing import GradientLanding, LandingListener
 from .recompute_check import RecomputeCheck
+from .replay import autocast_as, autocast_state, get_rng_state, replay_rng
 from .schedule import LayerSchedule
 from .model_map import LayerLayout, make_template, per_layer_attributes
 from .timing import StepTimer
@@ -61,6 +62,7 @@ class LayerCall:
     args: tuple
     kwargs: dict
     rng_state: tuple | None = None
+    autocast: tuple | None = None  # the forward's torch.autocast on the device ((dtype, cache) or None: off), replayed
     # The layer's other outputs, recorded by the forward so the backward's recompute can match them one to one:
     # ``extras``: the non-primary items when the layer returns a tuple (tensors replaced by the Function's
     # outputs, so they carry gradient); ``captured``: tensors that output-capturing hooks on the layer's
@@ -316,7 +318,9 @@ class StreamedLayers(GradientLanding):
         if training and i in self.keep:
             return self._run_forward_kept(call, hidden, slot, template)
         if training and template.training:  # every training forward, as torch.utils.checkpoint preserves it: random
-            call.rng_state = _get_rng_state(self.device)  # draws outside dropout modules (MoE router jitter) replay too
+            call.rng_state = get_rng_state(self.device)  # draws outside dropout modules (MoE router jitter) replay too
+        if training:  # the script's torch.autocast around the forward (the backward's thread has none): replayed
+            call.autocast = autocast_state(self.device)
         if training and self.buffers[i] and self.mutated[i] != set():
             names = self.mutated[i] if self.mutated[i] is not None else self.buffers[i].keys()
             call.buffers = {n: self.buffers[i][n].clone() for n in names}
@@ -391,7 +395,8 @@ class StreamedLayers(GradientLanding):
         self.check.check_inputs(call, self.arg_names[i])  # raises if the forward changed an argument in place
         train_leaf, shared, x = self._leaves(i, slot, hidden)
         bind = self._bind(i, slot, train_leaf, call.buffers, {**self.shared[i], **shared})
-        with _replay_rng(call.rng_state, self.device), _fresh_collector(call.capture_keys) as collector:
+        with replay_rng(call.rng_state, self.device), _fresh_collector(call.capture_keys) as collector, \
+                autocast_as(call.autocast, self.device):
             out = functional_call(template, bind, (x, *call.args), call.kwargs)
         outputs = _function_outputs(call, out, collector, recompute=True)
         self.check.compare(call, outputs)  # queued on the compute stream; read at the step (no sync here)
@@ -658,30 +663,3 @@ def _submodule_pairs(template: nn.Module, layer: nn.Module) -> list[tuple[nn.Mod
     run in its ``__call__``, outside the streamed forward."""
     originals = dict(layer.named_modules())
     return [(sub, originals[name]) for name, sub in template.named_modules() if name and name in originals]
-
-
-def _get_rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-class _replay_rng:
-    """Context manager: run with the RNG state captured at forward time, then restore the current one."""
-
-    def __init__(self, state: tuple | None, device: torch.device) -> None:
-        self.state, self.device = state, device
-
-    def __enter__(self):
-        if self.state is None:
-            return
-        self.saved = _get_rng_state(self.device)
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-
-    def __exit__(self, *exc):
-        if self.state is None:
-            return
-        torch.set_rng_state(self.saved[0])
-        if self.saved[1] is not None:
-            torch.cuda.set_rng_state(self.saved[1], self.device)

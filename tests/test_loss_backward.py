@@ -67,3 +67,61 @@ def test_fp16_loss_backward_is_refused():
     with pytest.raises(RuntimeError, match=r"fp16 loss scaling.*engine\.backward\(loss\)"):
         engine(input_ids=ids, labels=ids).loss.backward()
     engine.destroy()
+
+
+class _PostNormBlock(torch.nn.Module):
+    """DeepSpeedExamples' bf16_master_weight block, small: attention and MLP, each followed by a LayerNorm (which
+    autocast runs in fp32: the next block's input is fp32 there, its weights bf16)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(width, 4, batch_first=True)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.ff = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                      torch.nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        x = self.norm1(x + self.attention(x, x, x)[0])
+        return self.norm2(x + self.ff(x))
+
+
+class _PostNormLM(torch.nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.embedding = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList(_PostNormBlock(width) for _ in range(depth))
+        self.output_proj = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids):
+        x = self.embedding(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output_proj(x)
+
+
+@pytest.mark.parametrize("own_backward", [True, False])
+def test_forward_under_autocast_recomputes_under_it(own_backward):
+    """The script wraps its forward and loss in torch.autocast (the bf16_master_weight example), the backward runs
+    outside it: each layer's recompute runs under the forward's autocast (megatrain_ds/replay.py), so training with
+    recompute equals training with every layer kept (the forward's own graph), bit for bit. fp32 weights here, so a
+    recompute without autocast would compute its matmuls in fp32 where the forward used bf16 (on the GPU, where the
+    bf16 weights meet the fp32 output of an autocast LayerNorm, it raised a dtype mismatch)."""
+    def run(keep: int):
+        config = _config()
+        config["megatrain"]["keep_activations"] = keep
+        engine, *_ = megatrain_ds.initialize(model=_PostNormLM(), config=config)
+        losses = []
+        for ids in token_batches(3, vocab=64):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(engine(ids).flatten(0, 1), ids.flatten())
+            loss.backward() if own_backward else engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.synchronize()
+        masters = {k: v.clone() for k, v in engine.master_state_dict().items()}
+        engine.destroy()
+        return losses, masters
+    (l_rec, m_rec), (l_kept, m_kept) = run(0), run(3)
+    assert l_rec == l_kept
+    assert all(torch.equal(m_rec[k], m_kept[k]) for k in m_kept)

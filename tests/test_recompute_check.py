@@ -71,7 +71,7 @@ def test_cache_forced_through_is_caught_at_the_first_step(monkeypatch):
 
 
 class _NoReplay:
-    """Stands in for executor._replay_rng: the recompute draws fresh random numbers (RNG replay drifted away)."""
+    """Stands in for executor.replay_rng: the recompute draws fresh random numbers (RNG replay drifted away)."""
 
     def __init__(self, state, device):
         pass
@@ -93,7 +93,7 @@ def _plain_dropout_lm():
 def test_rng_not_replayed_is_caught_at_the_step(monkeypatch):
     """Dropout whose RNG the recompute does not replay: the recomputed outputs differ from the forward's. The
     error is read at engine.step() (no sync per layer) and nothing of the step is applied."""
-    monkeypatch.setattr(executor_mod, "_replay_rng", _NoReplay)
+    monkeypatch.setattr(executor_mod, "replay_rng", _NoReplay)
     engine, *_ = megatrain_ds.initialize(model=_plain_dropout_lm(), config=_config())
     before = _masters(engine)
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -148,7 +148,7 @@ def test_offloaded_inputs_are_the_reference(monkeypatch):
     engine.step()
     assert check.compared == 3 and check.worst <= 1e-6
 
-    monkeypatch.setattr(executor_mod, "_replay_rng", _NoReplay)
+    monkeypatch.setattr(executor_mod, "replay_rng", _NoReplay)
     engine, *_ = megatrain_ds.initialize(model=_plain_dropout_lm(), config=_config(offload_activations=True))
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     engine.backward(_plain_loss(engine, ids))
