@@ -402,7 +402,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         """DeepSpeed's ``engine.zero_grad()``: the gradients of the accumulation window are the engine's, and it
         keeps them until the window's step (DeepSpeed's ZeRO keeps its accumulated partitions), so a script that
         calls it after every micro-step trains with the configured accumulation as on DeepSpeed. What it clears:
-        ``.grad`` a backward outside the engine left on the resident parameters."""
+        ``.grad`` a backward outside the engine left on the resident parameters (a script's own loss.backward() is
+        the engine's: closed first, its gradients kept)."""
+        self._close_implicit_backward()
         for p in self.resident.params:
             p.grad = None
 
@@ -458,6 +460,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     def synchronize(self) -> None:
         """Wait for every queued host task (landings, optimizer) and device work."""
+        self._close_implicit_backward()
         self._settle_speculation()
         for i, fut in enumerate(self.executor.wire_ready):
             if fut is not None:

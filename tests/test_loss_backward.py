@@ -2,7 +2,7 @@
 example does it): [Note: loss.backward()] in megatrain_ds/engine.py. With GA 1 in bf16 or fp32 on one process it
 trains exactly as ``engine.backward(loss)`` does (losses, gradient norms, masters: bit for bit), with the loss the
 model returns or one the script computes from the logits, with an evaluation forward between the backward and the
-step, and in bf16-master mode with bf16 moments (the example's config). Elsewhere the backward is refused with the
+step or a zero_grad() there, and in bf16-master mode with bf16 moments (the example's config). Elsewhere the backward is refused with the
 reason (tests/test_faults_engine.py)."""
 import pytest
 import torch
@@ -19,7 +19,7 @@ def _config(**extra):
             "megatrain": {"gpu_optimizer_layers": 0, "keep_activations": 0, "speculative_step": False}, **extra}
 
 
-def _train(config, own_backward: bool, logits_loss: bool = False, eval_between: bool = False):
+def _train(config, own_backward: bool, logits_loss: bool = False, between: str | None = None):
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2, seed=7), config=config)
     losses, norms = [], []
     for ids in token_batches(STEPS):
@@ -32,9 +32,11 @@ def _train(config, own_backward: bool, logits_loss: bool = False, eval_between: 
             loss.backward()
         else:
             engine.backward(loss)
-        if eval_between:
+        if between == "eval":
             with torch.no_grad():
                 engine(input_ids=ids)
+        elif between == "zero_grad":  # before the step: the window's gradients are the engine's (DeepSpeed's too)
+            engine.zero_grad()
         engine.step()
         losses.append(loss.item())
         norms.append(float(engine.get_global_grad_norm()))
@@ -45,7 +47,8 @@ def _train(config, own_backward: bool, logits_loss: bool = False, eval_between: 
     return losses, norms, masters, steps
 
 
-@pytest.mark.parametrize("case", ["model loss", "logits loss", "eval between", "fp32", "bf16 state"])
+@pytest.mark.parametrize("case", ["model loss", "logits loss", "eval between", "zero_grad between", "fp32",
+                                  "bf16 state"])
 def test_loss_backward_trains_as_engine_backward(case):
     config = _config(bf16={"enabled": True})
     if case == "fp32":
@@ -53,7 +56,8 @@ def test_loss_backward_trains_as_engine_backward(case):
     elif case == "bf16 state":
         config = _config(bf16={"enabled": True, "bf16_master_weights_and_grads": True,
                                "bf16_optimizer_states": True})
-    kw = {"logits_loss": case == "logits loss", "eval_between": case == "eval between"}
+    kw = {"logits_loss": case == "logits loss",
+          "between": {"eval between": "eval", "zero_grad between": "zero_grad"}.get(case)}
     own, theirs = _train(config, True, **kw), _train(config, False, **kw)
     assert own[3] == theirs[3] == STEPS
     assert own[0] == theirs[0] and own[1] == theirs[1]
