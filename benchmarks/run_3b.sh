@@ -148,6 +148,11 @@ case $phase in
         h2h_call 240 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 100 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
             --steps 4 ;;
+  quiet26)  # defer26d with room for a cold machine, and the defaults beside: clipping that never fires
+        h2h_call 150 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
+            --steps 4
+        h2h_call 260 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 120 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
   same28)  # issue 28: the refactor changes no behaviour: megatrain host-only, 16K, clip 1.0, on the tree before it
         # (BEFORE: a folder holding that commit's megatrain_ds/ and benchmarks/, e.g. from git archive) and on this
         # one, alternating, then the rollback's Gparam/s (host_update_bench's last line)
