@@ -256,7 +256,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     # event the GPU-held updates wait for) runs at the engine's next call on the script's thread: step(), forward()
     # or backward() (``_close_implicit_backward``). Only where engine.backward would not change the loss: GA 1, no
     # fp16 loss scale (it scales the loss), one process (the ranks' collectives are ordered by engine.backward);
-    # elsewhere the backward raises and names engine.backward(loss). No speculative step in such a backward.
+    # elsewhere the backward raises and names engine.backward(loss). No speculative step in such a backward. A
+    # backward that raised part way (the script caught it) is found at the close (a layer ran forward but no
+    # backward) and discarded with a warning, as engine.backward discards its own.
     def _open_implicit_backward(self) -> None:
         why = "gradient_accumulation_steps > 1 (engine.backward divides the loss by it)" \
             if self.config_settings.gradient_accumulation_steps > 1 else \
@@ -277,7 +279,12 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if self._implicit_final is None:
             return
         final, self._implicit_final = self._implicit_final, None
+        missed = self.executor.schedule.backward_missed()  # it raised part way (the script caught it)
         self.executor.end_backward()
+        if missed:  # as engine.backward does when its backward raises: nothing of it reaches a step
+            self._discard_gradients(f"the loss.backward() before this call stopped before layers {missed[:8]} (it "
+                                    "raised): the gradients accumulated since the last step were discarded")
+            return
         self.resident.evacuate(self.worker, final)
         self.executor.mark_backward_done()
 
@@ -432,7 +439,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self._drop_window()  # rolls back speculated layers first
             raise
 
-    def _discard_gradients(self) -> None:
+    def _discard_gradients(self, why: str = "engine.backward() raised: the gradients accumulated since the last step "
+                           "were discarded") -> None:
         """A backward raised: whatever part of it ran must not reach a step. Waits for the landings it queued,
         then drops the accumulation window (earlier micro-batches of the window included: their sums share the
         buffers) and the resident parameters' partial ``.grad``; saved activations of the failed graph go too."""
@@ -442,8 +450,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self._drop_window()
         if self.executor.activations is not None:
             self.executor.activations.clear()
-        warnings.warn("engine.backward() raised: the gradients accumulated since the last step were discarded "
-                      "(the step that follows applies only later backwards)", stacklevel=3)
+        warnings.warn(f"{why} (the step that follows applies only later backwards)", stacklevel=3)
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []

@@ -595,6 +595,7 @@ class _StreamedLayerFn(torch.autograd.Function):
         else:
             (hidden,) = ctx.saved_tensors
         grad_in = ctx.executor.run_backward(ctx.call, hidden, grad_outs, ctx.needs_input_grad[1])
+        ctx.executor.schedule.backward(ctx.call.index)
         return None, grad_in, None, None
 
 

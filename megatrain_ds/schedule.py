@@ -18,6 +18,8 @@ Each streamed layer i moves through one cycle per optimizer step:
 | ``has_grad[i]``, | ``landing`` (a gradient of i went to    | ``close_window`` (the optimizer's norm and     |
 | ``sq_norm[i]``   | the host worker)                        | update tasks), engine/surface reads            |
 | ``forward_calls``| ``forward`` / ``backward_finished``     | the engine's speculation check (one forward)   |
+| ``backward_calls``| ``backward`` / ``backward_finished``   | the engine's check that a script's own         |
+|                  |                                         | loss.backward() reached every layer            |
 | ``moments_due[i]``| ``defer_moments`` (the optimizer's     | ``wait_moments`` before a new gradient of i is |
 |                  | moments pass of i, queued at the step)  | written; engine.synchronize                    |
 
@@ -44,6 +46,7 @@ class LayerSchedule:
         self.has_grad = [False] * n_layers
         self.sq_norm: list[Future | None] = [None] * n_layers
         self.forward_calls = [0] * n_layers  # grad-enabled forwards of each layer since the last backward
+        self.backward_calls = [0] * n_layers  # backwards through each layer since then (autograd's thread)
         self.device_ready: list[object] = [None] * n_layers  # GPU-held state: event after i's update (opt stream)
         self.moments_due: list[Future | None] = [None] * n_layers  # i's deferred moments pass (host_update.py's
         # [Note: deferred moments]): it reads gradient i, so no new gradient of i is written before it has run
@@ -139,8 +142,19 @@ class LayerSchedule:
     def forward(self, i: int) -> None:
         self.forward_calls[i] += 1
 
+    def backward(self, i: int) -> None:
+        self.backward_calls[i] += 1
+
     def backward_finished(self) -> None:
         self.forward_calls = [0] * self.n
+        self.backward_calls = [0] * self.n
+
+    def backward_missed(self) -> list[int]:
+        """Layers that ran a grad-enabled forward since the last backward but no backward: the backward stopped
+        before them (it raised), when it reached any layer at all."""
+        if not any(self.backward_calls):
+            return []
+        return [i for i in range(self.n) if self.forward_calls[i] and not self.backward_calls[i]]
 
     def one_forward_each(self) -> bool:
         """Every layer ran exactly one grad-enabled forward since the last backward (speculation needs it)."""

@@ -129,3 +129,37 @@ def test_forward_under_autocast_recomputes_under_it(own_backward):
     (l_rec, m_rec), (l_kept, m_kept) = run(0), run(3)
     assert l_rec == l_kept
     assert all(torch.equal(m_rec[k], m_kept[k]) for k in m_kept)
+
+
+def test_a_loss_backward_that_raised_part_way_is_discarded(monkeypatch):
+    """loss.backward() raises in layer 0's backward (the last one it reaches) and the script catches it: at the
+    engine's next call the partial gradients are discarded with a warning, and the next step trains as a clean
+    engine's does."""
+    from megatrain_ds.executor import StreamedLayers
+    config = _config(bf16={"enabled": True})
+    clean = megatrain_ds.initialize(model=tiny_hf("llama", layers=2, seed=7), config=config)[0]
+    engine = megatrain_ds.initialize(model=tiny_hf("llama", layers=2, seed=7), config=config)[0]
+    real = StreamedLayers.run_backward
+    ids = token_batches(2)
+
+    def boom(self, call, *args):
+        if call.index == 0:
+            raise RuntimeError("boom")
+        return real(self, call, *args)
+    monkeypatch.setattr(StreamedLayers, "run_backward", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine(input_ids=ids[0], labels=ids[0]).loss.backward()
+    monkeypatch.setattr(StreamedLayers, "run_backward", real)
+    for e in (clean, engine):
+        if e is engine:  # the engine's next call finds the backward incomplete
+            with pytest.warns(UserWarning, match=r"stopped before layers \[0\].*discarded"):
+                loss = e(input_ids=ids[1], labels=ids[1]).loss
+        else:
+            loss = e(input_ids=ids[1], labels=ids[1]).loss
+        loss.backward()
+        e.step()
+    assert engine.get_global_grad_norm() == clean.get_global_grad_norm()
+    a, b = engine.master_state_dict(), clean.master_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    for e in (clean, engine):
+        e.destroy()
