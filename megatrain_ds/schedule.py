@@ -35,8 +35,6 @@ from concurrent.futures import Future
 import torch
 
 
-
-
 class LayerSchedule:
     def __init__(self, n_layers: int) -> None:
         self.n = n_layers
