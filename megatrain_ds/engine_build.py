@@ -159,8 +159,8 @@ def build_store(config: TrainConfig, dec: Decisions, layouts, owned: list[bool],
     if config.bf16_masters:
         logger.info("bf16 master weights (bf16.bf16_master_weights_and_grads): the streamed layers' "
                     "masters are bf16 (12 host bytes per parameter instead of 16); updates below bf16's resolution "
-                    "round away. Speculative steps and GPU-held layer optimizer state are off in this mode (the resident "
-                    "parameters keep fp32 state, which \"auto\" may still hold on the GPU).")
+                    "round away. Speculative steps and GPU-held layer optimizer state are off in this mode (the "
+                    "resident parameters keep fp32 state, which \"auto\" may still hold on the GPU).")
     if config.bf16_moments:
         logger.info("bf16 Adam moments (bf16.bf16_optimizer_states): the streamed layers' moments are bf16 too (8 host "
                     "bytes per parameter): each step's moments are rounded to bf16 ([Note: compact moments])")

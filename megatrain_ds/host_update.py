@@ -92,8 +92,8 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 
 # [Note: compact moments] Opt-in, never the default: DeepSpeed's ``bf16.bf16_optimizer_states`` (it requires
-# ``bf16_master_weights_and_grads``, as DeepSpeed does), or ``optimizer.params.fp32_optimizer_states: false`` beside bf16
-# masters (DeepSpeedCPUAdam's moments then take the parameters' dtype), keeps the streamed layers' Adam moments in
+# ``bf16_master_weights_and_grads``, as DeepSpeed does), or ``optimizer.params.fp32_optimizer_states: false`` beside
+# bf16 masters (DeepSpeedCPUAdam's moments then take the parameters' dtype), keeps the streamed layers' Adam moments in
 # bf16: a bf16 master, two bf16 moments and the bf16 gradient are 8 host bytes per trained parameter instead of 12,
 # and the update moves 14 B/param instead of 22. The arithmetic is fp32: each moment is read as fp32, the update
 # computed as torch's fused kernel computes it (the master from the new moments before they are rounded), and the new
@@ -129,8 +129,8 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
                    a: int, b: int, hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None,
                    grad_scratch: torch.Tensor, master_scratch: torch.Tensor, block: int = BLOCK_ELEMENTS,
                    kernel: str = "torch", phase: int = PHASE_WHOLE) -> None:
-    """AdamW of elements [a, b) of one layer's flat state (moments fp32 or bf16; ``master`` fp32 or bf16, ``grad`` in its
-    landing dtype), writing ``wire[a:b]`` (the compute-dtype copy the GPU streams) from the new master when given.
+    """AdamW of elements [a, b) of one layer's flat state (moments fp32 or bf16; ``master`` fp32 or bf16, ``grad`` in
+    its landing dtype), writing ``wire[a:b]`` (the compute-dtype copy the GPU streams) from the new master when given.
     ``kernel`` "native": one pass of the C kernel ([Note: native host update]); "torch": the fused kernel, in
     blocks where conversions are needed (the scratch buffers hold at least ``block`` fp32 elements). ``phase``: one
     of the native kernel's two passes ([Note: deferred moments]); the torch kernel does whole updates only."""
@@ -169,7 +169,8 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 # [Note: native host update] One pass per layer: the C kernel in csrc/host_adam.c reads the gradient in its landing
 # dtype (bf16, fp16 or fp32), reads and writes the master (fp32, or bf16 in bf16-master mode) and the moments (fp32,
 # or bf16: [Note: compact moments]) once, and writes the wire copy (bf16/fp16) in the same pass: no fp32 scratch, no
-# second pass, so the host update moves the bytes it must and no more (bf16 gradient + fp32 master + bf16 wire: 2 + 8 + 8 + 8 + 2 = 28 B/param).
+# second pass, so the host update moves the bytes it must and no more (bf16 gradient + fp32 master + bf16 wire:
+# 2 + 8 + 8 + 8 + 2 = 28 B/param).
 #
 # Exactness: its arithmetic is torch's fused CPU kernel's vector loop, operation for operation (the lerp form of
 # exp_avg, the same three fused multiply-adds, the scalars formed in double and rounded to float), compiled with

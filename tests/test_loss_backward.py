@@ -1,9 +1,10 @@
 """A script's own ``loss.backward()`` then ``engine.step()`` (DeepSpeed >= 0.17 allows it; its bf16_master_weight
 example does it): [Note: loss.backward()] in megatrain_ds/engine.py. With GA 1 in bf16 or fp32 on one process it
 trains exactly as ``engine.backward(loss)`` does (losses, gradient norms, masters: bit for bit), with the loss the
-model returns or one the script computes from the logits, with an evaluation forward between the backward and the
-step or a zero_grad() there, and in bf16-master mode with bf16 moments (the example's config). Elsewhere the backward is refused with the
-reason (tests/test_faults_engine.py)."""
+model returns or one the script computes from the logits, with an evaluation forward or a zero_grad() between the
+backward and the step, and in bf16-master mode with bf16 moments (the example's config); a forward under the script's
+torch.autocast is recomputed under it; a backward that raised part way is discarded. Elsewhere the backward is refused
+with the reason (tests/test_faults_engine.py)."""
 import pytest
 import torch
 
