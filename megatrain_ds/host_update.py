@@ -291,8 +291,9 @@ def native_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 hp: dict, coef: float, adam_w_mode: bool, wire: torch.Tensor | None = None,
                 threads: int | None = None, tail_form: int | None = None, phase: int = PHASE_WHOLE) -> None:
     """One pass of Adam(W) over ``master`` (fp32 or bf16) with ``grad`` (fp32/bf16/fp16) and the moments (fp32, or
-    bf16: [Note: compact moments]), writing ``wire`` (bf16/fp16) from the new master when given; ``coef``: the clip coefficient over the loss
-    scale (the gradient is divided by the fp32 value of ``1 / coef``, as the fused kernel's ``grad_scale``).
+    bf16: [Note: compact moments]), writing ``wire`` (bf16/fp16) from the new master when given; ``coef``: the clip
+    coefficient over the loss scale (the gradient is divided by the fp32 value of ``1 / coef``, as the fused kernel's
+    ``grad_scale``).
     ``phase``: the whole update, or one of its two passes ([Note: deferred moments]): ``PHASE_WEIGHTS`` stores the
     master and wire only, ``PHASE_MOMENTS`` (later, same gradient, hyperparameters and ``coef``) the moments only.
     ``tail_form`` (the bench's): the last ``n % width`` elements by the C kernel's tail form instead of torch's."""
