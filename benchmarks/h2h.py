@@ -100,6 +100,9 @@ def _n_params(config) -> int:
 # megatrain with its NVMe tier (--ds-config with offload_optimizer.device nvme): fp32 master + fp32 gradient stay in
 # RAM (8), the Adam moments of as many layers as needed go to disk
 NVME_HOST_BYTES_PER_PARAM = 8.0
+# ZeRO-3 with DeepSpeed's bf16 master weights and optimizer states (--zero3-ds-config): a prediction, not a
+# measurement (bf16 offloaded params 2 + master 2 + gradient 2 + moments 4, and its buffers): checked loosely
+ZERO3_BF16_STATE_HOST_BYTES_PER_PARAM = 14.0
 # Data parallel: host bytes one more process costs beyond the model's state (libraries, CUDA context)
 PER_PROCESS_HOST_BYTES = 3 * 2**30
 
@@ -131,6 +134,8 @@ def host_precheck(system: str, args, config, tokens: int, gpus: int) -> str | No
     per_param = LORA_HOST_BYTES_PER_PARAM[system] if getattr(args, "lora", 0) else HOST_BYTES_PER_PARAM[system]
     if system == "megatrain" and '"nvme"' in (getattr(args, "ds_config", None) or ""):
         per_param = NVME_HOST_BYTES_PER_PARAM  # the moments may go to disk; the engine's own check (plan.py) decides
+    if system == "zero3" and "bf16_optimizer_states" in (getattr(args, "zero3_ds_config", None) or ""):
+        per_param = ZERO3_BF16_STATE_HOST_BYTES_PER_PARAM
     need = per_param * _n_params(config) * (gpus if system == "resident" else 1) \
         + (gpus - 1) * PER_PROCESS_HOST_BYTES
     source = f"{per_param:g} B/param"
@@ -472,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ds-config", default=None, metavar="JSON",
                    help="DeepSpeed config keys merged into megatrain_ds's config, block by block, e.g. the NVMe tier: "
                         '\'{"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}\'')
+    p.add_argument("--zero3-ds-config", default=None, metavar="JSON",
+                   help="DeepSpeed config keys merged into the ZeRO-3 peer's config, block by block, e.g. its bf16 "
+                        "state: '{\"bf16\": {\"bf16_master_weights_and_grads\": true, \"bf16_optimizer_states\": true}}'")
     p.add_argument("--clip", type=float, default=1.0,
                    help="gradient_clipping for every system (ANCHORS: 1.0); a large value never clips")
     p.add_argument("--liger", default="auto", choices=["auto", "on", "off"],
@@ -545,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["MEGATRAIN_OPTIONS"] = json.dumps(options)  # read by benchmarks.megatrain_system
     if args.ds_config:
         os.environ["MEGATRAIN_DS_CONFIG"] = json.dumps(json.loads(args.ds_config))  # (megatrain_ds_config)
+    if args.zero3_ds_config:
+        os.environ["ZERO3_DS_CONFIG"] = json.dumps(json.loads(args.zero3_ds_config))  # (systems.run_zero3)
     os.makedirs(args.out, exist_ok=True)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(HOST_BYTES_PER_PARAM)

@@ -75,5 +75,13 @@ case $phase in
              --ds-config "{\"bf16\": {$bf16}}"
          h2h_call 180 bf16state --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 6 \
              --ds-config "{\"bf16\": {$bf16, \"bf16_optimizer_states\": true}}" ;;
+  # 7B with bf16 state in both systems: DeepSpeed's bf16 master weights and optimizer states with ZeRO-3 CPU offload
+  # (fits 128 GiB where its fp32 state does not) against megatrain_ds's compact moments, clip 1.0, same lease
+  7bbf16) model=qwen2.5-7b
+         state='{"bf16": {"enabled": true, "bf16_master_weights_and_grads": true, "bf16_optimizer_states": true}}'
+         h2h_call 300 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 2 \
+             --zero3-ds-config "$state"
+         h2h_call 160 megatrain --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 \
+             --ds-config "$state" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -15,7 +15,9 @@ and clip H2H_CLIP; with ``liger=True`` both get liger-kernel as HF Trainer's ``u
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,6 +27,7 @@ from benchmarks.common import (HF_CHECKPOINTING, LIGER_KERNELS, OPTIMIZER, apply
                                data_rank, enable_hf_checkpointing, h2h_clip, is_oom, make_batches, measure,
                                micro_batch_for, report_phase, reset_memory_stats, result_dict,
                                set_single_process_env, settings_dict)
+from benchmarks.megatrain_system import _merge
 from benchmarks.shapes import layer_params
 
 HF_LOSS = "HF ForCausalLMLoss (full logits, torch cross-entropy)"
@@ -191,6 +194,9 @@ def zero3_settings(ds_config: dict, seq: int, steps: int, warmup: int, liger: bo
     ratio = float(zero["offload_optimizer"].get("ratio", 1.0))
     bf16 = ds_config["bf16"]["enabled"]
     precision = "bf16 params and compute, fp32 master (DeepSpeed bf16)" if bf16 else "fp32 (cpu)"
+    if bf16 and ds_config["bf16"].get("bf16_master_weights_and_grads"):  # DeepSpeed's low-precision state
+        precision = "bf16 params, compute and master, " + ("bf16" if ds_config["bf16"].get("bf16_optimizer_states")
+                                                          else "fp32") + " Adam moments (DeepSpeed bf16)"
     if lora:
         precision = ("frozen base bf16 (zero.Init, partitioned in pinned host memory); adapters bf16 with fp32 "
                      "masters (DeepSpeed bf16)" if bf16 else "frozen base fp32; adapters fp32 (cpu)")
@@ -279,6 +285,7 @@ def run_zero3(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, war
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
     ds_config = zero3_ds_config(config, micro_batch, device, gpu_optimizer_fraction)
+    _merge(ds_config, json.loads(os.environ.get("ZERO3_DS_CONFIG", "{}")))  # h2h --zero3-ds-config
     settings = zero3_settings(ds_config, seq, steps, warmup, liger, lora, config)
     settings["init"] = ZERO3_INIT
     set_single_process_env()
