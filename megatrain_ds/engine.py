@@ -206,6 +206,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward through the head, the streamed layers (recompute + grad) and the embeddings."""
         self._close_implicit_backward()
+        self.__dict__.pop("_manual_scaled", None)  # engine.scale(loss) is for a script's own backward only
         self.dp.mark("backward", self.micro_steps, self.global_steps, arrive=True)
         done = getattr(self, "_backward_done_for", None)
         if done is not None and done[0]() is loss and not done[1]:
@@ -254,20 +255,23 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     # and calls ``_open_implicit_backward`` (on autograd's thread, while the script's thread waits in it): it does what
     # engine.backward does before autograd. What engine.backward does after autograd (the resident gradients out, the
     # event the GPU-held updates wait for) runs at the engine's next call on the script's thread: step(), forward()
-    # or backward() (``_close_implicit_backward``). Only where engine.backward would not change the loss: GA 1, no
-    # fp16 loss scale (it scales the loss), one process (the ranks' collectives are ordered by engine.backward);
+    # or backward() (``_close_implicit_backward``). Only where engine.backward would not change the loss: GA 1, fp16
+    # only after engine.scale(loss) (as DeepSpeed asks), one process (the ranks' collectives are ordered by
+    # engine.backward);
     # elsewhere the backward raises and names engine.backward(loss). No speculative step in such a backward. A
     # backward that raised part way (the script caught it) is found at the close (a layer ran forward but no
     # backward) and discarded with a warning, as engine.backward discards its own.
     def _open_implicit_backward(self) -> None:
+        scaled = self.__dict__.pop("_manual_scaled", False)  # engine.scale(loss) ran (surface.py)
         why = "gradient_accumulation_steps > 1 (engine.backward divides the loss by it)" \
             if self.config_settings.gradient_accumulation_steps > 1 else \
-            "fp16 loss scaling (engine.backward scales the loss)" if self.config_settings.loss_scaler is not None \
+            "fp16 loss scaling without engine.scale(loss) (engine.scale(loss).backward() applies it)" \
+            if self.config_settings.loss_scaler is not None and not scaled \
             else "data parallel (engine.backward orders the ranks' collectives)" if self.dp.active else None
         if why is not None:
-            raise RuntimeError(f"loss.backward() outside engine.backward(loss) is supported with GA 1, bf16/fp32 and "
-                               f"one process; here {why}. Call engine.backward(loss) (accelerate: "
-                               "accelerator.backward(loss)); the gradients of this backward were not kept")
+            raise RuntimeError(f"loss.backward() outside engine.backward(loss) is supported with GA 1 on one process "
+                               f"(fp16: engine.scale(loss).backward()); here {why}. Call engine.backward(loss) "
+                               "(accelerate: accelerator.backward(loss)); the gradients of this backward were not kept")
         final = self.is_gradient_accumulation_boundary()
         if final and self.optimizer is not None:
             self.optimizer.begin_speculation(allowed=False)

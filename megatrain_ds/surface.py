@@ -51,6 +51,17 @@ class EngineSurface:
         skipped = self.optimizer is not None and getattr(self.optimizer, "last_step_skipped", False)
         self.__dict__["_step_applied"] = boundary and self.optimizer is not None and not skipped
 
+    def scale(self, loss):
+        """DeepSpeed's ``engine.scale(loss)`` before a script's own ``loss.backward()``: the loss times the fp16 loss
+        scale (in bf16 and fp32 the loss itself); [Note: loss.backward()] in engine.py."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.scale(loss) needs an optimizer (as DeepSpeed's does)")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError("engine.scale(loss): the loss must be a scalar tensor with a grad_fn")
+        self.__dict__["_manual_scaled"] = True  # the next loss.backward() was scaled: fp16 allows it
+        scaler = self.config_settings.loss_scaler
+        return loss * scaler.scale if scaler is not None else loss
+
     def was_step_applied(self) -> bool:
         """Whether the latest ``step()`` updated the weights: False between accumulation boundaries, on an fp16
         overflow (the step is skipped), and for an engine without an optimizer."""

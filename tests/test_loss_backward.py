@@ -66,12 +66,30 @@ def test_loss_backward_trains_as_engine_backward(case):
     assert own[0][-1] < own[0][0]
 
 
-def test_fp16_loss_backward_is_refused():
-    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=_config(fp16={"enabled": True}))
+def test_fp16_needs_engine_scale():
+    """fp16: a bare loss.backward() is refused (the loss scale is missing, as DeepSpeed refuses it);
+    engine.scale(loss).backward() trains as engine.backward(loss) does, bit for bit, skipped overflow steps included."""
+    config = _config(fp16={"enabled": True, "initial_scale_power": 30, "loss_scale_window": 4})
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=config)
     ids = token_batches(1)[0]
-    with pytest.raises(RuntimeError, match=r"fp16 loss scaling.*engine\.backward\(loss\)"):
+    with pytest.raises(RuntimeError, match=r"fp16 loss scaling without engine\.scale\(loss\)"):
         engine(input_ids=ids, labels=ids).loss.backward()
     engine.destroy()
+    runs = []
+    for own in (True, False):
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2, seed=7), config=config)
+        losses = []
+        for ids in token_batches(STEPS):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.scale(loss).backward() if own else engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.synchronize()
+        runs.append((losses, engine.skipped_steps, {k: v.clone() for k, v in engine.master_state_dict().items()}))
+        engine.destroy()
+    (l_own, skip_own, m_own), (l_eng, skip_eng, m_eng) = runs
+    assert l_own == l_eng and skip_own == skip_eng > 0
+    assert all(torch.equal(m_own[k], m_eng[k]) for k in m_eng)
 
 
 class _PostNormBlock(torch.nn.Module):
