@@ -29,6 +29,12 @@ phase=${1:?phase}; out=${2:?outdir}; model=qwen2.5-3b
 source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 
+small10g_call() {  # small10g_call <limit_s> <tag> <h2h args...>: issue 26's consumer-GPU row (10 GiB of GPU free,
+  # 8K tokens/step, clip 1.0, 2 warm-up + 4 measured steps) for the system and options given
+  local limit=$1 tag=$2; shift 2
+  h2h_call "$limit" "$tag" "$@" --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 --steps 4
+}
+
 case $phase in
   gputests) timeout ${GPUTEST_LIMIT:-560} python3 -m pytest -q ${PYTEST_ARGS:-tests} 2>&1 | tail -n 30 | tee -a "$log" ;;
   best1) h2h_call 290 megatrain --systems megatrain --best-batch --min-tokens 16384 --max-tokens 262144 --warmup 1 --steps 3
@@ -80,12 +86,9 @@ case $phase in
               --steps 5 --megatrain-options "{\"check_recompute\": ${run##*:}, \"keep_activations\": 0}"
         done ;;
   small10g)  # issue 26's consumer-GPU row: 10 GiB of GPU free (--gpu-memory-limit), 8K tokens/step, clip 1.0
-        h2h_call 150 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
-            --tokens-per-step 8192 --warmup 2 --steps 4
-        h2h_call 150 defaults --systems megatrain --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 \
-            --warmup 2 --steps 4
-        h2h_call 260 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
-            --steps 4 ;;
+        small10g_call 150 hostonly --systems megatrain --host-only
+        small10g_call 150 defaults --systems megatrain
+        small10g_call 260 zero3 --systems zero3 ;;
   hu26a)  # issue 26: the native host update. Its exactness and Gparam/s on the box's CPU, then 3B/16K, clip 1.0
         # (fires every step on the harness's random data): ZeRO-3, megatrain host-only, megatrain defaults
         python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \
@@ -110,27 +113,20 @@ case $phase in
         h2h_call 100 hostonly_whole --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 \
             --steps 4 --megatrain-options '{"deferred_moments": false}' ;;
   defer26b)  # the consumer-GPU row: 10 GiB of GPU free, 8K, clip 1.0
-        h2h_call 120 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
-            --tokens-per-step 8192 --warmup 2 --steps 4
-        h2h_call 100 defaults --systems megatrain --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 \
-            --warmup 2 --steps 4
-        h2h_call 240 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
-            --steps 4 ;;
+        small10g_call 120 hostonly --systems megatrain --host-only
+        small10g_call 100 defaults --systems megatrain
+        small10g_call 240 zero3 --systems zero3 ;;
   wire26)  # the consumer-GPU row streaming the bf16 wire (stream_fp32_master false: half the H2D bytes, whose fp32
             # masters, twice a step, nearly bind at 8K on 10 GiB) against the fp32 master (auto), and ZeRO-3
-        h2h_call 110 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
-            --tokens-per-step 8192 --warmup 2 --steps 4
-        h2h_call 110 hostonly_wire --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
-            --tokens-per-step 8192 --warmup 2 --steps 4 --megatrain-options '{"stream_fp32_master": false}'
-        h2h_call 110 defaults_wire --systems megatrain --gpu-memory-limit 10 --clip 1.0 \
-            --tokens-per-step 8192 --warmup 2 --steps 4 --megatrain-options '{"stream_fp32_master": false}'
-        h2h_call 220 zero3 --systems zero3 --gpu-memory-limit 10 --clip 1.0 --tokens-per-step 8192 --warmup 2 \
-            --steps 4 ;;
+        small10g_call 110 hostonly --systems megatrain --host-only
+        small10g_call 110 hostonly_wire --systems megatrain --host-only \
+            --megatrain-options '{"stream_fp32_master": false}'
+        small10g_call 110 defaults_wire --systems megatrain --megatrain-options '{"stream_fp32_master": false}'
+        small10g_call 220 zero3 --systems zero3 ;;
   wire26b)  # wire26's megatrain runs with room for a cold machine's model build (~60 s on the CPU)
-        h2h_call 200 hostonly_wire --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
-            --tokens-per-step 8192 --warmup 2 --steps 4 --megatrain-options '{"stream_fp32_master": false}'
-        h2h_call 200 hostonly --systems megatrain --host-only --gpu-memory-limit 10 --clip 1.0 \
-            --tokens-per-step 8192 --warmup 2 --steps 4 ;;
+        small10g_call 200 hostonly_wire --systems megatrain --host-only \
+            --megatrain-options '{"stream_fp32_master": false}'
+        small10g_call 200 hostonly --systems megatrain --host-only ;;
   idle26)  # 16K clip 1.0: host-only and defaults (GPU idle of the exact-clipping floor)
         h2h_call 140 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 140 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;

@@ -42,8 +42,7 @@ def _config(bf16: dict, lr: float, steps: int, warmup: int) -> dict:
     cfg["steps_per_print"] = None
     cfg["optimizer"]["params"]["lr"] = lr
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
-                                                       "warmup_num_steps": warmup, "warmup_type": "linear"}}
-    cfg["scheduler"]["params"]["warmup_num_steps"] = min(warmup, steps)
+                                                       "warmup_num_steps": min(warmup, steps), "warmup_type": "linear"}}
     return cfg
 
 

@@ -151,6 +151,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         self._close_implicit_backward()
+        self.__dict__.pop("_manual_scaled", None)  # engine.scale(loss) is for the loss of this forward (surface.py)
         self.dp.mark("forward", self.micro_steps, self.global_steps, arrive=True)  # dp.py: collective timeouts
         refuse_empty_sequences(args, kwargs)
         self._check_trained()

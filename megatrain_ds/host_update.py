@@ -100,8 +100,8 @@ PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 # moments stored rounded to nearest even. So it equals, bit for bit, torch's fused AdamW on fp32 copies of the moments
 # followed by a copy back (tests/test_compact_moments.py), which is what the torch kernel's blocked path does here.
 # The cost is the moments' precision: exp_avg_sq keeps 8 bits of mantissa, so small updates to it round away (beta2
-# 0.999 moves it by 0.1% a step, under bf16's 0.4% resolution): the loss curve against exact fp32 state is in
-# docs/compact_moments.md. The resident parameters (embeddings, final norm, LM head) keep fp32 masters and moments, as
+# 0.999 moves it by 0.1% a step, under bf16's 0.4% resolution): the loss curves against exact fp32 state are in
+# benchmarks/results/2026-11-27_h100_compact_moments/README.md ("Loss"). The resident parameters (embeddings, final norm, LM head) keep fp32 masters and moments, as
 # they do in bf16-master mode. Not with the NVMe tier (its swap file holds fp32 moments).
 
 

@@ -625,14 +625,14 @@ class HostAdamW(torch.optim.Optimizer):
                               self.adam_w_mode, None, self.kernel)  # GPU tensors: torch's fused kernel
         self.parts.schedule.updated_on_device(i, st.record(st.opt))
 
-    def _layer_task(self, i: int, decided: Future, spec: Speculation | None = None, defer: bool = True):
+    def _layer_task(self, i: int, decided: Future, spec: Speculation | None = None):
         decision = decided.result()
         if spec is not None and i in spec.done:  # final: the norm task ran after every landing
             return self._settle(i, decision, spec)
         if decision.skip:
             return
         with self.parts.timer.host_span("optimizer_s") as span, _range(f"adamw.L{i}"):
-            span["updated_params"] = self._update_layer(i, decision.hp, decision.coef, defer=defer)
+            span["updated_params"] = self._update_layer(i, decision.hp, decision.coef, defer=True)
 
     def _can_defer(self, i: int, hp) -> bool:
         """Layer i's update may leave its moments to a later pass ([Note: deferred moments]): on, the layer's state in

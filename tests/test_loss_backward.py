@@ -74,6 +74,9 @@ def test_fp16_needs_engine_scale():
     ids = token_batches(1)[0]
     with pytest.raises(RuntimeError, match=r"fp16 loss scaling without engine\.scale\(loss\)"):
         engine(input_ids=ids, labels=ids).loss.backward()
+    engine.scale(engine(input_ids=ids, labels=ids).loss)  # scaled, but not the loss that is backwarded next
+    with pytest.raises(RuntimeError, match=r"fp16 loss scaling without engine\.scale\(loss\)"):
+        engine(input_ids=ids, labels=ids).loss.backward()
     engine.destroy()
     runs = []
     for own in (True, False):
