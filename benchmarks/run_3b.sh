@@ -160,5 +160,14 @@ case $phase in
         done
         python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \
             | grep -v -i warn | tail -n 3 | tee -a "$log" ;;
+  trace27)  # where the host-only 16K step idles: trace_gaps --timeline (3 steps after 4: every host thread's ranges and
+            # the device spans, no torch.profiler) at clip 1e9 and 1.0, with liger; OUTDIR/trace27_<clip>/gaps.md,
+            # timeline.csv. MEGATRAIN_OPTIONS (JSON) adds engine options.
+        for clip in ${CLIPS:-1e9 1.0}; do
+          opts=$(python3 -c "import json,os; d={'gpu_optimizer_layers': 0, 'liger_kernels': True, 'use_liger': True}; d.update(json.loads(os.environ.get('MEGATRAIN_OPTIONS') or '{}')); print(json.dumps(d))")
+          timeout 200 python3 -m benchmarks.trace_gaps --model $model --tokens-per-step 16384 --clip $clip --warmup 4 \
+              --steps 3 --timeline --out "$out/trace27_$clip" --megatrain-options "$opts" 2>&1 \
+              | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | tee -a "$log"
+        done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -41,7 +41,7 @@ def compute_gaps(events: list[dict], min_gap_us: float) -> tuple[list[dict], dic
                          "host_ranges": over})
         end = max(end, e["ts"] + e["dur"])
     window = end - mine[0]["ts"]
-    totals = {"window_us": window, "busy_us": busy[stream], "idle_us": window - busy[stream],
+    totals = {"window_us": window, "busy_us": busy[stream], "idle_us": window - busy[stream], "t0_us": mine[0]["ts"],
               "gaps_listed_us": sum(g["dur_us"] for g in gaps)}
     return gaps, totals
 
@@ -72,6 +72,68 @@ def _compress(names: list[str]) -> list[str]:
     return out
 
 
+def write_ranges(events: list[dict], gaps: list[dict], t0: float, path: str) -> None:
+    """The host timeline: each megatrain.* range (by thread) and each compute-stream gap, times from the first
+    kernel of the compute stream (``t0``, µs), sorted by start."""
+    rows = [((e["ts"] - t0) / 1e3, e["dur"] / 1e3, str(e.get("tid")), e["name"]) for e in events
+            if e.get("ph") == "X" and str(e.get("name", "")).startswith("megatrain.")]
+    rows += [((e["ts"] - t0) / 1e3, e["dur"] / 1e3, f"copy-{e.get('tid')}", e["name"][:40]) for e in events
+             if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy" and e.get("dur", 0) >= 200]
+    rows += [(g["start_us"] / 1e3, g["dur_us"] / 1e3, "gpu-gap", g["next_kernel"]) for g in gaps]
+    with open(path, "w") as f:
+        f.write("start_ms,dur_ms,thread,name\n")
+        for start, dur, tid, name in sorted(rows):
+            f.write(f"{start:.3f},{dur:.3f},{tid},{name.replace(',', ';')}\n")
+
+
+def timeline_gaps(rows: list[tuple], min_gap_s: float) -> list[dict]:
+    """``rows``: (start_s, end_s, thread, name). The gaps between the device's compute spans (``gpu-compute``)
+    of at least ``min_gap_s``, each with the ranges every other thread had open during it."""
+    compute = sorted((a, b) for a, b, t, _ in rows if t == "gpu-compute")
+    gaps, end = [], compute[0][1] if compute else 0.0
+    for a, b in compute[1:]:
+        if a - end >= min_gap_s:
+            over: dict[str, list[str]] = defaultdict(list)
+            for s, e, t, name in rows:
+                if s < a and e > end and not t.startswith("gpu-"):
+                    over[t].append(name.removeprefix("megatrain."))
+            gaps.append({"start_s": end, "dur_s": a - end,
+                         "threads": {t: ", ".join(_compress(["megatrain." + n for n in names]))
+                                     for t, names in sorted(over.items())}})
+        end = max(end, b)
+    return gaps
+
+
+def _timeline_run(engine, step, batches, args) -> int:
+    from megatrain_ds.timing import start_timeline, take_timeline
+    start_timeline()
+    t0 = __import__("time").perf_counter()
+    for ids in batches[:args.steps + 1]:  # the last one closes the device spans of the one before (StepTimer)
+        step(ids)
+    rows = [(a - t0, b - t0, t, n) for a, b, t, n in take_timeline()]
+    last = max((b for a, b, t, _ in rows if t == "gpu-compute"), default=0.0)
+    rows = [r for r in rows if r[0] <= last]  # the closing step's host ranges have no device spans
+    with open(os.path.join(args.out, "timeline.csv"), "w") as f:
+        f.write("start_ms,dur_ms,thread,name\n")
+        for a, b, t, n in sorted(rows):
+            f.write(f"{a * 1e3:.3f},{(b - a) * 1e3:.3f},{t},{n}\n")
+    gaps = timeline_gaps(rows, args.min_gap_ms / 1e3)
+    busy = sum(b - a for a, b, t, _ in rows if t == "gpu-compute")
+    lines = [f"timeline: {args.steps} steps, {last * 1e3:.0f} ms to the last kernel span, compute {busy * 1e3:.0f} ms, "
+             f"gaps >= {args.min_gap_ms} ms: {sum(g['dur_s'] for g in gaps) * 1e3:.0f} ms", "",
+             "| at (ms) | gap (ms) | what each host thread was doing |", "|---|---|---|"]
+    for g in gaps:
+        what = "; ".join(f"{t}: {n}" for t, n in g["threads"].items())
+        lines.append(f"| {g['start_s'] * 1e3:.1f} | {g['dur_s'] * 1e3:.2f} | {what} |")
+    breakdown = engine.timer.format(engine.last_step_breakdown())
+    text = f"last step: {breakdown}\n\n" + "\n".join(lines)
+    with open(os.path.join(args.out, "gaps.md"), "w") as f:
+        f.write(f"{' '.join(sys.argv[1:])}\n\n{text}\n")
+    print(text)
+    engine.destroy()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-3b")
@@ -84,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-gap-ms", type=float, default=1.0)
     p.add_argument("--out", required=True)
     p.add_argument("--trace", default=None, help="where the Chrome trace goes (default OUT/trace.json; large)")
+    p.add_argument("--ranges", action="store_true",
+                   help="also write OUT/ranges.csv: every megatrain.* host range and compute-stream gap (start_ms, "
+                        "dur_ms, thread, name), a timeline small enough to bring back from a device")
+    p.add_argument("--timeline", action="store_true",
+                   help="no torch.profiler: record megatrain_ds's own timeline (every thread's ranges, the host "
+                        "optimizer's included, and the device spans on the host clock) to OUT/timeline.csv, and list "
+                        "the compute stream's gaps with what each thread was doing; much less overhead")
     args = p.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM
@@ -111,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for ids in batches[:args.warmup]:
         step(ids)
+    if args.timeline:
+        return _timeline_run(engine, step, batches[args.warmup:], args)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for ids in batches[args.warmup:args.warmup + args.steps]:
@@ -123,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         events = json.load(f)["traceEvents"]
     gaps, totals = compute_gaps(events, args.min_gap_ms * 1e3)
     table = gaps_table(gaps, totals)
+    if args.ranges:
+        write_ranges(events, gaps, totals.get("t0_us", 0.0), os.path.join(args.out, "ranges.csv"))
     breakdown = engine.timer.format(engine.last_step_breakdown())
     with open(os.path.join(args.out, "gaps.md"), "w") as f:
         f.write(f"{' '.join(sys.argv[1:] if argv is None else argv)}\n\nlast step: {breakdown}\n\n{table}\n")

@@ -41,7 +41,7 @@ from .optimizer import ResidentParams
 from .recompute_check import RecomputeMismatch
 from .streams import make_streams
 from .surface import EngineSurface, adopt_zero3_model
-from .timing import StepTimer
+from .timing import StepTimer, traced
 from .zero import ParamHome, mark_partitioned
 
 
@@ -322,7 +322,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 # the counters and the lr scheduler below. It costs no overlap: the next forward waits for the
                 # resident update, which waits for this norm, anyway; only the script's own work between step()
                 # and the next forward (fetching a batch) no longer runs beside the last landings.
-                with torch.profiler.record_function("megatrain.wait_norm"):
+                with traced("megatrain.wait_norm"):
                     self._last_norm.result()
                 if self.optimizer.step_error is not None:  # fp16: overflow at the minimum loss scale
                     raise self.optimizer.step_error

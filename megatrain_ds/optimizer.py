@@ -94,6 +94,7 @@ from .host_update import (PHASE_MOMENTS, PHASE_WEIGHTS, PHASE_WHOLE, can_defer, 
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .resident import ResidentParams
 from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
+from .timing import traced
 
 if TYPE_CHECKING:
     from .executor import StreamedLayers
@@ -107,7 +108,7 @@ __all__ = ["HostAdamW", "HostAdamWParts", "ResidentParams", "StepDecision"]  # R
 
 def _range(name: str):
     """A profiler range on the host worker (see timing.layer_range)."""
-    return torch.profiler.record_function(f"megatrain.{name}")
+    return traced(f"megatrain.{name}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -11,6 +11,7 @@ import torch
 
 from .host_memory import _release_all, host_buffer
 from .landing import LandingListener
+from .timing import traced
 
 
 class ResidentParams:
@@ -163,6 +164,10 @@ class ResidentParams:
         return worker.submit(lambda: (landed.synchronize(), float(self.norm_host[k]) ** 2)[1])
 
     def _land(self, k: int, landed, first: bool, final: bool):
+        with traced(f"megatrain.land_resident.L{k}"):
+            return self._land_now(k, landed, first, final)
+
+    def _land_now(self, k: int, landed, first: bool, final: bool):
         landed.synchronize()
         if first:
             self.grad[k].copy_(self.landing[k])
@@ -178,7 +183,7 @@ class ResidentParams:
         copies, or a cast of the device masters), ordered before the forward's first kernel."""
         if self.uploaded:
             return
-        with torch.profiler.record_function("megatrain.wait_resident_update"):
+        with traced("megatrain.wait_resident_update"):
             updated = self.update.result()  # a GPU-held update: the opt-stream event after it
         st = self.streams
         # The copies overwrite the parameters in place: wait for every kernel queued on compute so far (a

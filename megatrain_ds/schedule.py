@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-import torch
+from .timing import traced
 
 
 class LayerSchedule:
@@ -68,7 +68,7 @@ class LayerSchedule:
             return
         if not pending.done():
             with timer.host_span("wait_for_optimizer_s"), \
-                    torch.profiler.record_function(f"megatrain.wait_optimizer.L{i}"):
+                    traced(f"megatrain.wait_optimizer.L{i}"):
                 pending.result()  # the only place the GPU can wait on the CPU (see streams.py's Note)
         else:
             pending.result()
@@ -106,7 +106,7 @@ class LayerSchedule:
             return
         if not pending.done():
             with timer.host_span("wait_for_moments_s"), \
-                    torch.profiler.record_function(f"megatrain.wait_moments.L{i}"):
+                    traced(f"megatrain.wait_moments.L{i}"):
                 pending.result()
         else:
             pending.result()

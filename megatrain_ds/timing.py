@@ -19,10 +19,42 @@ import time
 import torch
 
 
+_TIMELINE: list | None = None  # (start_s, end_s, thread, name) of every traced range, while one is recorded
+
+
+def start_timeline() -> None:
+    """Record every ``traced`` range (all threads, ``time.perf_counter`` seconds) and, through the step timer, the
+    device spans, until ``take_timeline``: the host optimizer's threads included, which ``torch.profiler`` does not
+    show (benchmarks/trace_gaps.py --timeline)."""
+    global _TIMELINE
+    _TIMELINE = []
+
+
+def take_timeline() -> list:
+    global _TIMELINE
+    out, _TIMELINE = _TIMELINE or [], None
+    return out
+
+
+@contextlib.contextmanager
+def traced(name: str):
+    """A ``torch.profiler`` range, and a timeline entry while one is recorded (near-free otherwise)."""
+    with torch.profiler.record_function(name):
+        if _TIMELINE is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if _TIMELINE is not None:
+                _TIMELINE.append((t0, time.perf_counter(), threading.current_thread().name, name))
+
+
 def layer_range(op: str, i: int):
     """A profiler range naming the phase and layer (``torch.profiler`` traces show the overlap; near-free when
     no profiler is recording)."""
-    return torch.profiler.record_function(f"megatrain.{op}.L{i}")
+    return traced(f"megatrain.{op}.L{i}")
 
 
 class StepTimer:
@@ -38,6 +70,7 @@ class StepTimer:
         self.counters = dict  # the engine installs a callable returning cumulative counts (speculated steps)
         self._lock = threading.Lock()
         self._step_start = None
+        self._ref = None  # timeline: (an event recorded when the device had drained, its perf_counter time)
         self._window_open = False
         self.last: dict = {}
 
@@ -95,6 +128,10 @@ class StepTimer:
         if self._step_start is not None:
             self._finish(now)
         self._step_start = now
+        if self.cuda and _TIMELINE is not None:
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record()
+            self._ref = (ref, time.perf_counter())
         self._window_open = True
 
     def end_step(self) -> None:
@@ -118,6 +155,12 @@ class StepTimer:
                      "wait_for_moments_s": host["wait_for_moments_s"],
                      "cpu_optimizer_gparam_s": rate, "cpu_updated_params": int(host["updated_params"]),
                      "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None, **self.counters()}
+        if self.cuda and _TIMELINE is not None and self._ref is not None:  # device spans on the host's clock
+            ref, t_ref = self._ref
+            for kind, spans in self.spans.items():
+                for start, end in spans:
+                    a = t_ref + ref.elapsed_time(start) / 1e3
+                    _TIMELINE.append((a, a + start.elapsed_time(end) / 1e3, f"gpu-{kind}", kind))
         for spans in self.spans.values():
             spans.clear()
 

@@ -28,3 +28,39 @@ def test_gaps_of_the_busiest_stream_with_overlapping_ranges():
 def test_compress_groups_layers_per_phase():
     assert _compress(["megatrain.h2d.L1", "megatrain.h2d.L2", "megatrain.norm", "megatrain.h2d.L5"]) == \
         ["h2d.L1-5", "norm"]
+
+
+def test_timeline_gaps_name_what_each_thread_was_doing():
+    from benchmarks.trace_gaps import timeline_gaps
+    rows = [(0.000, 0.010, "gpu-compute", "compute"), (0.010, 0.020, "gpu-compute", "compute"),
+            (0.050, 0.060, "gpu-compute", "compute"),
+            (0.012, 0.045, "megatrain-adamw_0", "megatrain.adamw.L0"), (0.030, 0.048, "MainThread", "megatrain.wait_norm"),
+            (0.001, 0.005, "megatrain-host_0", "megatrain.land.L3")]  # before the gap: not listed
+    gaps = timeline_gaps(rows, min_gap_s=0.005)
+    assert len(gaps) == 1 and abs(gaps[0]["start_s"] - 0.020) < 1e-12 and abs(gaps[0]["dur_s"] - 0.030) < 1e-12
+    assert gaps[0]["threads"] == {"MainThread": "wait_norm", "megatrain-adamw_0": "adamw.L0"}
+
+
+def test_traced_ranges_are_recorded_from_every_thread_only_while_a_timeline_is_on():
+    import threading
+
+    from megatrain_ds.timing import start_timeline, take_timeline, traced
+    with traced("megatrain.before"):
+        pass
+    start_timeline()
+    with traced("megatrain.main"):
+        pass
+    t = threading.Thread(target=_in_thread, args=(traced,), name="w")
+    t.start()
+    t.join()
+    rows = take_timeline()
+    assert sorted((r[2], r[3]) for r in rows) == [("MainThread", "megatrain.main"), ("w", "megatrain.worker")]
+    assert all(r[1] >= r[0] for r in rows)
+    with traced("megatrain.after"):
+        pass
+    assert take_timeline() == []
+
+
+def _in_thread(traced):
+    with traced("megatrain.worker"):
+        pass
