@@ -169,5 +169,17 @@ case $phase in
               --steps 3 --timeline --out "$out/trace27_$clip" --megatrain-options "$opts" 2>&1 \
               | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | tee -a "$log"
         done ;;
+  res27a)  # the resident gradient's norm taken on the GPU, one pass in a speculating step: host-only at 16K, clip 1e9
+           # ("auto"; deferred_moments true), clip 1.0, and ZeRO-3 at clip 1.0, in one lease
+        h2h_call 150 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
+            --steps 4
+        h2h_call 90 hostonly_clip1e9_defer --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 \
+            --warmup 2 --steps 4 --megatrain-options '{"deferred_moments": true}'
+        h2h_call 90 hostonly_clip1 --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 250 zero3_clip1 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  res27b)  # res27a's machine, still warm: ZeRO-3 at clip 1e9, the defaults at both clips
+        h2h_call 250 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 90 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 90 defaults_clip1 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -87,7 +87,8 @@ class MegatrainSettings:
     # ([Note: deferred moments] in host_update.py): the new master first (the next forward waits for it: 18 of the
     # update's 26 host bytes/param), the new Adam moments later, under the next forward and backward (bit-identical;
     # 36 bytes/param in all). "auto" = on with the native kernel for layers in host RAM and AdamW (or Adam without
-    # weight decay); false: one pass
+    # weight decay), except in a step that speculated (clipping quiet: one pass there, see the Note); true: in every
+    # step; false: one pass
     stream_fp32_master: bool | str = "auto"  # bf16: stream the pinned fp32 master and cast on the GPU instead
     # of keeping a bf16 wire copy: 2x H2D bytes, but no host bf16 copy and no host cast pass in the optimizer;
     # 14 host bytes/param with the native host kernel (bf16 gradients), 16 with the torch one (fp32 landing). Measured on 3B/16K/H200: 1.72 s/step vs 2.22 (bf16 wire,

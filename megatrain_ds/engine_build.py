@@ -249,7 +249,8 @@ def build_optimizer(groups: list[dict], defaults: dict, config: TrainConfig, dec
     parts = HostAdamWParts(executor=executor, store=executor.store, schedule=executor.schedule, streams=streams,
                            timer=timer, resident=resident, worker=worker, opt_worker=opt_worker,
                            clip=config.gradient_clipping, scaler=config.loss_scaler, dp=dp, kernel=dec.host_kernel,
-                           defer_moments=dec.deferred_moments)
+                           defer_moments=dec.deferred_moments,
+                           defer_when_speculating=config.megatrain.deferred_moments is True)
     mt = config.megatrain
     policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters, mt.speculation_backoff)
     return HostAdamW(groups, defaults, parts, adam_w_mode=config.optimizer.adam_w_mode, policy=policy)

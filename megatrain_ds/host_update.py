@@ -89,6 +89,12 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 # ends; about 0.5 s of main-thread waits per step). Updating those layers whole instead costs more, as measured there
 # (benchmarks/results/2026-11-27_h100_compact_moments, 7bdefer: steps of 2.39-2.43 s with the waits, 2.55-2.59 s once
 # an earlier version made the layers that waited whole, 2.62-2.73 s with every update whole): so they wait.
+#
+# Not in a step whose speculation was open (clipping quiet; speculation.py), with ``deferred_moments`` "auto": the
+# layers the AdamW thread did not reach during the backward get one whole pass after the norm. There the AdamW thread's
+# work, not the norm, bounds the step (3B at 16K: about as long as the GPU's compute), and the second pass's extra bytes
+# delay the next backward's speculative updates more than the shorter wait gains (H100, 3B/16K clip 1e9, one lease:
+# 1,204 ms steps deferred, 1,141 ms whole; benchmarks/results/2026-11-27_h100_host_timeline). ``true`` defers there too.
 PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 
 # [Note: compact moments] Opt-in, never the default: DeepSpeed's ``bf16.bf16_optimizer_states`` (it requires

@@ -129,6 +129,8 @@ class HostAdamWParts:
     dp: object = None  # DataParallel (dp.py) when active: the norm is summed over ranks; None: one process
     kernel: str = "torch"  # the streamed layers' host update: "native" or "torch" (host_update.resolve_kernel)
     defer_moments: bool = False  # the update after the norm in two passes ([Note: deferred moments], host_update.py)
+    defer_when_speculating: bool = False  # also in a step whose speculation was open (deferred_moments true; "auto":
+    # one pass there, [Note: deferred moments])
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -481,6 +483,7 @@ class HostAdamW(torch.optim.Optimizer):
         n = len(store.layouts)
         on_device = [i for i in range(n) if ex.device_state is not None and ex.device_state.owns(i)]
         host = [i for i in range(n) if i not in set(on_device)]
+        defer = parts.defer_moments and (spec is None or parts.defer_when_speculating)
         res.rewrite(parts.opt_worker.submit(self._resident_task, res_has, decided, ex.backward_done, spec))
         for i in on_device:
             if layer_has[i]:
@@ -489,9 +492,9 @@ class HostAdamW(torch.optim.Optimizer):
             if layer_has[i] and not store.owned[i]:  # another rank updates it: the slot copy goes stale
                 schedule.rewrite(i, decided)  # (its owner's broadcast, after its update, brings the new bytes)
             elif layer_has[i]:
-                schedule.rewrite(i, parts.opt_worker.submit(self._layer_task, i, decided, spec))
+                schedule.rewrite(i, parts.opt_worker.submit(self._layer_task, i, decided, spec, defer))
         self._closing = parts.opt_worker.submit(self._close_task, decided, spec)  # after every update task (FIFO)
-        if self.parts.defer_moments:  # [Note: deferred moments]: after the close task (the next step's speculation
+        if defer:  # [Note: deferred moments]: after the close task (the next step's speculation
             # waits for that one, not for these); last layer first, the order the next backward lands gradients in
             for i in reversed(host):
                 if layer_has[i] and store.owned[i]:
@@ -626,14 +629,14 @@ class HostAdamW(torch.optim.Optimizer):
                               self.adam_w_mode, None, self.kernel)  # GPU tensors: torch's fused kernel
         self.parts.schedule.updated_on_device(i, st.record(st.opt))
 
-    def _layer_task(self, i: int, decided: Future, spec: Speculation | None = None):
+    def _layer_task(self, i: int, decided: Future, spec: Speculation | None = None, defer: bool = True):
         decision = decided.result()
         if spec is not None and i in spec.done:  # final: the norm task ran after every landing
             return self._settle(i, decision, spec)
         if decision.skip:
             return
         with self.parts.timer.host_span("optimizer_s") as span, _range(f"adamw.L{i}"):
-            span["updated_params"] = self._update_layer(i, decision.hp, decision.coef, defer=True)
+            span["updated_params"] = self._update_layer(i, decision.hp, decision.coef, defer=defer)
 
     def _can_defer(self, i: int, hp) -> bool:
         """Layer i's update may leave its moments to a later pass ([Note: deferred moments]): on, the layer's state in

@@ -208,3 +208,26 @@ def test_a_late_fold_waits_for_the_pass_it_was_queued_behind(monkeypatch):
     l_d, s_d, _ = out["d"]
     assert l_w == l_d
     _assert_same(s_w, s_d)
+
+
+@pytest.mark.parametrize("setting", ["auto", True])
+def test_a_step_that_speculated_updates_whole_unless_deferral_is_forced(monkeypatch, setting):
+    """Clipping quiet (speculation open): the layers not stepped during the backward are updated after the norm in one
+    pass under "auto" (the AdamW thread's work bounds such a step, [Note: deferred moments]), in two under true; both
+    train exactly as whole updates."""
+    cfg_whole, cfg = _config(False, clip=1e9), _config(setting, clip=1e9)
+    for c in (cfg_whole, cfg):
+        c["megatrain"]["speculative_step"] = True
+    l_w, s_w, _ = _run(cfg_whole, 6)
+    # no update during the backward: every layer of a speculating step is left to the plain update after the norm
+    monkeypatch.setattr(HostAdamW, "final_landing", lambda self, i, sq: None)
+    monkeypatch.setattr(HostAdamW, "final_resident_landing", lambda self, k, sq: None)
+    real, seen = HostAdamW._layer_task, []
+    monkeypatch.setattr(HostAdamW, "_layer_task", lambda self, i, decided, spec=None, defer=True:
+                        seen.append((spec is not None, defer)) or real(self, i, decided, spec, defer))
+    l_d, s_d, opt = _run(cfg, 6)
+    speculating = {defer for open_, defer in seen if open_}
+    assert opt.policy.speculated == 0 and speculating == {setting is True}  # 5 steps had a speculation open
+    assert {defer for open_, defer in seen if not open_} == {True}  # the first step (none open) defers
+    assert l_w == l_d
+    _assert_same(s_w, s_d)
