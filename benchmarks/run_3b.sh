@@ -181,5 +181,20 @@ case $phase in
         h2h_call 250 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 90 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 90 defaults_clip1 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  auto27a)  # "auto" placing optimizer state first when the host update was exposed (engine_auto.py), and the host-only
+            # timeline at clip 1e9; then host-only at clip 1e9 streaming the bf16 wire (stream_fp32_master false)
+        CLIPS=1e9 bash benchmarks/run_3b.sh trace27 "$out" > /dev/null 2>&1; grep -h "^last step" "$out"/trace27_1e9/gaps.md | tee -a "$log"
+        h2h_call 150 defaults_clip1 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 3 --steps 4
+        h2h_call 100 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 3 --steps 4
+        h2h_call 100 hostonly_clip1e9_wire --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 \
+            --warmup 2 --steps 4 --megatrain-options '{"stream_fp32_master": false}'
+        python3 -c "import glob, json; [print(f, json.load(open(f))['results'][0].get('auto_placed'), \
+            json.load(open(f))['results'][0].get('kept_layers')) for f in sorted(glob.glob('$out/auto27a_*.json'))]" \
+            | tee -a "$log" ;;
+  auto27b)  # auto27a's machine, still warm: the host-only rows and ZeRO-3 at clip 1.0
+        h2h_call 90 hostonly_clip1 --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 90 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
+            --steps 4
+        h2h_call 250 zero3_clip1 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -62,7 +62,7 @@ masters on NVMe (``offload_param.device: nvme``), whose masters then leave RAM a
 - Not allocated by torch, so added to what must fit, not to ``gpu_allocated_bytes``: the CUDA context and
   kernels (``CUDA_CONTEXT_BYTES``), NCCL's buffers with several ranks. The largest micro-batch keeps
   ``GPU_HEADROOM`` of the rest free for the caching allocator's fragmentation.
-- Not predicted: what ``"auto"`` places after the first step (kept layers, GPU-held optimizer state) in the memory
+- Not predicted: what ``"auto"`` places after the second step (kept layers, GPU-held optimizer state) in the memory
   that step left free; the inference cache (no-grad forwards); a host that launches kernels several layers ahead
   of the GPU can hold more than one flat gradient in flight (one is counted).
 """

@@ -74,7 +74,7 @@ class MegatrainSettings:
     # (liger's own instance patching, as the HF Trainer's use_liger_kernel; RoPE is patched module-wide).
     # "auto": on CUDA when liger-kernel is installed and supports the model type; true: required; false: off
     keep_activations: int | str = "auto"  # trailing layers whose forward keeps its graph (no recompute in their
-    # backward; executor.py's [Note: kept layers]); "auto": after the first step, as many as the GPU memory that
+    # backward; executor.py's [Note: kept layers]); "auto": after the second step, as many as the GPU memory that
     # step left free holds (CUDA; 0 on CPU); 0: recompute every layer
     trace: bool = False  # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
     fp32_grad_landing: bool = False  # GA 1, bf16: land gradients in fp32 (GPU converts; +2 host bytes/param,
@@ -103,8 +103,9 @@ class MegatrainSettings:
     # (tokens) per chunk
     gpu_optimizer_layers: int | str = -1  # leading layers whose optimizer state lives on the GPU; -1 = from
     # zero_optimization.offload_optimizer.ratio when the config sets it (fraction of optimizer state on the CPU),
-    # else "auto"; "auto" = after the first step, the resident parameters' state (embeddings, head) and then as
-    # many leading layers as fit in the GPU memory that step left free, after the kept layers (CUDA; 0 on CPU)
+    # else "auto"; "auto" = after the second step, the resident parameters' state (embeddings, head) and then as
+    # many leading layers as fit in the GPU memory the steps left free, after the kept layers, or before them when the
+    # host update was exposed (engine_auto.py's [Note: auto placement order]; CUDA; 0 on CPU)
     host_threads: int | str = "auto"  # CUDA: the host optimizer's threads (placement.py, docs/placement.md):
     # "auto" = every core of the GPU's NUMA node but one, kept for the main thread (measured: 16 threads beside a
     # busy main thread ran 5-8% slower than 15); an int = that many; "off" = leave torch's threads as they are

@@ -33,7 +33,7 @@ class Decisions:
     """Every init-time decision of a run (see the module docstring). Dtypes are named "fp32" / "bf16" / "fp16"; the
     ``*_dtype`` properties give torch's.
 
-    Left "auto" here, flagged, and decided after step 1 by engine._place_auto (engine_auto.py) from the first step's
+    Left "auto" here, flagged, and decided after step 2 by engine._place_auto (engine_auto.py) from the first steps'
     measured GPU peak: the optimizer state of the resident parameters and of leading layers on the GPU
     (``auto_device_state``: ``gpu_optimizer_layers`` "auto"; ``n_device_layers`` is then 0 until that step), the
     kept layers (``auto_keep``: ``keep_activations`` "auto"; ``keep`` is then 0). Decided by the part that needs
@@ -61,8 +61,8 @@ class Decisions:
     n_device_layers: int  # leading layers whose optimizer state is on the GPU from initialize (before the NVMe ones)
     resident_on_device: bool  # the resident parameters' fp32 optimizer state is on the GPU from initialize
     keep: int  # trailing layers kept without recompute from initialize
-    auto_device_state: bool  # gpu_optimizer_layers "auto": decided after step 1 by engine._place_auto
-    auto_keep: bool  # keep_activations "auto": decided after step 1 by engine._place_auto
+    auto_device_state: bool  # gpu_optimizer_layers "auto": decided after step 2 by engine._place_auto
+    auto_keep: bool  # keep_activations "auto": decided after step 2 by engine._place_auto
     check_recompute_steps: int | None  # optimizer steps whose recomputes are checked (None: every step)
     check_recompute_tolerance: float  # the relative error a recompute may differ by ("auto": by compute dtype)
     notes: tuple[str, ...] = ()  # what the planner says about the decisions left to the first step
@@ -161,13 +161,13 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
     # no GPU-held form): engine_auto.place_auto
     auto_state = n_device == "auto" and config.optimizer is not None
     if auto_state:
-        notes.append("gpu_optimizer_layers \"auto\": after the first step the engine moves optimizer state to "
+        notes.append("gpu_optimizer_layers \"auto\": after the second step the engine moves optimizer state to "
                      "the GPU memory that step left free (not counted here; host state shrinks by as much)"
                      + (": the resident parameters' only, with bf16 masters" if config.bf16_masters else ""))
     n_device = 0 if n_device == "auto" else min(int(n_device), n)
     auto_keep = mt.keep_activations == "auto"
     if auto_keep:
-        notes.append("keep_activations \"auto\": after the first step, layers whose graph fits in the GPU memory "
+        notes.append("keep_activations \"auto\": after the second step, layers whose graph fits in the GPU memory "
                      "left free skip their recompute (not counted here)")
     nvme, _, buffer_count = nvme_settings(config)
     before_split = Decisions(

@@ -103,8 +103,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         self.store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
-        # "auto" placements are decided after the first step, from its measured peak (engine_auto.py)
+        # "auto" placements are decided after the second step, from its measured peak (engine_auto.py)
         self._auto_device_state, self._auto_keep, self._auto_placed = dec.auto_device_state, dec.auto_keep, ""
+        self._auto_marks = None  # engine_auto.place_auto: the host spans and time after the second step
         self.layer_states = build_layer_states(self.store, self.executor, device, dec.n_device_layers)
         if not dec.auto_keep:
             self.executor.set_keep(dec.keep)
@@ -184,7 +185,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     def _explain_oom(self, exc: BaseException) -> None:
         """A device OOM after "auto" used the memory the first step left free: say which keys give it back."""
         if self._auto_placed:
-            exc.args = (f"{exc.args[0] if exc.args else exc}\n[megatrain_ds] after the first step, \"auto\" "
+            exc.args = (f"{exc.args[0] if exc.args else exc}\n[megatrain_ds] after the second step, \"auto\" "
                         f"placed {self._auto_placed} in the GPU memory that step left free; this batch needs more: "
                         "set megatrain.keep_activations and/or megatrain.gpu_optimizer_layers to 0 (or a smaller "
                         "count), or raise megatrain.gpu_memory_reserve", *exc.args[1:])
@@ -352,11 +353,12 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
 
     def _auto_budget_bytes(self) -> int | None:
-        """GPU bytes free for "auto" placements after the first step (engine_auto.py); None off CUDA."""
+        """GPU bytes free for "auto" placements after the second step (engine_auto.py); None off CUDA."""
         return auto_budget_bytes(self.device, self.config_settings.megatrain.gpu_memory_reserve)
 
     def _place_auto(self) -> None:
-        """The "auto" placements, once, after the first step, from its measured peak (engine_auto.place_auto)."""
+        """The "auto" placements, once, after the second step, from the measured peak and the host update's exposure
+        (engine_auto.place_auto)."""
         place_auto(self)
 
     def move_layer_state_to_device(self, n: int) -> None:

@@ -126,7 +126,7 @@ def test_dropout_masks_drawn_once():
 
 
 def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
-    """"auto": after the first step, as many trailing layers as the memory left free holds at (largest layer
+    """"auto": after the second step, as many trailing layers as the memory left free holds at (largest layer
     graph + 10%, + the layer's weights) each; the run after the change stays exact (test_paths' comparison)."""
     from megatrain_ds.engine import MegaTrainEngine
 
@@ -156,7 +156,7 @@ def test_keep_activations_rejects_bad_values(bad):
 
 @pytest.mark.gpu
 def test_gpu_keep_activations_auto_keeps_layers_and_matches_recompute():
-    """On a real GPU "auto" measures the layer graphs of the first step and keeps layers after it (a tiny model:
+    """On a real GPU "auto" measures the layer graphs of the first steps and keeps layers after the second (a tiny model:
     all of them); 5 fp32 steps give the losses of the all-recompute run to 1e-5, and the kept steps run no
     recompute."""
     runs = {}
@@ -174,7 +174,7 @@ def test_gpu_keep_activations_auto_keeps_layers_and_matches_recompute():
         runs[keep] = (losses, engine.executor.keep, counts["recompute"])
         engine.destroy()
     assert runs[0][1] == frozenset() and len(runs[0][2]) == 5 * 4
-    assert runs["auto"][1] == frozenset(range(4)) and runs["auto"][2] == [3, 2, 1, 0]  # only the first step
+    assert runs["auto"][1] == frozenset(range(4)) and runs["auto"][2] == [3, 2, 1, 0] * 2  # only the first two steps
     torch.testing.assert_close(torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0)
 
 
@@ -192,4 +192,44 @@ def test_out_of_memory_after_auto_placement_names_the_keys(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError, match="megatrain.keep_activations") as err:
         engine(input_ids=ids, labels=ids)
     assert "Tried to allocate 2.00 GiB" in str(err.value) and "3 of 3 layers kept" in str(err.value)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("exposure,expect", [(0.15, "state first"), (0.01, "keep first")])
+def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(monkeypatch, exposure, expect):
+    """engine_auto's [Note: auto placement order]: with the second step's forward held 0.15 s of a 1 s step by the host
+    update (0.1 s a layer), GPU-held state saves more per byte than a kept layer could: as many leading layers' state
+    as the exposure pays for (2), then kept layers in what is left; held 0.01 s (hidden), kept layers first. (The
+    engine calls ``_place`` after its second step with what it measured; here the measurements are given.)"""
+    from megatrain_ds.device_state import DeviceOptimizerState
+    from megatrain_ds.engine import MegaTrainEngine
+    from megatrain_ds.engine_auto import _keep_bytes_per_layer, _place, host_update_exposure
+
+    cfg = {**test_paths._config(), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": "auto"}}
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)
+    store = engine.store
+    state = DeviceOptimizerState.nbytes(store, 1)
+    engine.executor.graph_bytes = int(state / 1.1)  # a kept layer takes about a layer's state (and its weights)
+    keep = _keep_bytes_per_layer(engine)
+    budget = engine.resident.device_bytes() + DeviceOptimizerState.nbytes(store, 2) + keep + 1
+    monkeypatch.setattr(MegaTrainEngine, "_auto_budget_bytes", lambda self: budget)
+    params = [lay.n_train for lay in store.layouts]
+    delta = {"wait_for_optimizer_s": exposure, "optimizer_s": 0.1 * sum(params) / max(params),
+             "updated_params": float(sum(params))}
+    assert abs(host_update_exposure(1.0, delta, params)[1] - 0.1) < 1e-9
+    _place(engine, 1.0, delta)
+    ds = engine.executor.device_state
+    n_state = 0 if ds is None else ds.hi
+    assert engine.resident.on_device
+    if expect == "state first":
+        assert n_state == 2 and engine.executor.keep == frozenset({3}) and "optimizer state first" in engine._auto_placed
+    else:  # the kept layers take what they can of the budget first (2: a kept layer also holds its weights)
+        n_keep = (budget - engine.resident.device_bytes()) // keep
+        assert n_keep == 2 and engine.executor.keep == frozenset({2, 3}) and n_state < 2
+        assert "optimizer state first" not in engine._auto_placed
+    ids = test_paths._batches(n=1)[0]  # and it trains on
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss)
     engine.destroy()
