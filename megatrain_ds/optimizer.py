@@ -342,7 +342,7 @@ class HostAdamW(torch.optim.Optimizer):
         if res.wire_read is not None:
             res.wire_read.synchronize()
         with self.parts.timer.host_span("rollback_s"):
-            adamw_undo(res.master[k].view(-1), res.grad[k].view(-1), res.exp_avg[k].view(-1),
+            adamw_undo(res.master[k].view(-1), res.grad_of(k).view(-1), res.exp_avg[k].view(-1),
                        res.exp_avg_sq[k].view(-1), spec.hp[res.group_of.get(id(res.params[k]), 0)], spec.coef,
                        self.adam_w_mode)
             if res.wire[k] is not None:
@@ -519,7 +519,7 @@ class HostAdamW(torch.optim.Optimizer):
                     continue
                 sq = fut.result()
                 if sq is None:  # the window's boundary was moved after its backward: norm it now
-                    g = grads[k] if grads is not None else self._layer_grad(k)
+                    g = self.parts.resident.grad_of(k) if grads is not None else self._layer_grad(k)
                     sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2  # rare: slow is ok
                 total += sq
         if self.dp is not None:  # every rank's share: one all-reduce of a scalar (gloo, this thread's group)
@@ -610,7 +610,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _update_resident_one(self, k: int, hp, coef: float) -> None:
         res = self.parts.resident  # host: one native pass that writes the wire too; GPU-held: torch's fused kernel
-        update_tensor(res.master[k], res.grad[k], res.exp_avg[k], res.exp_avg_sq[k],
+        update_tensor(res.master[k], res.grad_of(k, fp32=self.kernel != "native"), res.exp_avg[k], res.exp_avg_sq[k],
                       hp[res.group_of.get(id(res.params[k]), 0)], coef, self.adam_w_mode, res.wire[k], self.kernel)
 
     def _device_task(self, i: int, decided: Future, backward_done):

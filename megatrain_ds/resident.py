@@ -65,6 +65,9 @@ class ResidentParams:
         # each future runs on the landing thread and returns the final squared norm, or None)
         self.has_grad = [False] * len(params)
         self.sq_norm: list[Future | None] = [None] * len(params)
+        # The landing thread's, read after the landing's future: the window's only gradient of k is its landing buffer
+        # as it came from the GPU, not folded into the fp32 home (``grad_of``)
+        self.direct = [False] * len(params)
         # The optimizer task that updates them (main thread: ``rewrite``); on the AdamW thread it returns the opt-stream
         # event after a GPU-held update (None otherwise), which ``upload`` waits for. See [Note: host threads].
         self.update: Future | None = None
@@ -74,6 +77,15 @@ class ResidentParams:
         self.wire_read = None
         # Told of each final landing on the landing thread (the speculative step); set once, by ``listen``
         self.listener: LandingListener | None = None
+
+    def grad_of(self, k: int, fp32: bool = False) -> torch.Tensor:
+        """Resident parameter k's gradient of the last window, after its landing ran: the landing buffer itself (the
+        compute dtype) when that window had one gradient, else the fp32 home. ``fp32``: the fp32 home either way (a
+        fold, now, where needed: torch's fused kernel wants the master's dtype)."""
+        if self.direct[k] and fp32:
+            self.grad[k].copy_(self.landing[k])
+            self.direct[k] = False
+        return self.landing[k] if self.direct[k] else self.grad[k]
 
     def listen(self, listener: LandingListener) -> None:
         """Main thread, before any backward: ``listener.final_resident_landing(k, sq)`` is called on the landing
@@ -115,6 +127,7 @@ class ResidentParams:
         self.grad = [move(t) for t in self.grad]
         self.wire = [None] * len(self.params)
         self.landing = [None] * len(self.params)
+        self.direct = [False] * len(self.params)  # (between steps: the last window's update has read its landing)
         _release_all(self.regions)  # their pinned host copies (unregistered; freed with the last view)
         self.wire_read = None
         self.on_device = True
@@ -142,6 +155,9 @@ class ResidentParams:
         st = self.streams
         if self.sq_norm[k] is not None:
             self.sq_norm[k].result()  # the landing buffer is free once the previous landing ran
+        if not first and self.direct[k]:  # a second gradient in the window (GA 1, two backwards): the first, left in
+            self.grad[k].copy_(self.landing[k])  # the landing buffer, goes to the fp32 home before it is overwritten
+            self.direct[k] = False
         if first and final:  # GA 1: the gradient is final as it leaves the GPU, so its norm is taken there (as a
             # layer's, landing.py): on the host, the fp32 dot of a 3B model's tied embedding (311 M) took 70-130 ms
             # on the landing thread, and the norm, hence every update of the step, waited for it (H100, 2026-11-27)
@@ -175,13 +191,15 @@ class ResidentParams:
 
     def _land_now(self, k: int, landed, first: bool, final: bool):
         landed.synchronize()
-        if first:
-            self.grad[k].copy_(self.landing[k])
+        self.direct[k] = first and final
+        if first and final:  # GA 1: no fold; the update reads the landing buffer (``grad_of``), its norm taken on the
+            sq = float(self.norm_host[k]) ** 2  # GPU (_send_to_host): the bf16-to-fp32 fold of a 3B model's tied
+            # embedding took 66 ms of the landing thread beside the AdamW thread, and the norm waited for it
         else:
-            self.grad[k].add_(self.landing[k])
-        if first and final:
-            sq = float(self.norm_host[k]) ** 2  # taken on the GPU (_send_to_host)
-        else:
+            if first:
+                self.grad[k].copy_(self.landing[k])
+            else:
+                self.grad[k].add_(self.landing[k])
             sq = float(torch.dot(self.grad[k].view(-1), self.grad[k].view(-1))) if final else None
         if final and self.listener is not None:  # speculative step of this parameter (speculation.py)
             self.listener.final_resident_landing(k, sq)

@@ -299,6 +299,8 @@ class EngineSurface:
                 grad = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         if grad is not None and landing is not None:
             landing.result()  # the host worker has folded the last landing into the buffer (waits for its D2H)
+        if home.layer is None:
+            grad = resident.grad_of(k)  # (GA 1: the landing buffer itself)
         if home.layer is not None:
             grad = self._from_owner(home, grad, slot.shape)  # data parallel: the owner's (mean) gradient
         # GPU-held gradients are accumulated on the compute stream, the current one: this copy is ordered after

@@ -49,9 +49,9 @@ def engine_grads(engine) -> dict[str, torch.Tensor]:
             if slot.trainable and ex.has_grad[i]:
                 out[f"{engine.block_name}.{i}.{slot.name}"] = grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    for p, g, has in zip(res.params, res.grad, res.has_grad):
-        if g is not None and has:
-            out[names[id(p)]] = g.view(p.shape)
+    for k, (p, g, has) in enumerate(zip(res.params, res.grad, res.has_grad)):
+        if g is not None and has:  # (GA 1: the landing buffer itself, resident.grad_of)
+            out[names[id(p)]] = res.grad_of(k).float().view(p.shape)
     return out
 
 
@@ -312,3 +312,26 @@ def test_fused_loss_logits_say_why_they_are_missing():
     plain, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config={**_config(), "megatrain": {"fused_loss": False}})
     out = plain(input_ids=ids, labels=ids)
     assert out.logits.shape == (2, 10, 256)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_two_backwards_in_one_window_sum_the_resident_gradients(tied):
+    """GA 1 with two backward() calls before step(): a resident parameter's first gradient, left in its landing
+    buffer (resident.grad_of), goes to the fp32 home before the second lands; the step uses the sum, as PyTorch."""
+    model = tiny_hf("qwen2", tied=tied, layers=2)
+    ref = copy.deepcopy(model).to(DEVICE)
+    engine, *_ = megatrain_ds.initialize(model=model, config=_config())
+    a, b = _batches(n=2)
+    for ids in (a, b):
+        ref(input_ids=ids.to(DEVICE), labels=ids.to(DEVICE)).loss.backward()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+    grads = engine_grads(engine)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    resident = [names[id(p)] for p in engine.resident.params]
+    floor = 0.01 * float(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]).norm())
+    for name, p in ref.named_parameters():
+        if name in resident:
+            _close(grads[name], p.grad, f"grad of {name}", floor)
+    assert not any(engine.resident.direct)  # folded: two gradients
+    engine.step()
+    engine.destroy()
