@@ -29,6 +29,11 @@ phase=${1:?phase}; out=${2:?outdir}; model=qwen2.5-3b
 source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 
+placed() {  # placed <phase>: what "auto" placed in each megatrain run of the phase (engine_auto.py)
+  python3 -c "import glob, json; [print(f, json.load(open(f))['results'][0]['settings'].get('auto_placed')) \
+      for f in sorted(glob.glob('$out/$1_*.json')) if 'megatrain' in f or 'defaults' in f]" | tee -a "$log"
+}
+
 small10g_call() {  # small10g_call <limit_s> <tag> <h2h args...>: issue 26's consumer-GPU row (10 GiB of GPU free,
   # 8K tokens/step, clip 1.0, 2 warm-up + 4 measured steps) for the system and options given
   local limit=$1 tag=$2; shift 2
@@ -188,13 +193,24 @@ case $phase in
         h2h_call 100 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 3 --steps 4
         h2h_call 100 hostonly_clip1e9_wire --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 \
             --warmup 2 --steps 4 --megatrain-options '{"stream_fp32_master": false}'
-        python3 -c "import glob, json; [print(f, json.load(open(f))['results'][0].get('auto_placed'), \
-            json.load(open(f))['results'][0].get('kept_layers')) for f in sorted(glob.glob('$out/auto27a_*.json'))]" \
-            | tee -a "$log" ;;
+        placed auto27a ;;
   auto27b)  # auto27a's machine, still warm: the host-only rows and ZeRO-3 at clip 1.0
         h2h_call 90 hostonly_clip1 --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 90 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
             --steps 4
         h2h_call 250 zero3_clip1 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  final27a)  # this session's final tree, one lease (final27b/c follow on the same machine): host-only and defaults at
+             # clip 1.0 and 1e9, whole-on-GPU at clip 1.0
+        h2h_call 150 hostonly_clip1 --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 90 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
+            --steps 4
+        h2h_call 100 defaults_clip1 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 3 --steps 4
+        h2h_call 100 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 3 --steps 4
+        h2h_call 100 resident_clip1 --systems resident --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        placed final27a ;;
+  final27b)  # ZeRO-3 at clip 1.0: all optimizer state offloaded, and with the defaults' GPU share (F, offload ratio 1-F)
+        h2h_call 250 zero3_clip1 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 280 zero3_clip1_gpu${ZERO3_F:-0.67} --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 \
+            --steps 4 --gpu-optimizer-fraction ${ZERO3_F:-0.67} ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

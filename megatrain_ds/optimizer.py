@@ -299,7 +299,8 @@ class HostAdamW(torch.optim.Optimizer):
         if sq is None or not math.isfinite(sq):
             spec.stopped = True  # the step will be skipped (or this layer's norm is unknown): stop here
             return
-        self.parts.opt_worker.submit(self._speculative_update, i, spec)
+        spec.pending.append(i)  # taken newest first ([Note: newest landing first]), but on the NVMe tier (its read-ahead
+        self.parts.opt_worker.submit(self._speculate_next, spec, self.parts.store.tier is None)  # is in landing order)
 
     def final_resident_landing(self, k: int, sq) -> None:
         """After resident parameter k's gradient landed (after the backward): queue its update now, so the update
@@ -321,6 +322,11 @@ class HostAdamW(torch.optim.Optimizer):
         with self.parts.timer.host_span("speculative_s") as span, _range(f"speculate.L{i}"):
             span["updated_params"] = self._update_layer(i, spec.hp, spec.coef)
         spec.done.append(i)
+
+    def _speculate_next(self, spec: Speculation, newest: bool) -> None:
+        """AdamW thread: the speculative update of the newest (else the oldest) landing not yet taken (a task each)."""
+        if spec.pending:
+            self._speculative_update(spec.pending.pop(-1 if newest else 0), spec)
 
     def _unspeculate(self, i: int, spec: Speculation) -> None:
         if i in spec.done:

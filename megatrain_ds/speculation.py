@@ -25,6 +25,14 @@ host AdamW of a 3B step, ~0.8 s, outlasts a backward without recompute). When th
 
 A step that clipped, skipped or rolled back turns speculation off for the next ``speculation_backoff`` steps
 (early training clips every step: then the optimizer runs exactly as without speculation).
+
+[Note: newest landing first] The AdamW thread is slower than the backward lands gradients (3B at 16K on one H100: a
+layer's update ~15-18 ms beside the backward's copies, a layer's landing every ~11-15 ms), so a backlog grows. Taken
+oldest first, the backlog at the norm is the last layers to land: layers 0, 1, 2, ..., the first the next forward needs,
+each then waiting for its update. Taken newest first (each speculative task pops the most recent landing), the layers
+left at the norm are spread over the model, and the plain updates after the norm (forward order) finish each one before
+the forward reaches it. The values are the same either way (each layer's update is independent). Not on the NVMe tier,
+whose read-ahead expects the landing order.
 """
 from __future__ import annotations
 
@@ -60,6 +68,8 @@ class Speculation:
     resident_done: list[int] = field(default_factory=list)  # resident parameters stepped (embeddings, head)
     # the landing thread's own (the listener calls)
     landed: set[int] = field(default_factory=set)  # layers whose final gradient has landed
+    pending: list[int] = field(default_factory=list)  # landed, not yet taken by a speculative update: the AdamW thread
+    # takes the newest first ([Note: newest landing first]); appended by the landing thread, popped by the AdamW thread
     stale: set[int] = field(default_factory=set)  # stepped, then another gradient landed for them
     resident_landed: set[int] = field(default_factory=set)
     # flags the AdamW thread reads before each speculative update

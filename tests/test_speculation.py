@@ -129,3 +129,42 @@ def test_forward_between_backward_and_step_sees_the_pre_step_weights():
     assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     for k in finals[0]:
         assert (finals[0][k] - finals[1][k]).norm() <= 1e-5 * finals[1][k].norm(), k
+
+
+def test_a_backlog_of_landings_is_taken_newest_first(monkeypatch):
+    """[Note: newest landing first]: with the AdamW thread behind the landings (held from the first landing of a step
+    until every layer has landed), the waiting layers are taken most recent landing first (layer 0 first), not in
+    landing order; the run stays bit-identical to one without speculation."""
+    import threading
+
+    from megatrain_ds.optimizer import HostAdamW
+    real, order, landed_all = HostAdamW._speculative_update, [], threading.Event()
+    real_final = HostAdamW.final_landing
+
+    def spy(self, i, spec):
+        order.append(i)
+        return real(self, i, spec)
+
+    def final(self, i, sq):
+        if i == 3:  # the first landing: the AdamW thread waits, behind its earlier tasks, until layer 0 has landed
+            self.parts.opt_worker.submit(landed_all.wait, 10)
+        real_final(self, i, sq)
+        if i == 0:
+            landed_all.set()
+    batches = _batches(4)
+    runs = []
+    for speculate in (True, False):
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4),
+                                             config=_config(1e9, speculative_step=speculate))
+        for step, ids in enumerate(batches):
+            if speculate and step == 3:  # a step that speculates (not the first)
+                monkeypatch.setattr(HostAdamW, "_speculative_update", spy)
+                monkeypatch.setattr(HostAdamW, "final_landing", final)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        monkeypatch.undo()
+        runs.append((engine.master_state_dict(), engine.store.exp_avg.clone()))
+        engine.destroy()
+    assert order == [0, 1, 2, 3]  # newest first (landing order: 3, 2, 1, 0)
+    (a, ma), (b, mb) = runs
+    assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(ma, mb)
