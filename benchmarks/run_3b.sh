@@ -212,5 +212,12 @@ case $phase in
         h2h_call 250 zero3_clip1 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 280 zero3_clip1_gpu${ZERO3_F:-0.67} --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 \
             --steps 4 --gpu-optimizer-fraction ${ZERO3_F:-0.67} ;;
+  ab27)  # host-only 16K clip 1.0 on the tree before this session (BEFORE=dir, as same28) and on this one, on one warm
+         # machine, then the GPU-marked tests
+        before=${BEFORE:?BEFORE: the tree before the change}; root=$PWD
+        (cd "$before" && export PYTHONPATH="$root/.site:$PWD" && h2h_call 95 before --systems megatrain --host-only \
+            --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4)
+        h2h_call 95 after --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        timeout 240 python3 -m pytest -q -m gpu tests 2>&1 | tail -n 8 | tee -a "$log" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
