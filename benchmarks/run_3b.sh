@@ -219,5 +219,9 @@ case $phase in
             --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4)
         h2h_call 95 after --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         timeout 240 python3 -m pytest -q -m gpu tests 2>&1 | tail -n 8 | tee -a "$log" ;;
+  small27)  # the 10 GiB row with the placement made from the measured exposure: defaults against host-only
+        small10g_call 200 hostonly --systems megatrain --host-only
+        small10g_call 150 defaults --systems megatrain
+        placed small27 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
