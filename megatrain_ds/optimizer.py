@@ -93,7 +93,7 @@ from .host_update import (PHASE_MOMENTS, PHASE_WEIGHTS, PHASE_WHOLE, can_defer, 
                           update_tensor)
 from .loss_scale import SKIP_MESSAGE, LossScaleAtMinimumError
 from .resident import ResidentParams
-from .speculation import Speculation, SpeculationPolicy, adamw_undo, same_hyperparameters
+from .speculation import Speculation, SpeculationPolicy, adamw_undo, await_decision, same_hyperparameters
 from .timing import traced
 
 if TYPE_CHECKING:
@@ -587,8 +587,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _resident_task(self, has, decided: Future, backward_done, spec: Speculation | None = None):
         """AdamW thread: the resident parameters' update. Returns the opt-stream event after it when their state is
-        GPU-held (``ResidentParams.upload`` waits for it), else None."""
-        decision = decided.result()
+        GPU-held, else None. The head of the step's tasks: it steps landings until the norm (await_decision)."""
+        decision = await_decision(decided, spec, lambda s: self._speculate_next(s, self.parts.store.tier is None))
         if spec is not None and spec.resident_done:  # stepped after the backward: keep them, or undo them
             if decision.commit:  # (the plain update below then redoes them, unless the step is skipped)
                 has = [h and k not in spec.resident_done for k, h in enumerate(has)]

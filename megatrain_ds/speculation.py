@@ -33,11 +33,19 @@ each then waiting for its update. Taken newest first (each speculative task pops
 left at the norm are spread over the model, and the plain updates after the norm (forward order) finish each one before
 the forward reaches it. The values are the same either way (each layer's update is independent). Not on the NVMe tier,
 whose read-ahead expects the landing order.
+
+The step's tasks are queued when ``step()`` is called, which on a GPU comes before the backward's last landings (the
+backward returns once its kernels are queued): the speculative tasks of those landings queue behind the step's, whose
+first (the resident update) waits for the norm. So that first task goes on taking landings until the norm is known
+(``await_decision``); the tasks queued behind find nothing left. Seen on an H100 timeline before this: the AdamW thread
+waited for the norm with layers landed and not stepped, their tasks run after the step's plain updates.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +104,17 @@ class SpeculationPolicy:
 
     def record(self, clipped_or_skipped: bool, rolled_back: bool) -> None:
         self.recent.append(clipped_or_skipped or rolled_back)
+
+
+def await_decision(decided: Future, spec: Speculation | None, step_one):
+    """AdamW thread, at the head of a step's tasks: ``decided.result()``, taking meanwhile the landings of the step's
+    still-open speculation (``step_one(spec)`` takes one) ([Note: newest landing first])."""
+    while spec is not None and not decided.done():
+        if spec.pending and not spec.closed:
+            step_one(spec)
+        else:
+            wait_futures([decided], timeout=0.002)  # a landing, or the norm
+    return decided.result()
 
 
 def same_hyperparameters(a: list[dict], b: list[dict]) -> bool:

@@ -168,3 +168,44 @@ def test_a_backlog_of_landings_is_taken_newest_first(monkeypatch):
     assert order == [0, 1, 2, 3]  # newest first (landing order: 3, 2, 1, 0)
     (a, ma), (b, mb) = runs
     assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(ma, mb)
+
+
+def test_landings_after_step_are_still_stepped_before_the_norm(monkeypatch):
+    """[Note: newest landing first]: on a GPU step() queues the step's tasks before the backward's last landings; their
+    speculative tasks queue behind the step's first task, which waits for the norm. Here the last two landings are held
+    50 ms past step(): layer 1 is still stepped during that wait (await_decision), and the run stays bit-identical to
+    one without speculation."""
+    import time
+
+    from megatrain_ds.landing import GradientLanding
+    real_land = GradientLanding._land
+    held = {"on": False}
+
+    def late(self, i, *args, **kwargs):
+        if held["on"] and i <= 1:
+            time.sleep(0.05 * (2 - i))  # layer 1 after 50 ms, layer 0 after 100 ms: both after step() was queued
+        return real_land(self, i, *args, **kwargs)
+    monkeypatch.setattr(GradientLanding, "_land", late)
+    from megatrain_ds.optimizer import HostAdamW
+    real_close, done = HostAdamW._close_task, []
+
+    def close(self, decided, spec):  # the step's last task: which layers the speculation stepped
+        if held["on"] and spec is not None:
+            done.extend(spec.done)
+        return real_close(self, decided, spec)
+    monkeypatch.setattr(HostAdamW, "_close_task", close)
+    batches, runs = _batches(4), []
+    for speculate in (True, False):
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4),
+                                             config=_config(1e9, speculative_step=speculate))
+        for step, ids in enumerate(batches):
+            held["on"] = speculate and step == 3
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+            engine.synchronize()
+        held["on"] = False
+        runs.append((engine.master_state_dict(), engine.store.exp_avg.clone()))
+        engine.destroy()
+    assert 1 in done, done  # landed after step() was queued, stepped before the norm
+    (a, ma), (b, mb) = runs
+    assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(ma, mb)
