@@ -132,41 +132,48 @@ def test_forward_between_backward_and_step_sees_the_pre_step_weights():
 
 
 def test_a_backlog_of_landings_is_taken_newest_first(monkeypatch):
-    """[Note: newest landing first]: with the AdamW thread behind the landings (held from the first landing of a step
+    """[Note: newest landing first]: with the AdamW thread behind the landings (held from before a step's backward
     until every layer has landed), the waiting layers are taken most recent landing first (layer 0 first), not in
     landing order; the run stays bit-identical to one without speculation."""
     import threading
 
     from megatrain_ds.optimizer import HostAdamW
-    real, order, landed_all = HostAdamW._speculative_update, [], threading.Event()
-    real_final = HostAdamW.final_landing
+    real, real_final = HostAdamW._speculative_update, HostAdamW.final_landing
 
-    def spy(self, i, spec):
-        order.append(i)
-        return real(self, i, spec)
+    def run(speculate: bool):
+        order, landed_all, this = [], threading.Event(), {}
 
-    def final(self, i, sq):
-        if i == 3:  # the first landing: the AdamW thread waits, behind its earlier tasks, until layer 0 has landed
-            self.parts.opt_worker.submit(landed_all.wait, 10)
-        real_final(self, i, sq)
-        if i == 0:
-            landed_all.set()
-    batches = _batches(4)
-    runs = []
-    for speculate in (True, False):
+        def spy(self, i, spec):
+            if spec is this.get("spec"):  # (the previous step's tasks may still run, skipping: not these)
+                order.append(i)
+            return real(self, i, spec)
+
+        def final(self, i, sq):
+            this.setdefault("spec", self._landing_spec)
+            real_final(self, i, sq)
+            if i == 0:
+                landed_all.set()
         engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4),
                                              config=_config(1e9, speculative_step=speculate))
-        for step, ids in enumerate(batches):
-            if speculate and step == 3:  # a step that speculates (not the first)
+        for step, ids in enumerate(_batches(4)):
+            loss = engine(input_ids=ids, labels=ids).loss
+            if speculate and step == 3:  # a step that speculates (not the first): the AdamW thread waits, ahead of
+                # every task of this backward and step, until layer 0 has landed
                 monkeypatch.setattr(HostAdamW, "_speculative_update", spy)
                 monkeypatch.setattr(HostAdamW, "final_landing", final)
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.optimizer.parts.opt_worker.submit(landed_all.wait, 10)
+            engine.backward(loss)
             engine.step()
         monkeypatch.undo()
-        runs.append((engine.master_state_dict(), engine.store.exp_avg.clone()))
+        out = engine.master_state_dict(), engine.store.exp_avg.clone()
         engine.destroy()
-    assert order == [0, 1, 2, 3]  # newest first (landing order: 3, 2, 1, 0)
-    (a, ma), (b, mb) = runs
+        return order, out
+    for _ in range(3):  # (rarely the tasks of this step take fewer than two: the scenario is run again)
+        order, (a, ma) = run(True)
+        if len(order) >= 2:
+            break
+    assert order[:2] == [0, 1] and order == sorted(order)  # newest first (landing order: 3, 2, 1, 0)
+    _, (b, mb) = run(False)
     assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(ma, mb)
 
 
