@@ -9,12 +9,16 @@ work=$(mktemp -d)
 log="$out/$phase.log"
 trap 'rm -rf "$work"' EXIT
 
+unplace() {  # the machine's paths out of what is kept: the scratch folder as $WORK, the output folder as $OUT
+  sed -e "s#$work#\$WORK#g" -e "s#$out#\$OUT#g" -e "s#$PWD/#./#g"
+}
+
 h2h_call() {  # h2h_call <limit_s> <tag> <h2h args...>: OUTDIR/<phase>_<tag>.json is that call's results.json
   local limit=$1 tag=$2; shift 2
   echo "== $tag: h2h --model $model $* (limit ${limit}s)" | tee -a "$log"
   timeout --signal=INT --kill-after=20 "$limit" python3 -m benchmarks.h2h --model "$model" --out "$work/$tag" "$@" \
-    2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | tee -a "$log"
+    2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | unplace | tee -a "$log"
   # h2h rewrites results.json after every run, so a call cut off by its limit still leaves what it measured
-  [ -f "$work/$tag/results.json" ] && cp "$work/$tag/results.json" "$out/${phase}_$tag.json"
+  [ -f "$work/$tag/results.json" ] && unplace < "$work/$tag/results.json" > "$out/${phase}_$tag.json"
   return 0
 }

@@ -104,6 +104,13 @@ def timeline_gaps(rows: list[tuple], min_gap_s: float) -> list[dict]:
     return gaps
 
 
+def _command_line(argv: list[str], args) -> str:
+    """The command's arguments as recorded with its results: the output and trace paths (this machine's) as OUT and
+    TRACE."""
+    places = {args.out: "OUT", **({args.trace: "TRACE"} if args.trace else {})}
+    return " ".join(places.get(a, a) for a in argv)
+
+
 def _timeline_run(engine, step, batches, args) -> int:
     from megatrain_ds.timing import start_timeline, take_timeline
     start_timeline()
@@ -128,7 +135,7 @@ def _timeline_run(engine, step, batches, args) -> int:
     breakdown = engine.timer.format(engine.last_step_breakdown())
     text = f"last step: {breakdown}\n\n" + "\n".join(lines)
     with open(os.path.join(args.out, "gaps.md"), "w") as f:
-        f.write(f"{' '.join(sys.argv[1:])}\n\n{text}\n")
+        f.write(f"{_command_line(sys.argv[1:], args)}\n\n{text}\n")
     print(text)
     engine.destroy()
     return 0
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         write_ranges(events, gaps, totals.get("t0_us", 0.0), os.path.join(args.out, "ranges.csv"))
     breakdown = engine.timer.format(engine.last_step_breakdown())
     with open(os.path.join(args.out, "gaps.md"), "w") as f:
-        f.write(f"{' '.join(sys.argv[1:] if argv is None else argv)}\n\nlast step: {breakdown}\n\n{table}\n")
+        f.write(f"{_command_line(sys.argv[1:] if argv is None else argv, args)}\n\nlast step: {breakdown}\n\n{table}\n")
     print(f"last step: {breakdown}\n{table}")
     engine.destroy()
     return 0

@@ -64,3 +64,12 @@ def test_traced_ranges_are_recorded_from_every_thread_only_while_a_timeline_is_o
 def _in_thread(traced):
     with traced("megatrain.worker"):
         pass
+
+
+def test_the_recorded_command_names_no_machine_path():
+    from argparse import Namespace
+
+    from benchmarks.trace_gaps import _command_line
+    argv = ["--model", "qwen2.5-3b", "--out", "/root/out/r/x", "--trace", "/tmp/t.json", "--steps", "3"]
+    assert _command_line(argv, Namespace(out="/root/out/r/x", trace="/tmp/t.json")) == \
+        "--model qwen2.5-3b --out OUT --trace TRACE --steps 3"
