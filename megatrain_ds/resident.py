@@ -155,9 +155,8 @@ class ResidentParams:
         st = self.streams
         if self.sq_norm[k] is not None:
             self.sq_norm[k].result()  # the landing buffer is free once the previous landing ran
-        if not first and self.direct[k]:  # a second gradient in the window (GA 1, two backwards): the first, left in
-            self.grad[k].copy_(self.landing[k])  # the landing buffer, goes to the fp32 home before it is overwritten
-            self.direct[k] = False
+        if not first:  # a second gradient in the window (GA 1, two backwards): the first, if left in the landing
+            self.grad_of(k, fp32=True)  # buffer, goes to the fp32 home before that buffer is overwritten
         if first and final:  # GA 1: the gradient is final as it leaves the GPU, so its norm is taken there (as a
             # layer's, landing.py): on the host, the fp32 dot of a 3B model's tied embedding (311 M) took 70-130 ms
             # on the landing thread, and the norm, hence every update of the step, waited for it (H100, 2026-11-27)

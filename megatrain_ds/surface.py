@@ -301,7 +301,7 @@ class EngineSurface:
             landing.result()  # the host worker has folded the last landing into the buffer (waits for its D2H)
         if home.layer is None:
             grad = resident.grad_of(k)  # (GA 1: the landing buffer itself)
-        if home.layer is not None:
+        else:
             grad = self._from_owner(home, grad, slot.shape)  # data parallel: the owner's (mean) gradient
         # GPU-held gradients are accumulated on the compute stream, the current one: this copy is ordered after
         out = grad.to(self.device, torch.float32, copy=True)
