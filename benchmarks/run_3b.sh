@@ -223,5 +223,21 @@ case $phase in
         small10g_call 200 hostonly --systems megatrain --host-only
         small10g_call 150 defaults --systems megatrain
         placed small27 ;;
+  final28a)  # session 16's tree, one lease (final28b/c follow on the same machine): host-only at clip 1.0 and 1e9,
+             # ZeRO-3 (all optimizer state offloaded) at clip 1.0
+        h2h_call 150 hostonly_clip1 --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+        h2h_call 90 hostonly_clip1e9 --systems megatrain --host-only --clip 1e9 --tokens-per-step 16384 --warmup 2 \
+            --steps 4
+        h2h_call 250 zero3_clip1 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ;;
+  final28b)  # the host-only timelines at clip 1e9 and 1.0 (trace27), then the host's memory rates the floors use: the
+             # native update of one 3B layer (85 M) in one pass and in two, alone and beside a 1 GiB H2D loop
+        bash benchmarks/run_3b.sh trace27 "$out" > /dev/null 2>&1
+        grep -h "^last step" "$out"/trace27_*/gaps.md | tee -a "$log"
+        timeout 150 python3 -m benchmarks.host_update_bench --phases --engine-buffers --h2d-load --params 85e6 \
+            --repeats 5 2>&1 | grep -v -i warn | tail -n 12 | tee -a "$log" ;;
+  final28c)  # the defaults at clip 1.0 and 1e9 on final28a's machine
+        h2h_call 150 defaults_clip1 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 3 --steps 4
+        h2h_call 100 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 3 --steps 4
+        placed final28c ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
