@@ -147,8 +147,7 @@ class MegatrainSettings:
             raise ConfigError(f"megatrain.speculation_backoff must be a step count >= 0, got "
                               f"{self.speculation_backoff!r}")
         if not isinstance(self.embedding_rows_first, bool):
-            raise ConfigError("megatrain.embedding_rows_first must be true or false, got "
-                              f"{self.embedding_rows_first!r}")
+            raise ConfigError(f"megatrain.embedding_rows_first must be true or false, got {self.embedding_rows_first!r}")
         n = self.gpu_optimizer_layers
         if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= -1)):
             raise ConfigError(f"megatrain.gpu_optimizer_layers must be a layer count >= 0, -1 (from "

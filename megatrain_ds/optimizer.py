@@ -477,15 +477,16 @@ class HostAdamW(torch.optim.Optimizer):
         decided = parts.worker.submit(self._norm_task, layer_sq, res_sq, layer_has, res_has, scale, float(clip), hp,
                                       spec, step_count)
         self._decision, self._decision_spec = decided, spec
-        # FIFO order of the AdamW thread: the resident parameters first (the embedding is used first; held on the GPU,
-        # its update heads the opt stream; rows first: last), the GPU-held layers, the host layers in forward order.
+        # FIFO order of the AdamW thread: the resident parameters first (the embedding is used first; held on the
+        # GPU, its update also heads the opt stream), then the GPU-held layers (they only launch kernels), then
+        # the host layers in forward order.
         n = len(store.layouts)
         on_device = [i for i in range(n) if ex.device_state is not None and ex.device_state.owns(i)]
         host = [i for i in range(n) if i not in set(on_device)]
         defer = parts.defer_moments and (spec is None or parts.defer_when_speculating)
         resident = lambda: self._resident_task(res_has, decided, ex.backward_done, spec)  # noqa: E731
         if res.rows_first:  # its update after the layers' ([Note: embedding rows first]); this heads the step
-            parts.opt_worker.submit(lambda: res.serve_rows(await_decision(decided, spec, self._stepper)))
+            parts.opt_worker.submit(await_decision, decided, spec, self._stepper)
         else:
             res.rewrite(parts.opt_worker.submit(resident), decided)
         for i in on_device:
@@ -586,10 +587,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _resident_task(self, has, decided: Future, backward_done, spec: Speculation | None = None):
         """AdamW thread: the resident parameters' update. Returns the opt-stream event after it when their state is
-        GPU-held, else None. The head of the step's tasks (after the layers' with rows first): it steps landings until
-        the norm (await_decision)."""
+        GPU-held, else None. The head of the step's tasks: it steps landings until the norm (await_decision)."""
         decision = await_decision(decided, spec, self._stepper)
-        self.parts.resident.serve_rows(decision)  # (rows first: asked before the layers were done; resident.py)
         if spec is not None and spec.resident_done:  # stepped after the backward: keep them, or undo them
             if decision.commit:  # (the plain update below then redoes them, unless the step is skipped)
                 has = [h and k not in spec.resident_done for k, h in enumerate(has)]
@@ -636,7 +635,6 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _layer_task(self, i: int, decided: Future, spec: Speculation | None = None, defer: bool = True):
         decision = decided.result()
-        self.parts.resident.serve_rows(decision)  # the next forward's embedding rows, if it asked since the last task
         if spec is not None and i in spec.done:  # final: the norm task ran after every landing
             return self._settle(i, decision, spec)
         if decision.skip:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -26,18 +25,14 @@ from .timing import traced
 # norm) is needed only after the last layer. So, when the input embedding is an ``nn.Embedding`` (no ``max_norm``)
 # with host state:
 # - the optimizer queues the resident update after the layers' (the step's first task only awaits the norm);
-# - the embedding's forward pre-hook (``upload(module, args)``) asks for the rows its ids name (``request_rows``); the
-#   AdamW thread serves the request first thing after the norm, or between two layers' updates (``serve_rows``):
-#   copies of those rows' state, updated with the same kernel call as the whole update, on the thread (and so the
-#   OpenMP team) that runs it -- on the main thread, pinned to its one core, the kernel took longer than the whole
-#   update it was to spare (H100 box, 2026-11-27); the hook copies the updated rows into the device table;
+# - the embedding's forward pre-hook (``upload(module, args)``) takes the norm's decision, updates copies of the rows
+#   its ids name with the same kernel call as the whole update, and copies those rows into the device table;
 # - any other resident module's pre-hook (final norm, head), and the fused loss before the head, wait for the whole
 #   update and upload the whole table, as before (its rows of the batch come out the same: the kernel is elementwise;
 #   test_resident_rows checks bit for bit against the update in one piece).
 # An update of the resident state already under way (a speculative one, or the AdamW thread reached the plain one
-# first) marks ``touched`` under ``lock`` and answers a pending request with None; a request is only posted while
-# not touched, and the hook also stops waiting when the resident update is done: the rows are either all from before
-# any write of this step's update, or not used (the plain upload then runs).
+# first) marks ``touched`` under ``lock``; the rows are gathered under the same lock, so they are either all
+# before any update of this step or not used (the plain upload then runs).
 
 
 class ResidentParams:
@@ -111,7 +106,6 @@ class ResidentParams:
         self.decided: Future | None = None
         self.lock = threading.Lock()
         self.touched = False  # the resident state was written since the last whole upload (under ``lock``)
-        self.rows_request: tuple[torch.Tensor, Future] | None = None  # (rows, their new values) (under ``lock``)
         self.rows_done = False  # main thread: this forward's rows are on the device, the rest not yet
         self.table_read = None  # main thread: the compute event after the lookup that read those rows
         self.rows_uploads = 0  # forwards that started on rows first (tests; the log)
@@ -154,42 +148,9 @@ class ResidentParams:
         return self.rows_module is not None and not self.on_device and self.grad[self.rows_k] is not None
 
     def touch(self) -> None:
-        """AdamW thread, before it writes resident state (and at the start of the step's resident task): no rows of
-        this step are served from now on ([Note: embedding rows first])."""
+        """AdamW thread, before it writes resident state: a rows-first upload no longer gathers this step's rows."""
         with self.lock:
             self.touched = True
-            request, self.rows_request = self.rows_request, None
-        if request is not None:
-            request[1].set_result(None)
-
-    def request_rows(self, rows: torch.Tensor) -> Future | None:
-        """Main thread: ask the AdamW thread for the updated values of the embedding's ``rows`` (None: too late)."""
-        with self.lock:
-            if self.touched:
-                return None
-            self.rows_request = (rows, Future())
-            return self.rows_request[1]
-
-    def serve_rows(self, decision) -> None:
-        """AdamW thread, after the norm, before its next write of any state: a pending rows request answered with
-        the rows' new values in the compute dtype (updated copies of their state; None for a skipped step)."""
-        with self.lock:
-            request, self.rows_request = self.rows_request, None
-        if request is None:
-            return
-        rows, answer = request
-        if decision.skip:
-            answer.set_result(None)
-            return
-        k, p = self.rows_k, self.params[self.rows_k]
-        adam_w_mode, kernel = self.kernel
-        with traced("megatrain.resident_rows"):
-            master, m, v = (t.index_select(0, rows) for t in (self.master[k], self.exp_avg[k], self.exp_avg_sq[k]))
-            grad = (self.landing[k] if self.direct[k] else self.grad[k]).index_select(0, rows)
-            wire = torch.empty(master.shape, dtype=p.dtype, pin_memory=self.device.type == "cuda")
-            update_tensor(master, grad.float() if kernel != "native" else grad, m, v,
-                          decision.hp[self.group_of.get(id(p), 0)], decision.coef, adam_w_mode, wire, kernel)
-        answer.set_result(wire)
 
     def update_one(self, k: int, hp: list[dict], coef: float) -> int:
         """Resident parameter k's update (AdamW thread): host, one native pass that writes the wire too; GPU-held,
@@ -341,25 +302,24 @@ class ResidentParams:
             self.touched = False
 
     def _upload_rows(self, args) -> bool:
-        """The embedding's rows that ``args[0]`` looks up, updated by the AdamW thread from copies of their state, put
-        in the device table; False (nothing done) where that does not apply ([Note: embedding rows first])."""
+        """The embedding's rows that ``args[0]`` looks up, updated now from copies of their state and put in the
+        device table; False (nothing done) where that does not apply ([Note: embedding rows first])."""
         ids = args[0] if args else None
-        if not torch.is_tensor(ids) or ids.is_floating_point():
-            return False
-        rows = torch.unique(ids.reshape(-1)).cpu()
-        answer = self.request_rows(rows)
-        if answer is None:
-            return False
-        with traced("megatrain.wait_resident_rows"):
-            wait_futures([answer, self.update], return_when=FIRST_COMPLETED)
-        with self.lock:
-            if not answer.done():  # the whole update ran without serving it (nothing to update: no touch)
-                self.rows_request = None
-                return False
-        wire = answer.result()
-        if wire is None:
+        decision = self.decided.result() if self.decided is not None else None  # the norm (the forward waits anyway)
+        if not torch.is_tensor(ids) or ids.is_floating_point() or decision is None or decision.skip:
             return False
         k, p = self.rows_k, self.params[self.rows_k]
+        rows = torch.unique(ids.reshape(-1)).cpu()
+        with self.lock:  # either before any write of this step's update, or not at all
+            if self.touched:
+                return False
+            state = [t.index_select(0, rows) for t in (self.master[k], self.exp_avg[k], self.exp_avg_sq[k])]
+            grad = (self.landing[k] if self.direct[k] else self.grad[k]).index_select(0, rows)
+        adam_w_mode, kernel = self.kernel
+        wire = torch.empty(state[0].shape, dtype=p.dtype, pin_memory=self.device.type == "cuda")
+        with traced("megatrain.resident_rows"):
+            update_tensor(state[0], grad.float() if kernel != "native" else grad, state[1], state[2],
+                          decision.hp[self.group_of.get(id(p), 0)], decision.coef, adam_w_mode, wire, kernel)
         st = self.streams
         st.wait(st.h2d, st.record(st.compute()))  # (as ``upload``: no kernel queued so far still reads the table)
         with st.on(st.h2d):

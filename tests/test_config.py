@@ -178,10 +178,8 @@ def test_steps_per_print_and_wall_clock_breakdown(capsys):
     # the host update's rate (issue 26): the trainable parameters (streamed layers' and resident ones: embeddings,
     # final norm, head) per second of updating them. A step's window runs from one forward to the next, and a forward
     # waits only for its own layer's update, so a window holds whole layers' updates, each with its own time, from
-    # this step or the one before (on a loaded machine, none), and whole resident updates (one span each; with the
-    # embedding's rows first, [Note: embedding rows first], the update is queued after the layers', and a window may
-    # hold two of them or none): step 1's updates are done before forward 3 has run its layers, so windows 1-2 hold
-    # them all.
+    # this step or the one before (on a loaded machine, none), and the resident update (one span) once or not at all:
+    # step 1's updates are done before forward 3 has run its layers, so windows 1-2 hold them all.
     sizes = {layout.n_train for layout in engine.store.layouts}
     assert len(sizes) == 1
     size = sizes.pop()
@@ -190,7 +188,7 @@ def test_steps_per_print_and_wall_clock_breakdown(capsys):
     for b in windows[1:]:
         busy = b["cpu_optimizer_s"] + b["cpu_speculative_optimizer_s"]
         assert any((b["cpu_updated_params"] - j * resident) % size == 0 <= b["cpu_updated_params"] - j * resident
-                   for j in (0, 1, 2))
+                   for j in (0, 1))
         want = b["cpu_updated_params"] / 1e9 / busy if b["cpu_updated_params"] else 0.0
         assert abs(b["cpu_optimizer_gparam_s"] - want) < 1e-9
     assert sum(b["cpu_updated_params"] for b in windows[1:3]) >= size * len(engine.store.layouts) + resident

@@ -22,9 +22,10 @@ def _batches(n: int):
 
 
 def _held_run(kernel: str, extra: dict | None = None):
-    """5 steps, the AdamW thread held from before each step until the next forward has asked for its embedding rows,
-    so it serves them before any update of the step. Returns the losses, whether each lookup (steps 2-5) equals the table after that whole update, and the
-    reference run's losses (the whole update before every forward)."""
+    """5 steps, the AdamW thread held from before each step until the embedding has run, so the rows path must serve
+    the lookup (the resident update, queued after the layers', cannot have run). Returns the losses, whether each
+    lookup (steps 2-5) equals the table after that whole update, and the reference run's losses (the whole update
+    before every forward)."""
     cfg = _config(True, kernel, False)
     cfg["megatrain"].update(extra or {})
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("qwen2", seed=1), config=cfg)
@@ -32,14 +33,11 @@ def _held_run(kernel: str, extra: dict | None = None):
     emb = engine.module.get_input_embeddings()
     assert res.rows_first and res.rows_module is emb
     looked_up, gate = [], threading.Event()
-    ask = res.request_rows
 
-    def ask_then_release(rows):
-        answer = ask(rows)
-        gate.set()  # the AdamW thread may go on
-        return answer
-    res.request_rows = ask_then_release
-    emb.register_forward_hook(lambda _module, args, out: looked_up.append((args[0], out.detach().clone())))
+    def after_lookup(_module, args, out):
+        looked_up.append((args[0], out.detach().clone()))
+        gate.set()  # the AdamW thread may go on: the layers wait for it
+    emb.register_forward_hook(after_lookup)
     losses, seen = [], []
     try:
         for step, ids in enumerate(_batches(5)):
@@ -48,7 +46,7 @@ def _held_run(kernel: str, extra: dict | None = None):
             engine.backward(loss)
             if step < 4:
                 gate.clear()
-                engine.optimizer.parts.opt_worker.submit(gate.wait, 60)  # the step's tasks queue behind it
+                engine.optimizer.parts.opt_worker.submit(gate.wait, 60)  # holds the AdamW thread until the lookup
             engine.step()
             if step > 0:  # this step's forward looked up rows of the step before's update, now whole on the device
                 ids_seen, out = looked_up[step]
