@@ -31,7 +31,7 @@ free -g | tee -a "$log"
 
 placed() {  # placed <phase>: what "auto" placed in each megatrain run of the phase (engine_auto.py)
   python3 -c "import glob, json; [print(f, json.load(open(f))['results'][0]['settings'].get('auto_placed')) \
-      for f in sorted(glob.glob('$out/$1_*.json')) if 'megatrain' in f or 'defaults' in f]" | unplace | tee -a "$log"
+      for f in sorted(glob.glob('$out/$1_*.json')) if 'megatrain' in f or 'defaults' in f]" | tee -a "$log"
 }
 
 small10g_call() {  # small10g_call <limit_s> <tag> <h2h args...>: issue 26's consumer-GPU row (10 GiB of GPU free,
@@ -239,17 +239,5 @@ case $phase in
         h2h_call 150 defaults_clip1 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 3 --steps 4
         h2h_call 100 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 3 --steps 4
         placed final28c ;;
-  rows28a)  # [Note: embedding rows first]: host-only at clip 1e9 and 1.0 with it (the default) and without, alternating
-        for clip in 1e9 1.0; do
-          h2h_call 120 hostonly_clip${clip}_rows --systems megatrain --host-only --clip $clip --tokens-per-step 16384 \
-              --warmup 2 --steps 4
-          h2h_call 90 hostonly_clip${clip}_whole --systems megatrain --host-only --clip $clip --tokens-per-step 16384 \
-              --warmup 2 --steps 4 --megatrain-options '{"embedding_rows_first": false}'
-        done ;;
-  rows28b)  # rows28a's machine, still warm: ZeRO-3 at clip 1.0, the host-only timeline at clip 1e9, the GPU tests
-        h2h_call 250 zero3_clip1 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
-        CLIPS=1e9 bash benchmarks/run_3b.sh trace27 "$out" > /dev/null 2>&1
-        grep -h "^last step" "$out"/trace27_1e9/gaps.md | tee -a "$log"
-        timeout 150 python3 -m pytest -q -m gpu tests 2>&1 | tail -n 8 | tee -a "$log" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -68,8 +68,6 @@ class MegatrainSettings:
     speculative_step: bool = True  # step each layer's AdamW as its gradient lands (clip coefficient 1), undo +
     # redo when clipping fires or the step is skipped (speculation.py); false: the whole update after the norm
     speculation_backoff: int = 8  # steps without speculation after a step that clipped, skipped or rolled back
-    embedding_rows_first: bool = True  # host-held embedding state: the next forward starts on the rows its batch
-    # looks up, the rest of the resident update after the layers' ([Note: embedding rows first] in resident.py)
     fused_loss: bool = True  # labels= on a causal LM: LM head + cross-entropy in chunks, no whole logits (the
     # output's .logits is None); false runs the model's own forward and returns its logits
     liger_kernels: bool | str = "auto"  # liger-kernel's fused RMSNorm, SwiGLU MLP and RoPE in the decoder layers
@@ -146,8 +144,6 @@ class MegatrainSettings:
                 self.speculation_backoff < 0:
             raise ConfigError(f"megatrain.speculation_backoff must be a step count >= 0, got "
                               f"{self.speculation_backoff!r}")
-        if not isinstance(self.embedding_rows_first, bool):
-            raise ConfigError(f"megatrain.embedding_rows_first must be true or false, got {self.embedding_rows_first!r}")
         n = self.gpu_optimizer_layers
         if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= -1)):
             raise ConfigError(f"megatrain.gpu_optimizer_layers must be a layer count >= 0, -1 (from "

@@ -38,7 +38,6 @@ from .loss_scale import cast_inputs_half
 from .model_map import build_layout, find_block_list, shared_parameter_ids
 from .monitor import Monitor
 from .optimizer import ResidentParams
-from .resident import after_lookup, rows_first_module
 from .recompute_check import RecomputeMismatch
 from .streams import make_streams
 from .surface import EngineSurface, adopt_zero3_model
@@ -115,11 +114,6 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.resident = ResidentParams(resident, group_of, device, dec.compute_dtype, self.streams, pin,
                                        state_on_device=dec.resident_on_device, dp=self.dp)
         self._refresh_hooks = resident_hooks(self, model, resident)
-        if mt.embedding_rows_first:
-            self.resident.rows_module, self.resident.rows_k = rows_first_module(model, resident)
-            if self.resident.rows_module is not None:
-                self._refresh_hooks.append(self.resident.rows_module.register_forward_hook(
-                    lambda *_: after_lookup(self.resident)))
         buffers_to_device(model, layers, device)
         self.module = model
         self._fused = fused_loss_parts(model)
@@ -163,8 +157,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         refuse_empty_sequences(args, kwargs)
         self._check_trained()
         self._settle_speculation()  # a forward between backward() and step() sees the pre-step weights
-        self.resident.upload(deferred=True)  # waits for the last step's resident update, then H2D (see the Note;
-        # or the embedding's rows first, from its hook: [Note: embedding rows first] in resident.py)
+        self.resident.upload()  # waits for the last step's resident update, then H2D (see the Note)
         if self.config_settings.fp16_auto_cast:  # DeepSpeed's fp16.auto_cast: floating positional inputs to half
             args = cast_inputs_half(args)
         args, kwargs = to_device(args, self.device), to_device(kwargs, self.device)

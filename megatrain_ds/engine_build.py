@@ -227,7 +227,7 @@ def resident_hooks(engine, model: nn.Module, resident: list) -> list:
     """The module may be called without the engine (the HF Trainer evaluates ``trainer.model``; generate): a module
     owning resident parameters refreshes their device copies first (a no-op when current). Returns the handles."""
     resident_ids = {id(p) for p in resident}
-    return [module.register_forward_pre_hook(lambda module, args: engine.resident.upload(module, args))
+    return [module.register_forward_pre_hook(lambda _module, _args: engine.resident.upload())
             for module in model.modules() if any(id(p) in resident_ids for p in module.parameters(recurse=False))]
 
 

@@ -70,7 +70,6 @@ def forward_fused_loss(engine, args, kwargs):
     out = decoder(*args, **kwargs)
     hidden = out[0]  # (B, S, h)
     mt = engine.config_settings.megatrain
-    engine.resident.upload()  # the whole head (the hooks of modules that own it did not run: its weight is read here)
     with engine.timer.span("compute", engine.streams.compute()):
         loss = linear_cross_entropy(hidden, head.weight, head.bias, labels, num_items,
                                     chunk_rows=mt.loss_chunk_rows, use_liger=mt.use_liger)

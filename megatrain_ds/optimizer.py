@@ -187,7 +187,6 @@ class HostAdamW(torch.optim.Optimizer):
         # the landing thread tells the speculative step of each final landing ([Note: host threads])
         parts.executor.listen(self)
         parts.resident.listen(self)
-        parts.resident.kernel = (adam_w_mode, self.kernel)  # for its own updates (ResidentParams.update_one)
 
     # --- what the main thread reads of the last step (DeepSpeed's optimizer attributes among them: accelerate's
     # DeepSpeedOptimizerWrapper.step_was_skipped reads ``overflow``, DeepSpeed-Chat and BingBertSquad ``cur_scale``)
@@ -341,12 +340,19 @@ class HostAdamW(torch.optim.Optimizer):
         if res.wire_read is not None:
             res.wire_read.synchronize()  # the last upload has read the wire copy
         with self.parts.timer.host_span("speculative_s") as span, _range(f"speculate.resident{k}"):
-            span["updated_params"] = self.parts.resident.update_one(k, spec.hp, spec.coef)
+            span["updated_params"] = self._update_resident_one(k, spec.hp, spec.coef)
         spec.resident_done.append(k)
 
     def _undo_resident(self, k: int, spec: Speculation) -> None:
+        res = self.parts.resident
+        if res.wire_read is not None:
+            res.wire_read.synchronize()
         with self.parts.timer.host_span("rollback_s"):
-            self.parts.resident.undo_one(k, spec.hp, spec.coef)
+            adamw_undo(res.master[k].view(-1), res.grad_of(k).view(-1), res.exp_avg[k].view(-1),
+                       res.exp_avg_sq[k].view(-1), spec.hp[res.group_of.get(id(res.params[k]), 0)], spec.coef,
+                       self.adam_w_mode)
+            if res.wire[k] is not None:
+                res.wire[k].copy_(res.master[k])
 
     def abandon_speculation(self) -> None:
         """Main thread: the speculated updates must not be seen (a forward, zero_grad, a read of the masters
@@ -484,11 +490,7 @@ class HostAdamW(torch.optim.Optimizer):
         on_device = [i for i in range(n) if ex.device_state is not None and ex.device_state.owns(i)]
         host = [i for i in range(n) if i not in set(on_device)]
         defer = parts.defer_moments and (spec is None or parts.defer_when_speculating)
-        resident = lambda: self._resident_task(res_has, decided, ex.backward_done, spec)  # noqa: E731
-        if res.rows_first:  # its update after the layers' ([Note: embedding rows first]); this heads the step
-            parts.opt_worker.submit(await_decision, decided, spec, self._stepper)
-        else:
-            res.rewrite(parts.opt_worker.submit(resident), decided)
+        res.rewrite(parts.opt_worker.submit(self._resident_task, res_has, decided, ex.backward_done, spec))
         for i in on_device:
             if layer_has[i]:
                 schedule.rewrite(i, parts.opt_worker.submit(self._device_task, i, decided, ex.backward_done))
@@ -497,8 +499,6 @@ class HostAdamW(torch.optim.Optimizer):
                 schedule.rewrite(i, decided)  # (its owner's broadcast, after its update, brings the new bytes)
             elif layer_has[i]:
                 schedule.rewrite(i, parts.opt_worker.submit(self._layer_task, i, decided, spec, defer))
-        if res.rows_first:
-            res.rewrite(parts.opt_worker.submit(resident), decided)
         self._closing = parts.opt_worker.submit(self._close_task, decided, spec)  # after every update task (FIFO)
         if defer:  # [Note: deferred moments]: after the close task (the next step's speculation
             # waits for that one, not for these); last layer first, the order the next backward lands gradients in
@@ -588,7 +588,7 @@ class HostAdamW(torch.optim.Optimizer):
     def _resident_task(self, has, decided: Future, backward_done, spec: Speculation | None = None):
         """AdamW thread: the resident parameters' update. Returns the opt-stream event after it when their state is
         GPU-held, else None. The head of the step's tasks: it steps landings until the norm (await_decision)."""
-        decision = await_decision(decided, spec, self._stepper)
+        decision = await_decision(decided, spec, lambda s: self._speculate_next(s, self.parts.store.tier is None))
         if spec is not None and spec.resident_done:  # stepped after the backward: keep them, or undo them
             if decision.commit:  # (the plain update below then redoes them, unless the step is skipped)
                 has = [h and k not in spec.resident_done for k, h in enumerate(has)]
@@ -609,13 +609,15 @@ class HostAdamW(torch.optim.Optimizer):
             span["updated_params"] = self._update_resident(decision.hp, has, decision.coef)
         return None
 
-    def _stepper(self, spec: Speculation) -> None:  # await_decision's: one landing, newest first off the NVMe tier
-        self._speculate_next(spec, self.parts.store.tier is None)
-
     def _update_resident(self, hp, has, coef: float) -> int:
         """The parameters updated: the breakdown's Gparam/s counts them with their time (3B's tied embedding: 10%)."""
-        res = self.parts.resident
-        return sum(res.update_one(k, hp, coef) for k in range(len(res.params)) if has[k])
+        return sum(self._update_resident_one(k, hp, coef) for k in range(len(self.parts.resident.params)) if has[k])
+
+    def _update_resident_one(self, k: int, hp, coef: float) -> int:
+        res = self.parts.resident  # host: one native pass that writes the wire too; GPU-held: torch's fused kernel
+        update_tensor(res.master[k], res.grad_of(k, fp32=self.kernel != "native"), res.exp_avg[k], res.exp_avg_sq[k],
+                      hp[res.group_of.get(id(res.params[k]), 0)], coef, self.adam_w_mode, res.wire[k], self.kernel)
+        return res.master[k].numel()
 
     def _device_task(self, i: int, decided: Future, backward_done):
         """Launch layer i's update on the GPU, on the opt stream; the cast that reads the device master for the

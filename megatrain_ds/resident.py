@@ -4,35 +4,14 @@ LM head), with their fp32 masters, Adam moments and gradients (host memory, or t
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from torch import nn
 
 from .host_memory import _release_all, host_buffer
-from .host_update import update_tensor
 from .landing import LandingListener
-from .speculation import adamw_undo
 from .timing import traced
-
-# Note [embedding rows first]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# With the resident state on the host, a step's resident update (a 3B model's tied embedding: 311 M parameters, 65 ms
-# on an H100 box's 16 cores) sat between the norm and the next forward's first layer: the forward needs the embedding
-# first. But its lookup reads only the rows of the batch's ids, and the rest of the table (the tied head, the final
-# norm) is needed only after the last layer. So, when the input embedding is an ``nn.Embedding`` (no ``max_norm``)
-# with host state:
-# - the optimizer queues the resident update after the layers' (the step's first task only awaits the norm);
-# - the embedding's forward pre-hook (``upload(module, args)``) takes the norm's decision, updates copies of the rows
-#   its ids name with the same kernel call as the whole update, and copies those rows into the device table;
-# - any other resident module's pre-hook (final norm, head), and the fused loss before the head, wait for the whole
-#   update and upload the whole table, as before (its rows of the batch come out the same: the kernel is elementwise;
-#   test_resident_rows checks bit for bit against the update in one piece).
-# An update of the resident state already under way (a speculative one, or the AdamW thread reached the plain one
-# first) marks ``touched`` under ``lock``; the rows are gathered under the same lock, so they are either all
-# before any update of this step or not used (the plain upload then runs).
 
 
 class ResidentParams:
@@ -98,17 +77,6 @@ class ResidentParams:
         self.wire_read = None
         # Told of each final landing on the landing thread (the speculative step); set once, by ``listen``
         self.listener: LandingListener | None = None
-        # [Note: embedding rows first]: the input embedding module and its index here (``rows_first_module``), the
-        # optimizer's (adam_w_mode, host kernel) for ``update_one``, and the step's decision future (``rewrite``)
-        self.rows_module: nn.Module | None = None
-        self.rows_k = -1
-        self.kernel: tuple[bool, str] = (True, "torch")
-        self.decided: Future | None = None
-        self.lock = threading.Lock()
-        self.touched = False  # the resident state was written since the last whole upload (under ``lock``)
-        self.rows_done = False  # main thread: this forward's rows are on the device, the rest not yet
-        self.table_read = None  # main thread: the compute event after the lookup that read those rows
-        self.rows_uploads = 0  # forwards that started on rows first (tests; the log)
 
     def grad_of(self, k: int, fp32: bool = False) -> torch.Tensor:
         """Resident parameter k's gradient of the last window, after its landing ran: the landing buffer itself (the
@@ -135,31 +103,10 @@ class ResidentParams:
         self.has_grad = [False] * len(self.params)
         self.sq_norm = [None] * len(self.params)
 
-    def rewrite(self, task: Future, decided: Future | None = None) -> None:
-        """Main thread: ``task`` (AdamW thread) updates the resident parameters; the next ``upload`` waits for it.
-        ``decided``: the step's decision, for a rows-first upload ([Note: embedding rows first])."""
-        self.update, self.decided = task, decided
+    def rewrite(self, task: Future) -> None:
+        """Main thread: ``task`` (AdamW thread) updates the resident parameters; the next ``upload`` waits for it."""
+        self.update = task
         self.uploaded = False
-
-    @property
-    def rows_first(self) -> bool:
-        """The next forward may start on the embedding's rows ([Note: embedding rows first]): the optimizer then
-        queues the resident update after the layers'."""
-        return self.rows_module is not None and not self.on_device and self.grad[self.rows_k] is not None
-
-    def touch(self) -> None:
-        """AdamW thread, before it writes resident state: a rows-first upload no longer gathers this step's rows."""
-        with self.lock:
-            self.touched = True
-
-    def update_one(self, k: int, hp: list[dict], coef: float) -> int:
-        """Resident parameter k's update (AdamW thread): host, one native pass that writes the wire too; GPU-held,
-        torch's fused kernel. Returns the parameters updated."""
-        self.touch()
-        adam_w_mode, kernel = self.kernel
-        update_tensor(self.master[k], self.grad_of(k, fp32=kernel != "native"), self.exp_avg[k], self.exp_avg_sq[k],
-                      hp[self.group_of.get(id(self.params[k]), 0)], coef, adam_w_mode, self.wire[k], kernel)
-        return self.master[k].numel()
 
     def device_bytes(self) -> int:
         """GPU bytes ``move_state_to_device`` takes: fp32 master, moments and gradient of the trained parameters
@@ -257,38 +204,18 @@ class ResidentParams:
             self.listener.final_resident_landing(k, sq)
         return sq
 
-    def undo_one(self, k: int, hp: list[dict], coef: float) -> None:
-        """Resident parameter k's speculative update undone (AdamW thread; speculation.adamw_undo)."""
-        if self.wire_read is not None:
-            self.wire_read.synchronize()  # the last upload has read the wire copy
-        self.touch()
-        adam_w_mode = self.kernel[0]
-        adamw_undo(self.master[k].view(-1), self.grad_of(k).view(-1), self.exp_avg[k].view(-1),
-                   self.exp_avg_sq[k].view(-1), hp[self.group_of.get(id(self.params[k]), 0)], coef, adam_w_mode)
-        if self.wire[k] is not None:
-            self.wire[k].copy_(self.master[k])
-
-    def upload(self, module: nn.Module | None = None, args=(), deferred: bool = False) -> None:
+    def upload(self) -> None:
         """Before a forward: wait for the optimizer, then refresh the device copies (H2D of the host wire
-        copies, or a cast of the device masters), ordered before the forward's first kernel. From a resident
-        module's forward pre-hook, ``module`` and its ``args``: the input embedding may take its rows first
-        ([Note: embedding rows first]); ``deferred`` (the engine's forward): leave it to the hooks when it may."""
+        copies, or a cast of the device masters), ordered before the forward's first kernel."""
         if self.uploaded:
             return
-        if not self.rows_done and self.rows_first and self.update is not None and not self.update.done():
-            if deferred:
-                return
-            if module is self.rows_module and self._upload_rows(args):
-                return
         with traced("megatrain.wait_resident_update"):
             updated = self.update.result()  # a GPU-held update: the opt-stream event after it
         st = self.streams
         # The copies overwrite the parameters in place: wait for every kernel queued on compute so far (a
         # backward may still read them when an eval forward runs between backward() and step()).
-        # See [Note: stream and event ordering]: ``params_read``. After the rows went up (which waited so), only the
-        # lookup has read the table since: the copy overlaps the layers ([Note: embedding rows first]).
-        read = self.table_read if self.rows_done and self.table_read is not None else st.record(st.compute())
-        st.wait(st.h2d, read)
+        # See [Note: stream and event ordering]: ``params_read``.
+        st.wait(st.h2d, st.record(st.compute()))
         if self.on_device:
             st.wait(st.h2d, updated)  # the GPU-side update (opt stream) is done
         with st.on(st.h2d):
@@ -297,53 +224,4 @@ class ResidentParams:
                     p.data.copy_(master if self.on_device else wire, non_blocking=True)
         self.wire_read = st.record(st.h2d)
         st.wait(st.compute(), self.wire_read)
-        self.uploaded, self.rows_done, self.table_read = True, False, None
-        with self.lock:
-            self.touched = False
-
-    def _upload_rows(self, args) -> bool:
-        """The embedding's rows that ``args[0]`` looks up, updated now from copies of their state and put in the
-        device table; False (nothing done) where that does not apply ([Note: embedding rows first])."""
-        ids = args[0] if args else None
-        decision = self.decided.result() if self.decided is not None else None  # the norm (the forward waits anyway)
-        if not torch.is_tensor(ids) or ids.is_floating_point() or decision is None or decision.skip:
-            return False
-        k, p = self.rows_k, self.params[self.rows_k]
-        rows = torch.unique(ids.reshape(-1)).cpu()
-        with self.lock:  # either before any write of this step's update, or not at all
-            if self.touched:
-                return False
-            state = [t.index_select(0, rows) for t in (self.master[k], self.exp_avg[k], self.exp_avg_sq[k])]
-            grad = (self.landing[k] if self.direct[k] else self.grad[k]).index_select(0, rows)
-        adam_w_mode, kernel = self.kernel
-        wire = torch.empty(state[0].shape, dtype=p.dtype, pin_memory=self.device.type == "cuda")
-        with traced("megatrain.resident_rows"):
-            update_tensor(state[0], grad.float() if kernel != "native" else grad, state[1], state[2],
-                          decision.hp[self.group_of.get(id(p), 0)], decision.coef, adam_w_mode, wire, kernel)
-        st = self.streams
-        st.wait(st.h2d, st.record(st.compute()))  # (as ``upload``: no kernel queued so far still reads the table)
-        with st.on(st.h2d):
-            p.data.index_copy_(0, rows.to(self.device, non_blocking=True), wire.to(self.device, non_blocking=True))
-        st.wait(st.compute(), st.record(st.h2d))
-        self.rows_done = True
-        self.rows_uploads += 1
-        return True
-
-
-def after_lookup(resident: ResidentParams) -> None:
-    """The input embedding's forward hook: after a rows-first lookup, the compute event the whole upload waits for."""
-    if resident.rows_done and resident.table_read is None:
-        resident.table_read = resident.streams.record(resident.streams.compute())
-
-
-def rows_first_module(model: nn.Module, params: list[torch.nn.Parameter]) -> tuple[nn.Module | None, int]:
-    """The model's input embedding and its index in ``params`` when a forward may start on its rows ([Note: embedding
-    rows first]): an ``nn.Embedding`` without ``max_norm`` (which rewrites rows in its forward); else (None, -1)."""
-    try:
-        emb = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None, -1
-    ids = [id(p) for p in params]
-    if not isinstance(emb, nn.Embedding) or emb.max_norm is not None or id(emb.weight) not in ids:
-        return None, -1
-    return emb, ids.index(id(emb.weight))
+        self.uploaded = True
