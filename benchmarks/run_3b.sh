@@ -31,7 +31,7 @@ free -g | tee -a "$log"
 
 placed() {  # placed <phase>: what "auto" placed in each megatrain run of the phase (engine_auto.py)
   python3 -c "import glob, json; [print(f, json.load(open(f))['results'][0]['settings'].get('auto_placed')) \
-      for f in sorted(glob.glob('$out/$1_*.json')) if 'megatrain' in f or 'defaults' in f]" | tee -a "$log"
+      for f in sorted(glob.glob('$out/$1_*.json')) if 'megatrain' in f or 'defaults' in f]" | unplace | tee -a "$log"
 }
 
 small10g_call() {  # small10g_call <limit_s> <tag> <h2h args...>: issue 26's consumer-GPU row (10 GiB of GPU free,
