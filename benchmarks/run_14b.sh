@@ -83,5 +83,13 @@ case $phase in
              --zero3-ds-config "$state"
          h2h_call 160 megatrain --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 3 \
              --ds-config "$state" ;;
+  # issue 26, item 2: 7B with fp32 masters and the gradients held on the GPU until the norm (gradient_hold "gpu": 12
+  # host bytes/param, one-pass updates) against the host landing (14, deferred moments), clip 1.0, one lease; then the
+  # hold's GPU test
+  7bhold) model=qwen2.5-7b
+         h2h_call 240 hold --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 4 \
+             --megatrain-options '{"gradient_hold": "gpu"}'
+         h2h_call 240 host --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 4
+         timeout 100 python3 -m pytest -q -m gpu tests/test_grad_hold.py 2>&1 | tail -n 4 | tee -a "$log" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -384,6 +384,9 @@ class _Tally:
         persistent["GPU-held layers' master, moments, gradient"] = sum(  # DeviceOptimizerState.nbytes, rank 0's
             4 * (layouts[i].numel if dec.wire == "fp32" else layouts[i].n_train) + 12 * layouts[i].n_train
             for i in range(dec.n_device_layers) if self.owned[0][i])
+        if dec.grad_hold:  # grad_hold.py: every streamed layer's gradient, until its update fetches it
+            persistent[f"{dec.grad} gradients held until the norm (gradient_hold)"] = _size(dec.grad) * sum(
+                lay.n_train for lay in layouts)
         if self.dev == "cuda":
             persistent["cuBLAS workspace"] = _cublas_workspace_bytes(device, gpu_memory)
         return persistent
@@ -407,7 +410,8 @@ class _Tally:
         dec, parts = self.dec, {}
         for r in range(self.world):
             for k, v in layer_store_bytes(self.layouts, self.owned[r], dec.wire, dec.grad, dec.ga, disk, dec.master,
-                                          staging, disk_masters=dec.nvme_masters, moments=dec.moments).items():
+                                          staging, disk_masters=dec.nvme_masters, moments=dec.moments,
+                                          hold=dec.grad_hold).items():
                 parts[f"layers: {k}"] = parts.get(f"layers: {k}", 0) + v
         parts["resident (embeddings, norms, head)"] = self.world * resident_host_bytes(
             self.resident, dec.compute, self.dev, dec.resident_on_device)

@@ -52,6 +52,7 @@ class Decisions:
     landing: str  # what a layer's gradient lands in from the GPU (host_update.lands_fp32; with GA 1 its home)
     grad: str  # the gradient home: ``landing`` with GA 1, "fp32" with GA > 1 (an fp32 accumulator)
     ga: int
+    grad_hold: bool  # gradient_hold "gpu": the gradients wait for the norm on the device (grad_hold.py)
     host_kernel: str  # the host AdamW: "native" | "torch" (host_update.resolve_kernel)
     deferred_moments: bool  # the update after the norm in two native passes, moments last (host_update.py's Note)
     liger_kernels: bool | str  # what engine_build.apply_liger_kernels applies: "auto" is False in fp32 compute
@@ -170,11 +171,19 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
         notes.append("keep_activations \"auto\": after the second step, layers whose graph fits in the GPU memory "
                      "left free skip their recompute (not counted here)")
     nvme, _, buffer_count = nvme_settings(config)
+    hold = mt.gradient_hold == "gpu"
+    if hold and ga > 1:
+        raise ConfigError("megatrain.gradient_hold \"gpu\" keeps one gradient per layer until the norm: it needs "
+                          f"gradient_accumulation_steps 1, got {ga}")
+    if hold and nvme:
+        raise ConfigError("megatrain.gradient_hold \"gpu\" does not combine with the NVMe tier (zero_optimization."
+                          "offload_optimizer.device \"nvme\"): use one or the other")
     before_split = Decisions(
         compute=compute, stream_fp32_master=stream, wire="fp32" if stream else compute,
         master=compute if config.bf16_masters else "fp32", moments="bf16" if config.bf16_moments else "fp32",
         landing=landing, grad="fp32" if ga > 1 else landing,
-        ga=ga, host_kernel=kernel, deferred_moments=defer_moments(mt.deferred_moments, kernel),
+        ga=ga, grad_hold=hold, host_kernel=kernel,
+        deferred_moments=defer_moments(mt.deferred_moments, kernel) and not hold,
         liger_kernels=liger_setting(config), n_layers=n, disk_layers=0,
         nvme_masters=nvme and nvme_masters(config), n_device_layers=n_device, resident_on_device=n_device > 0,
         keep=0 if auto_keep else min(int(mt.keep_activations), n), auto_device_state=auto_state,
@@ -198,7 +207,8 @@ def _nvme_auto(dec: Decisions, layouts: list[LayerLayout], device_type: str, sha
     scratch) and what the share holds beside them."""
     all_disk = frozenset(range(len(layouts)))
     without = sum(sum(layer_store_bytes(layouts, list(mask), dec.wire, dec.grad, dec.ga, all_disk, dec.master,
-                                        disk_masters=dec.nvme_masters, moments=dec.moments).values())
+                                        disk_masters=dec.nvme_masters, moments=dec.moments,
+                                        hold=dec.grad_hold).values())
                   for mask in share.owned)
     without += len(share.owned) * resident_host_bytes(list(share.resident), dec.compute, device_type,
                                                       dec.resident_on_device)

@@ -89,7 +89,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.capacity = check_capacity_for(config, dec, layouts, resident_numels, local, freed, model, device) \
             if config.optimizer is not None else None  # refused here, before any buffer, when the state cannot fit
         # 3. Build what was decided (engine_build.py): host store, host threads, executor, resident, optimizer.
-        self.store = build_store(config, dec, layouts, owned, self.dp.rank, pin)
+        self.store = build_store(config, dec, layouts, owned, self.dp.rank, pin, device, self.dp.active)
         self.precision_mode = "bf16 masters" if config.bf16_masters else "fp32 masters"  # named in the step line
         if self.store.tier is not None:  # its writes must land, and its file go, even without destroy()
             close_tiers_at_exit(self)

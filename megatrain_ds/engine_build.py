@@ -147,15 +147,22 @@ def apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str 
 
 
 def build_store(config: TrainConfig, dec: Decisions, layouts, owned: list[bool], rank: int,
-                pin: bool) -> HostLayerStore:
+                pin: bool, device: torch.device | None = None, dp_active: bool = False) -> HostLayerStore:
     """The streamed layers' host buffers (host_state.py) as decided: wire, master and landing dtypes, the layers
     this rank holds, the NVMe tier's trailing layers (its path checked up front even when none is on disk now)."""
     if config.nvme is not None and dec.disk_layers == 0:
         check_path(config.nvme.nvme_path, 0)
+    if dec.grad_hold and dp_active:
+        raise ConfigError("megatrain.gradient_hold \"gpu\" runs in one process: data parallel lands each layer's "
+                          "gradient on its owner's host (use gradient_hold \"host\")")
     store = HostLayerStore(layouts, dec.wire_dtype, grad_accum_fp32=dec.ga > 1, pin=pin, grad_dtype=dec.landing_dtype,
                            owned=owned, disk_from=dec.disk_from, nvme=config.nvme, rank=rank,
                            nvme_backend=config.megatrain.nvme_backend, master_dtype=dec.master_dtype,
-                           moments_dtype=dec.moments_dtype)
+                           moments_dtype=dec.moments_dtype, hold_device=device if dec.grad_hold else None)
+    if dec.grad_hold:
+        logger.info("gradient_hold \"gpu\": the streamed layers' gradients wait for the norm on the device (2 bytes "
+                    "per parameter of GPU memory, none on the host); no speculative step, one-pass updates "
+                    "([Note: gradients held on the device])")
     if config.bf16_masters:
         logger.info("bf16 master weights (bf16.bf16_master_weights_and_grads): the streamed layers' "
                     "masters are bf16 (12 host bytes per parameter instead of 16); updates below bf16's resolution "
@@ -252,7 +259,8 @@ def build_optimizer(groups: list[dict], defaults: dict, config: TrainConfig, dec
                            defer_moments=dec.deferred_moments,
                            defer_when_speculating=config.megatrain.deferred_moments is True)
     mt = config.megatrain
-    policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters, mt.speculation_backoff)
+    policy = SpeculationPolicy(mt.speculative_step and not config.bf16_masters and not dec.grad_hold,
+                               mt.speculation_backoff)
     return HostAdamW(groups, defaults, parts, adam_w_mode=config.optimizer.adam_w_mode, policy=policy)
 
 

@@ -131,11 +131,12 @@ def staging_buffers(buffer_count: int) -> int:
 # ---------------------------------------------------------------------------------------------- host state
 def layer_store_bytes(layouts: list[LayerLayout], owned: list[bool], wire: str, grad: str, ga: int,
                       disk: frozenset[int] = frozenset(), master: str = "fp32", staging_count: int = 0,
-                      disk_masters: bool = False, moments: str = "fp32") -> dict[str, int]:
+                      disk_masters: bool = False, moments: str = "fp32", hold: bool = False) -> dict[str, int]:
     """Bytes of one rank's ``HostLayerStore`` buffers, as host_state.py allocates them (its ``nbytes()``): the moments
     of the ``disk`` layers (NVMe tier, a suffix) are not in RAM, nor their masters with ``disk_masters``;
     ``staging_count`` staging buffers of the largest of this rank's disk layers are (nvme.NvmeMoments, counted by
-    ``fixed_nbytes``)."""
+    ``fixed_nbytes``). ``hold``: the gradients wait for the norm on the device, read through three slabs
+    (grad_hold.py)."""
     full = sum(lay.numel for lay, mine in zip(layouts, owned) if mine)
     train = sum(lay.n_train for lay, mine in zip(layouts, owned) if mine)
     moments_dtype = moments  # "fp32", or "bf16" ([Note: compact moments])
@@ -145,7 +146,10 @@ def layer_store_bytes(layouts: list[LayerLayout], owned: list[bool], wire: str, 
     parts = {f"{master} master": _size(master) * (full if wire_is_master else ram_train),  # else trainable only
              "exp_avg + exp_avg_sq": 2 * _size(moments_dtype) * moments,
              f"{wire} wire copy": 0 if wire_is_master else _size(wire) * full,
-             f"{grad} gradients": _size(grad) * train}
+             f"{grad} gradients": 0 if hold else _size(grad) * train}
+    if hold:
+        max_train = max((lay.n_train for lay, mine in zip(layouts, owned) if mine), default=0)
+        parts[f"{grad} gradient slabs (gradients held on the GPU)"] = 3 * max_train * _size(grad)
     if ga > 1:  # landing ring: 4 slabs of the largest layer (wire dtype) + an fp32 scratch (fixed_nbytes)
         max_train = max((lay.n_train for lay, mine in zip(layouts, owned) if mine), default=0)
         parts["landing ring (GA > 1)"] = 4 * max_train * _size(wire) + 4 * max_train

@@ -55,7 +55,8 @@ class HostLayerStore:
     def __init__(self, layouts: list[LayerLayout], wire_dtype: torch.dtype, grad_accum_fp32: bool,
                  pin: bool, grad_dtype: torch.dtype | None = None, owned: list[bool] | None = None,
                  disk_from: int | None = None, nvme=None, rank: int = 0, nvme_backend: str = "auto",
-                 master_dtype: torch.dtype = torch.float32, moments_dtype: torch.dtype = torch.float32) -> None:
+                 master_dtype: torch.dtype = torch.float32, moments_dtype: torch.dtype = torch.float32,
+                 hold_device: torch.device | None = None) -> None:
         self.layouts = layouts
         self.wire_dtype = wire_dtype
         # bf16-master mode (opt-in, DeepSpeed's bf16.bf16_master_weights_and_grads): the master *is* the bf16 wire
@@ -114,9 +115,15 @@ class HostLayerStore:
         # accumulated into fp32 by the host worker (GA > 1).
         self.grad_direct = not grad_accum_fp32
         home_dtype = (grad_dtype or wire_dtype) if self.grad_direct else torch.float32
-        self.grad = host_buffer(train, home_dtype, pin and self.grad_direct, self.regions)
-        self.grad.zero_()
         self.max_train = max((l.n_train for l, mine in zip(layouts, self.owned) if mine), default=0)
+        self.hold = None  # [Note: gradients held on the device] (grad_hold.py): no host home, three slabs instead
+        if hold_device is not None:
+            from .grad_hold import GradientHold
+            self.hold = GradientHold(train, self.max_train, home_dtype, hold_device, pin, self.regions,
+                                     self.train_slice)
+        self.grad = torch.zeros(0, dtype=home_dtype) if self.hold is not None else \
+            host_buffer(train, home_dtype, pin and self.grad_direct, self.regions)
+        self.grad.zero_()
         self.ring: queue.Queue | None = None
         self.scratch = None
         if not self.grad_direct:
@@ -184,7 +191,8 @@ class HostLayerStore:
         return flat[o:o + self.layouts[i].n_train]
 
     def grad_of(self, i: int) -> torch.Tensor:
-        return self.train_slice(self.grad, i)
+        """Layer i's gradient home: host memory, or the device with ``hold`` (grad_hold.py)."""
+        return self.hold.view(i) if self.hold is not None else self.train_slice(self.grad, i)
 
     # Adam moments (and masters): in RAM (views) or, for a layer on disk, through the NVMe tier ------------------
     def on_disk(self, i: int) -> bool:
@@ -327,6 +335,7 @@ class HostLayerStore:
         """Bytes that do not grow with the model: the landing ring and its scratch (a few layers' worth), the NVMe
         tier's staging buffers."""
         staging = 0 if self.tier is None else self.tier.staging_bytes()
+        staging += 0 if self.hold is None else self.hold.host_bytes()  # (not staging: the held gradients' slabs)
         if self.ring is None:
             return staging
         return staging + 4 * self.max_train * torch.tensor([], dtype=self.wire_dtype).element_size() + \

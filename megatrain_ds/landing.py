@@ -81,6 +81,8 @@ class GradientLanding:
         slab = None  # a landing slab of the ring (GA > 1), returned to the ring by the fold
         if self.device_state is not None and self.device_state.owns(i):
             return self._accumulate_on_device(i, flat_grad, first, final)
+        if store.hold is not None:  # [Note: gradients held on the device] (grad_hold.py): only the norm goes
+            return self._hold(i, flat_grad, first)
         if store.grad_direct and not first:
             # A second gradient for layer i before the step (two forwards into one loss, as a DPO step with
             # separate chosen/rejected passes; or a second backward() with GA 1): it lands in a temporary
@@ -128,6 +130,22 @@ class GradientLanding:
             self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
         landed = st.record(st.d2h)
         self.schedule.landing(i, self.worker.submit(self._land_norm, i, landed))
+
+    def _hold(self, i: int, flat_grad: torch.Tensor, first: bool) -> None:
+        """GA 1, the gradient held on the device until the update fetches it: copied (on compute, which the backward's
+        end event follows) into its slice, or added to it (a second backward of the window, in the compute dtype as
+        autograd adds); its norm to the host."""
+        st, held = self.streams, self.store.grad_of(i)
+        if first:
+            held.copy_(flat_grad)
+        else:
+            held.add_(flat_grad)
+        self._log("hold", i, None)
+        torch.linalg.vector_norm(held, dtype=torch.float32, out=self.norm_dev[i])
+        st.wait(st.d2h, st.record(st.compute()))
+        with st.on(st.d2h):
+            self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
+        self.schedule.landing(i, self.worker.submit(self._land_norm, i, st.record(st.d2h)))
 
     def _land_norm(self, i: int, landed) -> float:
         landed.synchronize()

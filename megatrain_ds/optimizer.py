@@ -344,15 +344,8 @@ class HostAdamW(torch.optim.Optimizer):
         spec.resident_done.append(k)
 
     def _undo_resident(self, k: int, spec: Speculation) -> None:
-        res = self.parts.resident
-        if res.wire_read is not None:
-            res.wire_read.synchronize()
         with self.parts.timer.host_span("rollback_s"):
-            adamw_undo(res.master[k].view(-1), res.grad_of(k).view(-1), res.exp_avg[k].view(-1),
-                       res.exp_avg_sq[k].view(-1), spec.hp[res.group_of.get(id(res.params[k]), 0)], spec.coef,
-                       self.adam_w_mode)
-            if res.wire[k] is not None:
-                res.wire[k].copy_(res.master[k])
+            self.parts.resident.undo_one(k, spec.hp, spec.coef, self.adam_w_mode)
 
     def abandon_speculation(self) -> None:
         """Main thread: the speculated updates must not be seen (a forward, zero_grad, a read of the masters
@@ -490,6 +483,8 @@ class HostAdamW(torch.optim.Optimizer):
         on_device = [i for i in range(n) if ex.device_state is not None and ex.device_state.owns(i)]
         host = [i for i in range(n) if i not in set(on_device)]
         defer = parts.defer_moments and (spec is None or parts.defer_when_speculating)
+        if store.hold is not None:  # the order the layer tasks below fetch the held gradients in
+            store.hold.begin([i for i in host if layer_has[i]], ex.backward_done)
         res.rewrite(parts.opt_worker.submit(self._resident_task, res_has, decided, ex.backward_done, spec))
         for i in on_device:
             if layer_has[i]:
@@ -658,7 +653,7 @@ class HostAdamW(torch.optim.Optimizer):
         store = self.parts.store
         self.parts.schedule.wait_read(i)  # the last H2D reading wire i has finished. See [Note: host threads]
         layout = store.layouts[i]
-        grad = store.grad_of(i)
+        grad = store.grad_of(i) if store.hold is None else store.hold.take(i)  # (held on the device: grad_hold.py)
         phase = PHASE_WEIGHTS if defer and self._can_defer(i, hp) else PHASE_WHOLE
         master, m, v = self._state(i)  # RAM views, or an NVMe layer's staged copies
         wire = None if store.wire_is_master else store.wire_of(i)
@@ -671,6 +666,8 @@ class HostAdamW(torch.optim.Optimizer):
             return layout.n_train  # the caller's span counts it: the breakdown's Gparam/s of the host update
         finally:
             store.release_moments(i)  # a disk layer's region is written back behind the next updates
+            if store.hold is not None:
+                store.hold.give(i)
 
     def _moments_task(self, i: int) -> None:
         """AdamW thread, after the step's update tasks: layer i's moments pass if its weights pass ran ([Note: deferred

@@ -11,6 +11,7 @@ import torch
 
 from .host_memory import _release_all, host_buffer
 from .landing import LandingListener
+from .speculation import adamw_undo
 from .timing import traced
 
 
@@ -203,6 +204,15 @@ class ResidentParams:
         if final and self.listener is not None:  # speculative step of this parameter (speculation.py)
             self.listener.final_resident_landing(k, sq)
         return sq
+
+    def undo_one(self, k: int, hp: list[dict], coef: float, adam_w_mode: bool) -> None:
+        """AdamW thread: resident parameter k's speculative update undone (speculation.adamw_undo), its wire rewritten."""
+        if self.wire_read is not None:
+            self.wire_read.synchronize()  # the last upload has read the wire copy
+        adamw_undo(self.master[k].view(-1), self.grad_of(k).view(-1), self.exp_avg[k].view(-1),
+                   self.exp_avg_sq[k].view(-1), hp[self.group_of.get(id(self.params[k]), 0)], coef, adam_w_mode)
+        if self.wire[k] is not None:
+            self.wire[k].copy_(self.master[k])
 
     def upload(self) -> None:
         """Before a forward: wait for the optimizer, then refresh the device copies (H2D of the host wire

@@ -60,6 +60,10 @@ CASES = {
     "bf16 masters and moments, GA 2": (lambda: tiny_hf("llama"), _config(gradient_accumulation_steps=2, bf16={
         "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})),
     "LoRA, bf16": (_lora, _config(bf16={"enabled": True})),
+    "gradients held on the device, 6 layers": (lambda: tiny_hf("llama", layers=6), _config(
+        megatrain={"gradient_hold": "gpu"})),
+    "bf16, gradients held on the device": (lambda: tiny_hf("qwen2", layers=5), _config(
+        bf16={"enabled": True}, megatrain={"gradient_hold": "gpu"})),
     "NVMe tier, 2 layers": (lambda: tiny_hf("llama"), _config(
         zero_optimization=NVME, megatrain={"nvme_layers": 2, "nvme_backend": "threads"})),
 }
