@@ -68,9 +68,10 @@ class MegatrainSettings:
     speculative_step: bool = True  # step each layer's AdamW as its gradient lands (clip coefficient 1), undo +
     # redo when clipping fires or the step is skipped (speculation.py); false: the whole update after the norm
     speculation_backoff: int = 8  # steps without speculation after a step that clipped, skipped or rolled back
-    gradient_hold: str = "host"  # where a layer's gradient waits for the norm: "host" (a landing buffer, 2 bytes/param)
+    gradient_hold: str = "auto"  # where a layer's gradient waits for the norm: "host" (a landing buffer, 2 bytes/param)
     # or "gpu" (12 host bytes/param for fp32 masters; 2 bytes/param of GPU memory; GA 1, one process, no NVMe tier,
-    # no speculative step or deferred moments: [Note: gradients held on the device] in grad_hold.py)
+    # no speculative step or deferred moments: [Note: gradients held on the device] in grad_hold.py); "auto": "gpu"
+    # where the host state fits the host budget with it but not without (CUDA, GA 1, one process, no NVMe tier)
     fused_loss: bool = True  # labels= on a causal LM: LM head + cross-entropy in chunks, no whole logits (the
     # output's .logits is None); false runs the model's own forward and returns its logits
     liger_kernels: bool | str = "auto"  # liger-kernel's fused RMSNorm, SwiGLU MLP and RoPE in the decoder layers
@@ -147,8 +148,9 @@ class MegatrainSettings:
                 self.speculation_backoff < 0:
             raise ConfigError(f"megatrain.speculation_backoff must be a step count >= 0, got "
                               f"{self.speculation_backoff!r}")
-        if self.gradient_hold not in ("host", "gpu"):
-            raise ConfigError(f"megatrain.gradient_hold must be \"host\" or \"gpu\", got {self.gradient_hold!r}")
+        if self.gradient_hold not in ("host", "gpu", "auto"):
+            raise ConfigError("megatrain.gradient_hold must be \"host\", \"gpu\" or \"auto\", got "
+                              f"{self.gradient_hold!r}")
         n = self.gpu_optimizer_layers
         if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= -1)):
             raise ConfigError(f"megatrain.gpu_optimizer_layers must be a layer count >= 0, -1 (from "

@@ -189,6 +189,14 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
         keep=0 if auto_keep else min(int(mt.keep_activations), n), auto_device_state=auto_state,
         auto_keep=auto_keep, check_recompute_steps=steps_to_check(mt.check_recompute),
         check_recompute_tolerance=recompute_tolerance(config), notes=tuple(notes))
+    if mt.gradient_hold == "auto" and not nvme and ga == 1 and device_type == "cuda" and share is not None and \
+            len(share.owned) == 1 and all(share.owned[0]) and config.optimizer is not None and \
+            _host_bytes(before_split, layouts, device_type, share) > share.budget:
+        held = replace(before_split, grad_hold=True, deferred_moments=False)
+        if _host_bytes(held, layouts, device_type, share) <= share.budget:
+            before_split = replace(held, notes=held.notes + (
+                "gradient_hold \"auto\": the host state fits only with the gradients held on the GPU until the "
+                "norm (12 host bytes/param instead of 14; no speculative step, one-pass updates)",))
     disk = 0
     if nvme and config.optimizer is not None:
         if mt.nvme_layers != "auto":
@@ -197,6 +205,17 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
             disk = _nvme_auto(before_split, layouts, device_type, share, buffer_count)
     n_device = min(n_device, n - disk)  # GPU-held layers lead; NVMe layers trail
     return replace(before_split, disk_layers=disk, n_device_layers=n_device, resident_on_device=n_device > 0)
+
+
+def _host_bytes(dec: Decisions, layouts: list[LayerLayout], device_type: str, share: HostShare) -> int:
+    """The share's host bytes with every moment in RAM: what ``check_capacity`` counts (each rank's ``HostLayerStore``,
+    its ``ResidentParams`` host tensors, the optimizer's scratch) and what the share holds beside them."""
+    total = sum(sum(layer_store_bytes(layouts, list(mask), dec.wire, dec.grad, dec.ga, frozenset(), dec.master,
+                                      moments=dec.moments, hold=dec.grad_hold).values()) for mask in share.owned)
+    total += len(share.owned) * resident_host_bytes(list(share.resident), dec.compute, device_type,
+                                                    dec.resident_on_device)
+    total += sum(optimizer_scratch_bytes(layouts, list(mask), dec.master) for mask in share.owned)
+    return total + (share.beside(dec) if callable(share.beside) else share.beside)
 
 
 def _nvme_auto(dec: Decisions, layouts: list[LayerLayout], device_type: str, share: HostShare,

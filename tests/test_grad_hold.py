@@ -75,3 +75,24 @@ def test_gpu_held_gradients_match_the_host_landing():
     assert held["skipped"] == host["skipped"]
     assert held["losses"] == pytest.approx(host["losses"], rel=1e-3)
     assert host["host"] - held["host"] == 2 * host["train"] - 3 * held["max_train"] * 2
+
+
+def test_auto_holds_the_gradients_only_where_the_host_state_needs_it():
+    """``gradient_hold: "auto"`` (the default) on a CUDA device: the host landing while the state fits the host budget
+    with it; the hold when only the hold's 12 bytes/param fit (the planner and the engine share decisions.resolve)."""
+    from megatrain_ds import plan
+
+    def planned(hold: str, budget_gib: float = 100.0):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": True},
+               "megatrain": {"gradient_hold": hold, "host_memory_budget": budget_gib}}
+        return plan.plan_model(tiny_hf("llama", layers=6), plan.load_train_config(cfg), device="cuda")
+    host, held = planned("host"), planned("gpu")
+    assert not host.decisions.grad_hold and held.decisions.grad_hold
+    assert held.host_need_bytes < host.host_need_bytes
+    assert not planned("auto").decisions.grad_hold  # it fits either way: the default landing, speculation on
+    between = (held.host_need_bytes + host.host_need_bytes) / 2 / 2**30
+    auto = planned("auto", between)
+    assert auto.decisions.grad_hold and not auto.decisions.deferred_moments and auto.fits
+    assert auto.host_need_bytes == held.host_need_bytes and any("gradient_hold" in n for n in auto.notes)
+    below = held.host_need_bytes / 2 / 2**30  # fits neither way: no hold (the capacity check says what is short)
+    assert not planned("auto", below).decisions.grad_hold
