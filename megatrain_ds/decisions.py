@@ -207,11 +207,14 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
     return replace(before_split, disk_layers=disk, n_device_layers=n_device, resident_on_device=n_device > 0)
 
 
-def _host_bytes(dec: Decisions, layouts: list[LayerLayout], device_type: str, share: HostShare) -> int:
-    """The share's host bytes with every moment in RAM: what ``check_capacity`` counts (each rank's ``HostLayerStore``,
-    its ``ResidentParams`` host tensors, the optimizer's scratch) and what the share holds beside them."""
-    total = sum(sum(layer_store_bytes(layouts, list(mask), dec.wire, dec.grad, dec.ga, frozenset(), dec.master,
-                                      moments=dec.moments, hold=dec.grad_hold).values()) for mask in share.owned)
+def _host_bytes(dec: Decisions, layouts: list[LayerLayout], device_type: str, share: HostShare,
+                disk: frozenset[int] = frozenset()) -> int:
+    """The share's host bytes with the ``disk`` layers' moments (and masters, with ``nvme_masters``) out of RAM: what
+    ``check_capacity`` counts (each rank's ``HostLayerStore``, its ``ResidentParams`` host tensors, the optimizer's
+    scratch) and what the share holds beside them."""
+    total = sum(sum(layer_store_bytes(layouts, list(mask), dec.wire, dec.grad, dec.ga, disk, dec.master,
+                                      disk_masters=dec.nvme_masters, moments=dec.moments,
+                                      hold=dec.grad_hold).values()) for mask in share.owned)
     total += len(share.owned) * resident_host_bytes(list(share.resident), dec.compute, device_type,
                                                     dec.resident_on_device)
     total += sum(optimizer_scratch_bytes(layouts, list(mask), dec.master) for mask in share.owned)
@@ -224,15 +227,7 @@ def _nvme_auto(dec: Decisions, layouts: list[LayerLayout], device_type: str, sha
     disk so that the share's host state fits its budget, by host_bytes.nvme_split over the bytes ``check_capacity``
     counts (each rank's ``HostLayerStore`` without moments, its ``ResidentParams`` host tensors, the optimizer's
     scratch) and what the share holds beside them."""
-    all_disk = frozenset(range(len(layouts)))
-    without = sum(sum(layer_store_bytes(layouts, list(mask), dec.wire, dec.grad, dec.ga, all_disk, dec.master,
-                                        disk_masters=dec.nvme_masters, moments=dec.moments,
-                                        hold=dec.grad_hold).values())
-                  for mask in share.owned)
-    without += len(share.owned) * resident_host_bytes(list(share.resident), dec.compute, device_type,
-                                                      dec.resident_on_device)
-    without += sum(optimizer_scratch_bytes(layouts, list(mask), dec.master) for mask in share.owned)
-    without += share.beside(dec) if callable(share.beside) else share.beside
+    without = _host_bytes(dec, layouts, device_type, share, frozenset(range(len(layouts))))
     per = 12 if dec.nvme_masters else 8
     moment_bytes = [per * lay.n_train if any(mask[i] for mask in share.owned) else 0
                     for i, lay in enumerate(layouts)]

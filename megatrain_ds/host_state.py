@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .grad_hold import GradientHold
 from .host_memory import HostRegion, _release_all, host_buffer  # noqa: F401 (importable from here too)
 from .model_map import LayerLayout
 
@@ -118,7 +119,6 @@ class HostLayerStore:
         self.max_train = max((l.n_train for l, mine in zip(layouts, self.owned) if mine), default=0)
         self.hold = None  # [Note: gradients held on the device] (grad_hold.py): no host home, three slabs instead
         if hold_device is not None:
-            from .grad_hold import GradientHold
             self.hold = GradientHold(train, self.max_train, home_dtype, hold_device, pin, self.regions,
                                      self.train_slice)
         self.grad = torch.zeros(0, dtype=home_dtype) if self.hold is not None else \

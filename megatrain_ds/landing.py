@@ -82,7 +82,7 @@ class GradientLanding:
         if self.device_state is not None and self.device_state.owns(i):
             return self._accumulate_on_device(i, flat_grad, first, final)
         if store.hold is not None:  # [Note: gradients held on the device] (grad_hold.py): only the norm goes
-            return self._hold(i, flat_grad, first)
+            return self._accumulate_on_device(i, flat_grad, first, final, store.grad_of(i))
         if store.grad_direct and not first:
             # A second gradient for layer i before the step (two forwards into one loss, as a DPO step with
             # separate chosen/rejected passes; or a second backward() with GA 1): it lands in a temporary
@@ -113,39 +113,28 @@ class GradientLanding:
         moments = self.schedule.moments_of(i) if first and not store.grad_direct else None  # taken now: moments_of
         self.schedule.landing(i, self.worker.submit(self._land, i, landed, dest, slab, first, final, moments))
 
-    def _accumulate_on_device(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool) -> None:
-        """Tail layer: the gradient stays on the GPU (fp32 accumulator); only its norm goes to the host."""
-        st, grad = self.streams, self.device_state.grad_of(i)
+    def _accumulate_on_device(self, i: int, flat_grad: torch.Tensor, first: bool, final: bool,
+                              grad: torch.Tensor | None = None) -> None:
+        """The gradient stays on the GPU, only its norm goes to the host: a GPU-held layer's fp32 accumulator, or
+        (``grad``) its slice of the held gradients ([Note: gradients held on the device]: GA 1, on compute, which the
+        backward's end event follows; a second backward of the window adds in the compute dtype, as autograd)."""
+        st = self.streams
+        held = grad is not None
+        grad = grad if held else self.device_state.grad_of(i)
         if first:
             grad.copy_(flat_grad)
         else:
             grad.add_(flat_grad)
-        self._log("acc", i, None)
+        self._log("hold" if held else "acc", i, None)
         if not final:
             self.schedule.landing(i, self.worker.submit(lambda: None))
             return
-        torch.linalg.vector_norm(grad, out=self.norm_dev[i])
+        torch.linalg.vector_norm(grad, dtype=torch.float32, out=self.norm_dev[i])
         st.wait(st.d2h, st.record(st.compute()))
         with st.on(st.d2h):
             self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
         landed = st.record(st.d2h)
         self.schedule.landing(i, self.worker.submit(self._land_norm, i, landed))
-
-    def _hold(self, i: int, flat_grad: torch.Tensor, first: bool) -> None:
-        """GA 1, the gradient held on the device until the update fetches it: copied (on compute, which the backward's
-        end event follows) into its slice, or added to it (a second backward of the window, in the compute dtype as
-        autograd adds); its norm to the host."""
-        st, held = self.streams, self.store.grad_of(i)
-        if first:
-            held.copy_(flat_grad)
-        else:
-            held.add_(flat_grad)
-        self._log("hold", i, None)
-        torch.linalg.vector_norm(held, dtype=torch.float32, out=self.norm_dev[i])
-        st.wait(st.d2h, st.record(st.compute()))
-        with st.on(st.d2h):
-            self.norm_host[i:i + 1].copy_(self.norm_dev[i:i + 1], non_blocking=True)
-        self.schedule.landing(i, self.worker.submit(self._land_norm, i, st.record(st.d2h)))
 
     def _land_norm(self, i: int, landed) -> float:
         landed.synchronize()

@@ -107,7 +107,10 @@ def test_committed_speculation_is_bit_identical_to_the_plain_step():
             engine.step()
         runs.append((engine.master_state_dict(), engine.store.exp_avg.clone(), engine.optimizer.policy.speculated))
     (a, ma, n_spec), (b, mb, n_plain) = runs
-    assert n_spec == 9 and n_plain == 0  # every step after the first
+    # speculation is open on every step after the first, but a step counts as speculated only when a layer was
+    # stepped before its norm: on a loaded machine the norm task sometimes wins every race of a step (9 steps gave 8
+    # on the 2-core machine, 4 runs in 12, at this tree and the one before)
+    assert 1 <= n_spec <= 9 and n_plain == 0
     assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(ma, mb)
 
 

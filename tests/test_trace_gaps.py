@@ -70,6 +70,6 @@ def test_the_recorded_command_names_no_machine_path():
     from argparse import Namespace
 
     from benchmarks.trace_gaps import _command_line
-    argv = ["--model", "qwen2.5-3b", "--out", "/root/out/r/x", "--trace", "/tmp/t.json", "--steps", "3"]
-    assert _command_line(argv, Namespace(out="/root/out/r/x", trace="/tmp/t.json")) == \
+    argv = ["--model", "qwen2.5-3b", "--out", "/data/run/out/x", "--trace", "/data/run/t.json", "--steps", "3"]
+    assert _command_line(argv, Namespace(out="/data/run/out/x", trace="/data/run/t.json")) == \
         "--model qwen2.5-3b --out OUT --trace TRACE --steps 3"
