@@ -3,7 +3,7 @@
 # rest comes from constraints.txt, the set the suite passed with (on a GPU box with its own torch:
 # make demo SYSTEM_PYTHON=1).
 # Drift:  make canary  runs the drift tests (tests/drift.py) against the newest published transformers, accelerate,
-# peft and DeepSpeed in .venv-canary;  make oldest  against the oldest versions pyproject.toml declares
+# peft, DeepSpeed and TRL in .venv-canary;  make oldest  against the oldest versions pyproject.toml declares
 # (constraints-oldest.txt) in .venv-oldest. CI (.ci/run) runs make test, then both; each names the versions it ran.
 PYTHON ?= python3
 VENV := .venv
@@ -43,14 +43,14 @@ canary:
 	.venv-canary/bin/pip install -q torch==2.13.0
 	DS_BUILD_OPS=0 .venv-canary/bin/pip install -q -e '.[test]'
 	@echo "(pip may say the newest releases conflict with pyproject's tested ranges: expected, that is the canary)"
-	DS_BUILD_OPS=0 .venv-canary/bin/pip install -q --upgrade transformers accelerate peft deepspeed torch==2.13.0
+	DS_BUILD_OPS=0 .venv-canary/bin/pip install -q --upgrade transformers accelerate peft deepspeed trl torch==2.13.0
 	.venv-canary/bin/python -m tests.drift canary
 
 oldest:
 	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/pip install -q --upgrade pip
 	.venv-oldest/bin/pip install -q torch==2.13.0
-	DS_BUILD_OPS=0 .venv-oldest/bin/pip install -q -c constraints-oldest.txt -e '.[test]'
+	DS_BUILD_OPS=0 .venv-oldest/bin/pip install -q -c constraints-oldest.txt -e '.[test-core]'  # no TRL (pyproject.toml)
 	.venv-oldest/bin/python -m tests.drift oldest
 
 clean:

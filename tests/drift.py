@@ -6,7 +6,8 @@ accelerate, peft and DeepSpeed) and ``make oldest`` (the oldest pyproject.toml d
 
 The drift tests are the ones whose correctness rests on the internals of those packages: every script path against
 plain PyTorch (test_paths), every model family (test_families), kept layers (test_keep), the recompute self-check
-(test_recompute_check), the version table (test_versions).
+(test_recompute_check), the version table (test_versions), and TRL's published scripts against real DeepSpeed
+(test_trl: the canary upgrades TRL too; ``make oldest`` installs no TRL, so they skip there, docs/trl.md says why).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import sys
 
 DRIFT_TESTS = ["tests/test_paths.py", "tests/test_families.py", "tests/test_keep.py",
                "tests/test_recompute_check.py", "tests/test_versions.py",
-               "tests/test_wayback.py"]  # DeepSpeed's checkpoint layout, which the way back writes
+               "tests/test_wayback.py",  # DeepSpeed's checkpoint layout, which the way back writes
+               "tests/test_trl.py"]  # TRL's scripts: its patched forward, its ZeRO-3 generation hooks (skipped: oldest)
 
 
 def main(argv: list[str]) -> int:
@@ -28,7 +30,7 @@ def main(argv: list[str]) -> int:
     differing = [f"{p} {versions.installed(p)} ({versions.status(p, versions.installed(p))}; tested "
                  f"{lo}..{hi})" for p, (lo, hi) in versions.TESTED.items()
                  if versions.installed(p) not in (None, hi) and versions.status(p, versions.installed(p)) != "tested"]
-    versions_line = ", ".join(f"{p} {versions.installed(p)}" for p in versions.TESTED)
+    versions_line = ", ".join(f"{p} {versions.installed(p)}" for p in (*versions.TESTED, "trl"))
     if rc != 0:
         print(f"\nDRIFT ({kind}) FAILED (pytest exit {rc}) with {versions_line}.", flush=True)
         if differing:

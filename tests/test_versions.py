@@ -41,6 +41,27 @@ def test_tested_ranges_agree_with_pyproject_and_the_constraints_files():
             assert upper.group(1) == f"{major}.{minor + 1}", f"{package}{spec} vs newest tested {hi}"
 
 
+def test_the_tested_set_satisfies_every_range_pyproject_declares():
+    """constraints.txt (what `make test` installs) pins each declared package, extras included (trl: the test
+    extra), inside the range pyproject.toml declares for it; constraints-oldest.txt likewise for what it pins."""
+    from packaging.requirements import Requirement
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    # (the gpu extra is installed on the GPU boxes only, outside the constraints)
+    extras = [r for name, reqs in project["optional-dependencies"].items() if name != "gpu" for r in reqs]
+    reqs = [r for r in map(Requirement, project["dependencies"] + extras) if r.name != project["name"]]
+    newest, oldest = _pins("constraints.txt"), _pins("constraints-oldest.txt")
+    normal = lambda pins: {k.lower().replace("_", "-"): v for k, v in pins.items()}  # noqa: E731
+    newest, oldest = normal(newest), normal(oldest)
+    assert "trl" in {r.name for r in reqs}
+    for req in reqs:
+        assert req.name in newest, f"{req.name} is declared but constraints.txt does not pin it"
+        assert req.specifier.contains(newest[req.name].split("+")[0]), f"constraints.txt {req.name} vs {req}"
+        if req.name in oldest:
+            assert req.specifier.contains(oldest[req.name]), f"constraints-oldest.txt {req.name} vs {req}"
+
+
 @pytest.mark.parametrize("version,state", [("5.2.0", "tested"), ("5.24.0", "tested"), ("5.10.1", "tested"),
                                            ("5.1.9", "older than tested"), ("5.24.1", "newer than tested"),
                                            ("5.25.0.dev0", "newer than tested"), (None, "not installed")])
