@@ -28,7 +28,7 @@ from .engine_auto import auto_budget_bytes, place_auto
 from .engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states, build_optimizer,
                            build_store, build_workers, check_capacity_for, count, host_view, log_tier, param_groups,
                            resident_hooks, step_counters, sync_initial_weights)
-from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_applies, to_device  # noqa: F401
+from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_call, to_device  # noqa: F401
 from .export import consolidated_state_dict, save_16bit_model
 from .host_bytes import host_budget_bytes
 from .lifecycle import close_tiers_at_exit, deferred_interrupt, refuse_a_model_in_use, refuse_empty_sequences
@@ -117,6 +117,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         buffers_to_device(model, layers, device)
         self.module = model
         self._fused = fused_loss_parts(model)
+        self._fused_refusals: set[str] = set()  # why labels= calls ran the model's own forward (each logged once)
         self._mark_params(layers)
         if (self._auto_device_state or self._auto_keep) and device.type == "cuda":
             torch.cuda.empty_cache()  # the model's GPU copy, if it was built there, is gone: so is its peak
@@ -164,8 +165,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.timer.begin_forward()
         self.tput_timer.start()  # DeepSpeed's throughput timer, as its forward starts it (surface.py)
         try:
-            if self._fused is not None and torch.is_grad_enabled() and self._fused_loss_applies(kwargs):
-                return self._forward_fused_loss(args, kwargs)
+            call = self._fused_loss_call(args, kwargs) if torch.is_grad_enabled() else None
+            if call is not None:  # exactly the model's own loss ([Note: fused loss only where exact])
+                return self._forward_fused_loss((), call)
             return self.module(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
             self._explain_oom(exc)
@@ -190,8 +192,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                         "set megatrain.keep_activations and/or megatrain.gpu_optimizer_layers to 0 (or a smaller "
                         "count), or raise megatrain.gpu_memory_reserve", *exc.args[1:])
 
-    def _fused_loss_applies(self, kwargs) -> bool:
-        return fused_loss_applies(self.config_settings, self._fused, kwargs)  # engine_forward.py
+    def _fused_loss_call(self, args, kwargs) -> dict | None:
+        return fused_loss_call(self, args, kwargs)  # engine_forward.py: the call as keywords, or None
 
     def _forward_fused_loss(self, args, kwargs):
         return forward_fused_loss(self, args, kwargs)  # the decoder, then the chunked head + cross-entropy
