@@ -12,6 +12,7 @@ mechanics.
 """
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 import weakref
@@ -38,7 +39,7 @@ from .loss_scale import cast_inputs_half
 from .model_map import build_layout, find_block_list, shared_parameter_ids
 from .monitor import Monitor
 from .optimizer import ResidentParams
-from .recompute_check import RecomputeMismatch
+from .recompute_check import RecomputeMismatch, nonfinite_gradients_message
 from .streams import make_streams
 from .surface import EngineSurface, adopt_zero3_model
 from .timing import StepTimer, traced
@@ -333,6 +334,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 if skipped:  # masters, moments and Adam's step count are untouched (optimizer._norm_task)
                     self.skipped_steps += 1
                     log(self.optimizer.skip_message, ranks=ALL_RANKS)
+                    if self.config_settings.loss_scaler is None:  # not fp16's routine overflow: say whose
+                        self._log_nonfinite_gradients()
             else:
                 self.executor.reset_window()
             self.global_steps += 1
@@ -353,6 +356,13 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                     log(f"step {self.global_steps}: {self.timer.format(self.timer.last)}", ranks=ALL_RANKS)
         self._end_step_surface(self.is_gradient_accumulation_boundary())  # tput_timer.stop, was_step_applied
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
+
+    def _log_nonfinite_gradients(self) -> None:
+        layers, resident = self.optimizer.nonfinite_gradients
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        log(nonfinite_gradients_message(self.global_steps + 1, layers, len(self.store.layouts),
+                                        [names.get(id(self.resident.params[k]), f"resident {k}") for k in resident]),
+            level=logging.WARNING)
 
     def _auto_budget_bytes(self) -> int | None:
         """GPU bytes free for "auto" placements after the second step (engine_auto.py); None off CUDA."""
@@ -440,13 +450,15 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if self.executor.backward_done is not None:  # a CPU-GPU sync, where step() waits for the last landing
             self.executor.backward_done.synchronize()  # anyway (the norm below): it costs no overlap
         try:
-            self.executor.check.read(self.dp)
+            report = self.executor.check.read(self.dp, step=self.global_steps + 1)
         except RecomputeMismatch:
             for fut in self.executor.sq_norm:
                 if fut is not None:
                     fut.exception()  # the landings queued by the backward have run
             self._drop_window()  # rolls back speculated layers first
             raise
+        if report is not None:  # NaN/inf in the forward: not a mismatch ([Note: non-finite values are not drift])
+            log(report, level=logging.WARNING)
 
     def _discard_gradients(self, why: str = "engine.backward() raised: the gradients accumulated since the last step "
                            "were discarded") -> None:
