@@ -28,7 +28,7 @@ from .dp import DataParallel
 from .engine_auto import auto_budget_bytes, place_auto
 from .engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states, build_optimizer,
                            build_store, build_workers, check_capacity_for, count, host_view, log_tier, param_groups,
-                           resident_hooks, step_counters, sync_initial_weights)
+                           step_counters, sync_initial_weights)
 from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_call, to_device  # noqa: F401
 from .export import consolidated_state_dict, save_16bit_model
 from .host_bytes import host_budget_bytes
@@ -44,6 +44,7 @@ from .streams import make_streams
 from .surface import EngineSurface, adopt_zero3_model
 from .timing import StepTimer, traced
 from .zero import ParamHome, mark_partitioned
+from .zero_offload import ParameterOffload
 
 
 class MegaTrainEngine(EngineSurface, nn.Module):
@@ -114,7 +115,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, dec.compute_dtype, self.streams, pin,
                                        state_on_device=dec.resident_on_device, dp=self.dp)
-        self._refresh_hooks = resident_hooks(self, model, resident)
+        # the resident parameters' refresh hooks (a module called without the engine), DeepSpeed's parameter offload
+        self._offload = ParameterOffload(self, model, resident)  # face to trl's generation (zero_offload.py)
         buffers_to_device(model, layers, device)
         self.module = model
         self._fused = fused_loss_parts(model)
@@ -128,6 +130,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.opt_worker, self.dp)
         self.lr_scheduler = None
         if self.optimizer is not None:
+            self.optimizer.parameter_offload = self._offload  # where trl's remove_hooks/add_hooks look
             self.timer.counters = step_counters(self.optimizer, self.store)
         self._implicit_final: bool | None = None  # a loss.backward() is open: its ``final`` ([Note: loss.backward()])
         self.executor.open_implicit_backward = self._open_implicit_backward
@@ -635,8 +638,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     def _read_master(self, home: ParamHome) -> torch.Tensor:
         self.synchronize()  # the optimizer may be writing these bytes
         states = self.layer_states
-        if home.layer is None:
-            return self.resident.master[home.resident_index].detach().to("cpu", torch.float32, copy=True)
+        if home.layer is None:  # on the device, where HF's ``model.device`` (the embedding) sends generate's inputs
+            return self.resident.master[home.resident_index].detach().to(self.device, torch.float32, copy=True)
         if self.dp.active:  # a collective, as DeepSpeed's GatheredParameters: the owner's master to every rank
             import torch.distributed as dist
             slot = next(s for s in self.store.layouts[home.layer].slots if s.name == home.name)
@@ -672,9 +675,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         """Stop the engine: its hooks and layer forwards leave the module (which may outlive it), the host
         worker stops, pinned host memory is unregistered. The host buffers are freed once nothing views them:
         the parameters' ``ds_tensor`` views keep them while the model is alive."""
-        for handle in self._refresh_hooks:  # the module outlives the engine; its hooks must not
-            handle.remove()
-        self._refresh_hooks = []
+        self._offload.destroy()  # the module outlives the engine; its hooks must not
         for layer in self.executor.layers:  # the per-instance forward that routes into the executor
             if getattr(layer.__dict__.get("forward"), "_megatrain_executor", False):
                 del layer.__dict__["forward"]
