@@ -2,7 +2,7 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
 #
 # Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
 # limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
@@ -91,5 +91,10 @@ case $phase in
              --megatrain-options '{"gradient_hold": "gpu"}'
          h2h_call 240 host --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 4
          timeout 100 python3 -m pytest -q -m gpu tests/test_grad_hold.py 2>&1 | tail -n 4 | tee -a "$log" ;;
+  # issue 39 (2026-11-28): the paper's comparison with today's engine, clip 1.0, liger for every system, one lease:
+  # paperA = ZeRO-3 (all optimizer state offloaded) and megatrain_ds host-only; paperB = megatrain_ds defaults
+  paperA) h2h_call 330 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
+          h2h_call 230 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
+  paperB) h2h_call 220 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 # Data parallel over the GPUs of one box (issue 14), on the lent nvidia-h200-x2: every system with N ranks
 # (benchmarks.h2h --gpus N; torchrun, one process per GPU, each rank on its own 16K-token micro-batch).
 #
-#   bash benchmarks/run_dp.sh PHASE OUTDIR      PHASE: 3b | 7b | smoke
+#   bash benchmarks/run_dp.sh PHASE OUTDIR      PHASE: 3b | 7b | scale | smoke
 #
 #   3b     Qwen2.5-3B, 16K tokens per rank: megatrain --host-only on 1 GPU and N (--scaling), ZeRO-3 ×N,
 #          megatrain (engine defaults) on 1 GPU and N (--scaling), whole-on-GPU ×N (DDP)     (~6 min; limits 560 s)
@@ -45,6 +45,9 @@ case $phase in
        h2h_call 150 megatrain_$c --systems megatrain --scaling --tokens-per-step 16384 $dp
        h2h_call 300 zero3_$c --systems zero3 --tokens-per-step 16384 $dp
        h2h_call 100 hostonly_$c --systems megatrain --host-only --tokens-per-step 16384 $dp ;;
+  scale) # issue 39 (the 4-GPU box, GPUS=4): megatrain_ds's scaling alone, host-only and defaults (1 GPU, then N)
+       h2h_call 150 hostonly_$c --systems megatrain --host-only --scaling --tokens-per-step 16384 $dp
+       h2h_call 130 megatrain_$c --systems megatrain --scaling --tokens-per-step 16384 $dp ;;
   smoke) model=tiny
        h2h_call 240 smoke --systems megatrain,zero3,resident --scaling --seq 256 --tokens-per-step 1024 \
            --gpus $gpus --warmup 1 --steps 2 --device ${DEVICE:-cuda} ;;

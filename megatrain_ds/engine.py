@@ -12,6 +12,7 @@ mechanics.
 """
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 import weakref
@@ -27,8 +28,8 @@ from .dp import DataParallel
 from .engine_auto import auto_budget_bytes, place_auto
 from .engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states, build_optimizer,
                            build_store, build_workers, check_capacity_for, count, host_view, log_tier, param_groups,
-                           resident_hooks, step_counters, sync_initial_weights)
-from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_applies, to_device  # noqa: F401
+                           step_counters, sync_initial_weights)
+from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_call, to_device  # noqa: F401
 from .export import consolidated_state_dict, save_16bit_model
 from .host_bytes import host_budget_bytes
 from .lifecycle import close_tiers_at_exit, deferred_interrupt, refuse_a_model_in_use, refuse_empty_sequences
@@ -38,11 +39,12 @@ from .loss_scale import cast_inputs_half
 from .model_map import build_layout, find_block_list, shared_parameter_ids
 from .monitor import Monitor
 from .optimizer import ResidentParams
-from .recompute_check import RecomputeMismatch
+from .recompute_check import RecomputeMismatch, nonfinite_gradients_message
 from .streams import make_streams
 from .surface import EngineSurface, adopt_zero3_model
 from .timing import StepTimer, traced
 from .zero import ParamHome, mark_partitioned
+from .zero_offload import ParameterOffload
 
 
 class MegaTrainEngine(EngineSurface, nn.Module):
@@ -113,10 +115,12 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, dec.compute_dtype, self.streams, pin,
                                        state_on_device=dec.resident_on_device, dp=self.dp)
-        self._refresh_hooks = resident_hooks(self, model, resident)
+        # the resident parameters' refresh hooks (a module called without the engine), DeepSpeed's parameter offload
+        self._offload = ParameterOffload(self, model, resident)  # face to trl's generation (zero_offload.py)
         buffers_to_device(model, layers, device)
         self.module = model
         self._fused = fused_loss_parts(model)
+        self._fused_refusals: set[str] = set()  # why labels= calls ran the model's own forward (each logged once)
         self._mark_params(layers)
         if (self._auto_device_state or self._auto_keep) and device.type == "cuda":
             torch.cuda.empty_cache()  # the model's GPU copy, if it was built there, is gone: so is its peak
@@ -126,6 +130,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.opt_worker, self.dp)
         self.lr_scheduler = None
         if self.optimizer is not None:
+            self.optimizer.parameter_offload = self._offload  # where trl's remove_hooks/add_hooks look
             self.timer.counters = step_counters(self.optimizer, self.store)
         self._implicit_final: bool | None = None  # a loss.backward() is open: its ``final`` ([Note: loss.backward()])
         self.executor.open_implicit_backward = self._open_implicit_backward
@@ -164,8 +169,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.timer.begin_forward()
         self.tput_timer.start()  # DeepSpeed's throughput timer, as its forward starts it (surface.py)
         try:
-            if self._fused is not None and torch.is_grad_enabled() and self._fused_loss_applies(kwargs):
-                return self._forward_fused_loss(args, kwargs)
+            call = self._fused_loss_call(args, kwargs) if torch.is_grad_enabled() else None
+            if call is not None:  # exactly the model's own loss ([Note: fused loss only where exact])
+                return self._forward_fused_loss((), call)
             return self.module(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
             self._explain_oom(exc)
@@ -190,8 +196,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                         "set megatrain.keep_activations and/or megatrain.gpu_optimizer_layers to 0 (or a smaller "
                         "count), or raise megatrain.gpu_memory_reserve", *exc.args[1:])
 
-    def _fused_loss_applies(self, kwargs) -> bool:
-        return fused_loss_applies(self.config_settings, self._fused, kwargs)  # engine_forward.py
+    def _fused_loss_call(self, args, kwargs) -> dict | None:
+        return fused_loss_call(self, args, kwargs)  # engine_forward.py: the call as keywords, or None
 
     def _forward_fused_loss(self, args, kwargs):
         return forward_fused_loss(self, args, kwargs)  # the decoder, then the chunked head + cross-entropy
@@ -331,6 +337,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 if skipped:  # masters, moments and Adam's step count are untouched (optimizer._norm_task)
                     self.skipped_steps += 1
                     log(self.optimizer.skip_message, ranks=ALL_RANKS)
+                    if self.config_settings.loss_scaler is None:  # not fp16's routine overflow: say whose
+                        self._log_nonfinite_gradients()
             else:
                 self.executor.reset_window()
             self.global_steps += 1
@@ -351,6 +359,13 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                     log(f"step {self.global_steps}: {self.timer.format(self.timer.last)}", ranks=ALL_RANKS)
         self._end_step_surface(self.is_gradient_accumulation_boundary())  # tput_timer.stop, was_step_applied
         self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
+
+    def _log_nonfinite_gradients(self) -> None:
+        layers, resident = self.optimizer.nonfinite_gradients
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        log(nonfinite_gradients_message(self.global_steps + 1, layers, len(self.store.layouts),
+                                        [names.get(id(self.resident.params[k]), f"resident {k}") for k in resident]),
+            level=logging.WARNING)
 
     def _auto_budget_bytes(self) -> int | None:
         """GPU bytes free for "auto" placements after the second step (engine_auto.py); None off CUDA."""
@@ -438,13 +453,15 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if self.executor.backward_done is not None:  # a CPU-GPU sync, where step() waits for the last landing
             self.executor.backward_done.synchronize()  # anyway (the norm below): it costs no overlap
         try:
-            self.executor.check.read(self.dp)
+            report = self.executor.check.read(self.dp, step=self.global_steps + 1)
         except RecomputeMismatch:
             for fut in self.executor.sq_norm:
                 if fut is not None:
                     fut.exception()  # the landings queued by the backward have run
             self._drop_window()  # rolls back speculated layers first
             raise
+        if report is not None:  # NaN/inf in the forward: not a mismatch ([Note: non-finite values are not drift])
+            log(report, level=logging.WARNING)
 
     def _discard_gradients(self, why: str = "engine.backward() raised: the gradients accumulated since the last step "
                            "were discarded") -> None:
@@ -621,8 +638,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     def _read_master(self, home: ParamHome) -> torch.Tensor:
         self.synchronize()  # the optimizer may be writing these bytes
         states = self.layer_states
-        if home.layer is None:
-            return self.resident.master[home.resident_index].detach().to("cpu", torch.float32, copy=True)
+        if home.layer is None:  # on the device, where HF's ``model.device`` (the embedding) sends generate's inputs
+            return self.resident.master[home.resident_index].detach().to(self.device, torch.float32, copy=True)
         if self.dp.active:  # a collective, as DeepSpeed's GatheredParameters: the owner's master to every rank
             import torch.distributed as dist
             slot = next(s for s in self.store.layouts[home.layer].slots if s.name == home.name)
@@ -658,9 +675,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         """Stop the engine: its hooks and layer forwards leave the module (which may outlive it), the host
         worker stops, pinned host memory is unregistered. The host buffers are freed once nothing views them:
         the parameters' ``ds_tensor`` views keep them while the model is alive."""
-        for handle in self._refresh_hooks:  # the module outlives the engine; its hooks must not
-            handle.remove()
-        self._refresh_hooks = []
+        self._offload.destroy()  # the module outlives the engine; its hooks must not
         for layer in self.executor.layers:  # the per-instance forward that routes into the executor
             if getattr(layer.__dict__.get("forward"), "_megatrain_executor", False):
                 del layer.__dict__["forward"]

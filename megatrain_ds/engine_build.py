@@ -6,7 +6,7 @@ groups (``param_groups``), rank 0's weights on every rank (``sync_initial_weight
 capacity check with the engine's own decisions (``check_capacity_for``), liger-kernel's kernels patched in
 (``apply_liger_kernels``), the host layer store with its NVMe tier (``build_store``), the host worker threads
 (``build_workers``), the streamed-layer executor with its tiling, inference cache and activation offload
-(``build_executor``), the resident parameters' device buffers and hooks, and the host optimizer
+(``build_executor``), the resident parameters' device buffers, and the host optimizer
 (``build_optimizer``). It decides nothing: every choice is read from ``Decisions`` (decisions.py) or the config.
 """
 from __future__ import annotations
@@ -228,14 +228,6 @@ def build_executor(layers: nn.ModuleList, layouts, store: HostLayerStore, device
     if mt.offload_activations:
         executor.activations = HostActivations(streams, device)
     return executor, tiled_modules
-
-
-def resident_hooks(engine, model: nn.Module, resident: list) -> list:
-    """The module may be called without the engine (the HF Trainer evaluates ``trainer.model``; generate): a module
-    owning resident parameters refreshes their device copies first (a no-op when current). Returns the handles."""
-    resident_ids = {id(p) for p in resident}
-    return [module.register_forward_pre_hook(lambda _module, _args: engine.resident.upload())
-            for module in model.modules() if any(id(p) in resident_ids for p in module.parameters(recurse=False))]
 
 
 def buffers_to_device(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:

@@ -147,6 +147,8 @@ class StepDecision:
     commit: bool | None  # the open speculation's verdict: keep its updates as they are (None: none was open)
     message: str | None  # what engine.step() logs for a skipped step (the loss scaler's line)
     error: BaseException | None  # fp16 overflow at the minimum loss scale: engine.step() raises it
+    # whose gradients were non-finite (this rank's): streamed layer indices, resident parameter indices
+    nonfinite: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -233,6 +235,12 @@ class HostAdamW(torch.optim.Optimizer):
         """The line ``engine.step()`` logs for a skipped step."""
         decision = self._decided()
         return None if decision is None else decision.message
+
+    @property
+    def nonfinite_gradients(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Whose gradients were non-finite in the last step (this rank's): streamed layers, resident parameters."""
+        decision = self._decided()
+        return ((), ()) if decision is None else decision.nonfinite
 
     @property
     def spec(self) -> Speculation | None:
@@ -514,7 +522,9 @@ class HostAdamW(torch.optim.Optimizer):
         total = 0.0
         owned = self.parts.store.owned
         counted = self.dp is None or self.dp.rank == 0  # replicated resident gradients: counted once
-        for futures, has, grads in ((layer_sq, layer_has, None), (res_sq, res_has, self.parts.resident.grad)):
+        bad: tuple[list[int], list[int]] = ([], [])  # non-finite squared norms: layers, resident parameters
+        for futures, has, grads, bad_k in ((layer_sq, layer_has, None, bad[0]),
+                                           (res_sq, res_has, self.parts.resident.grad, bad[1])):
             for k, fut in enumerate(futures):
                 if not has[k] or (grads is None and not owned[k]) or (grads is not None and not counted):
                     continue
@@ -522,6 +532,8 @@ class HostAdamW(torch.optim.Optimizer):
                 if sq is None:  # the window's boundary was moved after its backward: norm it now
                     g = self.parts.resident.grad_of(k) if grads is not None else self._layer_grad(k)
                     sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2  # rare: slow is ok
+                if not math.isfinite(sq):
+                    bad_k.append(k)
                 total += sq
         if self.dp is not None:  # every rank's share: one all-reduce of a scalar (gloo, this thread's group)
             total = self.dp.sum_norm(total)
@@ -546,7 +558,8 @@ class HostAdamW(torch.optim.Optimizer):
         decision = StepDecision(norm=math.inf if overflow else norm,  # DeepSpeed reports a skipped step's norm as inf
                                 skip=overflow, coef=coef / scale,  # the updates multiply the landed gradients by it
                                 clipped_or_skipped=overflow or coef < 1.0, hp=hp, step_count=step_count,
-                                commit=commit, message=message, error=error)
+                                commit=commit, message=message, error=error,
+                                nonfinite=(tuple(bad[0]), tuple(bad[1])))
         self._expect_updates(layer_has, decision, spec)
         return decision
 

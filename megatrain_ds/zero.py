@@ -2,10 +2,13 @@
 
 After ``initialize`` a streamed layer's parameter owns no storage (like a ZeRO-3 partitioned parameter:
 ``ds_shape``, ``ds_numel``, ``ds_id``, ``ds_status``, ``ds_tensor``); its weights live in the engine's fp32
-host master. ``GatheredParameters`` materialises them into ``param.data`` (fp32, on the host) for reading
-or modifying; with a ``modifier_rank`` the values are written back on exit (master, wire copy, any
-GPU-held master) and the slots holding the old values are invalidated. Resident parameters (embeddings,
-norms, head) are gathered the same way from their fp32 masters.
+host master. ``GatheredParameters`` materialises them into ``param.data`` (fp32, on the host: never the whole
+model on the GPU) for reading or modifying; with a ``modifier_rank`` the values are written back on exit (master,
+wire copy, any GPU-held master) and the slots holding the old values are invalidated. Resident parameters
+(embeddings, norms, head) are gathered the same way from their fp32 masters, onto the engine's device (HF's
+``model.device`` is the embedding's: ``generate`` moves its inputs there). A forward inside the block computes on
+the engine's weights, not on the gathered copies (a generate under a whole-model gather: [Note: generation under
+ZeRO-3] in zero_offload.py).
 Every such parameter also carries ``_z3_optimizer`` (``ZeroOptimizerView``), so that DeepSpeed's own
 ``deepspeed.utils.safe_get_full_fp32_param`` and its siblings read and write the engine's state for it.
 
@@ -21,6 +24,8 @@ import itertools
 import warnings
 
 import torch
+
+from .zero_offload import DeviceCopies
 
 _ids = itertools.count()
 
@@ -119,6 +124,7 @@ def mark_partitioned(param: torch.nn.Parameter, home: ParamHome, shape: tuple[in
     param.ds_id = next(_ids)
     status = _status_enum()
     param.ds_status = status.NOT_AVAILABLE if home.layer is not None else status.AVAILABLE
+    param.ds_active_sub_modules = set()  # empty outside a forward: [Note: generation under ZeRO-3] (zero_offload.py)
     param._megatrain_home = home
     param._z3_optimizer = _Z3_VIEW  # see ZeroOptimizerView: DeepSpeed's safe_get_full_* reach the engine
 
@@ -221,19 +227,31 @@ class GatheredParameters:
         self.params = [p for p in (params or []) if hasattr(p, "_megatrain_home")] if enabled else []
         self.modifier_rank = modifier_rank
         self._saved = []
+        self._bindings: list[DeviceCopies] = []
 
     def __enter__(self):
         engines = {id(p._megatrain_home.engine): p._megatrain_home.engine for p in self.params}
         for engine in engines.values():  # data parallel: where this rank is, should a peer not arrive (dp.py)
             engine.dp.mark("gather", engine.micro_steps, engine.global_steps)
+        for engine in engines.values():  # the device copies a forward in the block computes on hold the last step
+            if any(p._megatrain_home.layer is None and p._megatrain_home.engine is engine for p in self.params):
+                engine.resident.upload()  # (before p.data is swapped: it writes into the device copies)
         for p in self.params:
             self._saved.append((p, p.data, p.ds_status))
             with _watch(p, "gathering"):
                 p.data = p._megatrain_home.read()
             p.ds_status = _status_enum().AVAILABLE
+        for engine in engines.values():  # a forward in the block runs on the device copies, not on the host copies
+            resident = [p for p in self.params
+                        if p._megatrain_home.engine is engine and p._megatrain_home.layer is None]
+            if resident:
+                self._bindings.append(DeviceCopies(engine, resident))
         return self
 
     def __exit__(self, *exc):
+        for binding in self._bindings:
+            binding.close()
+        self._bindings = []
         for p, old, status in reversed(self._saved):
             if self.modifier_rank is not None and exc[0] is None:
                 with _watch(p, "writing back"):
