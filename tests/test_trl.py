@@ -57,7 +57,7 @@ TRL_SCRIPTS = Path(trl.__file__).resolve().parent / "scripts"
 ENGINE_LINE = "[megatrain_ds] MEGATRAIN_DS=1: the engine is megatrain_ds"
 RTOL, ATOL = 1e-4, 1e-6  # fp32 on both sides; DeepSpeed and megatrain_ds reduce in different orders
 PARALLEL = 2             # launches at a time (a 2-rank launch is two processes)
-IGNORED = re.compile(r"runtime|per_second|flos|^epoch$|^step$")  # wall-clock and bookkeeping, not numbers
+IGNORED = re.compile(r"runtime|time|per_second|flos|^epoch$|^step$")  # wall-clock, bookkeeping: not numbers
 
 # Accelerate's config with the DeepSpeed JSON: the other deepspeed_config keys must stay out (accelerate refuses
 # them beside deepspeed_config_file), so precision comes from the JSON ("auto": TRL's --bf16 False -> fp32).
@@ -103,9 +103,10 @@ SPECS = {
         "--eval_strategy", "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "4", "--save_steps", "3")),
     "sft-lora": Spec("sft.py", "lm", "sft", 5, args=(
         "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--packing", "--per_device_train_batch_size", "2",
-        "--max_length", "64", "--gradient_checkpointing", "False", "--save_steps", "5")),
+        "--max_length", "64", "--gradient_checkpointing", "True", "--save_steps", "5")),
     "dpo": Spec("dpo.py", "lm", "preference", 5, ranks=2, args=(
-        "--per_device_train_batch_size", "2", "--max_length", "64", "--save_steps", "5")),
+        "--per_device_train_batch_size", "2", "--max_length", "64", "--gradient_checkpointing", "False",
+        "--save_steps", "5")),
     "grpo": Spec("grpo.py", "lm", "prompt", 4, args=(*GENERATION, "--save_steps", "4")),
     "grpo-no-gather": Spec("grpo.py", "lm", "prompt", 4, args=(
         *GENERATION, "--save_steps", "4", "--ds3_gather_for_generation", "False")),
@@ -326,8 +327,9 @@ def test_sft_resume_from_checkpoint_continues_the_same_run(runs):
 
 @uses("sft-lora/deepspeed", "sft-lora/megatrain")
 def test_sft_lora_with_packing_matches_deepspeed(runs):
-    """``--use_peft`` (LoRA on the attention projections, the base frozen) and ``--packing`` (best-fit packing,
-    padding-free: one row per batch, sequences told apart by position_ids)."""
+    """``--use_peft`` (LoRA on the attention projections, the base frozen; TRL then forces reentrant gradient
+    checkpointing under ZeRO-3) and ``--packing`` (best-fit packing, padding-free: one row per batch, sequences told
+    apart by position_ids)."""
     ours, real = runs["sft-lora/megatrain"], runs["sft-lora/deepspeed"]
     assert_same_metrics(ours, real, ("loss", "grad_norm", "mean_token_accuracy"), steps=5)
     assert all("lora_" in name for name in saved_weights(real))  # the adapter only
@@ -337,7 +339,8 @@ def test_sft_lora_with_packing_matches_deepspeed(runs):
 # ---------------------------------------------------------------------------------------------- DPO
 @uses("dpo/deepspeed", "dpo/megatrain")
 def test_dpo_two_ranks_matches_deepspeed(runs):
-    """The policy trains; the reference model is TRL's second ``deepspeed.initialize`` (no optimizer)."""
+    """The policy trains; the reference model is TRL's second ``deepspeed.initialize`` (no optimizer). Gradient
+    checkpointing off (TRL's default is on: the other runs)."""
     ours, real = runs["dpo/megatrain"], runs["dpo/deepspeed"]
     assert_same_metrics(ours, real, ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "logps/chosen"),
                         steps=5)
