@@ -100,7 +100,8 @@ _RECORD = re.compile(r"^\{.*'(loss|train_runtime)'.*\}$")
 
 def timed(cmd: list[str], json_out: str, skip: int) -> int:
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each record printed when its step ends, not when a buffer fills
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
     peak = [0]
 
     def watch():  # the process tree's RSS, every 0.5 s

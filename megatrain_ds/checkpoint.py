@@ -21,17 +21,22 @@ files (one set serves both), as does DeepSpeed's ``zero_to_fp32``. Frozen parame
 ``shared_params``; ``module`` lists every state_dict name as DeepSpeed's does (empty parameters, buffers with
 their values), and ``deepspeed_resume`` why DeepSpeed could not resume it (empty: it can).
 
-Each rank collects its partitions in files of the temporary folder mapped shared (page cache, not process memory;
-allocated up front, so a full disk fails the save instead of faulting a write), ``torch.save``s them and deletes
-the scratch files (a sub-group spans layers: even one rank copies its state there). With N ranks (data parallel,
-dp.py) a layer's state is held by its owner rank only, so the owner scatters each rank its partitions of the layer
-(masters, moments, frozen weights) over the gloo group, one layer at a time (transient memory: one layer).
-Resident parameters are replicated: each rank cuts its partitions locally (checkpoint_partition.py). (megatrain_ds
-before the way back wrote one group per layer and its own flat moments; those files still load.)
+Each rank plans its two files first (checkpoint_stream.py: the objects pickled, every record laid out), so their
+exact sizes are known before anything is written; rank 0 checks the free space against them (``_prepare_folder``:
+an OSError naming the bytes needed and free, nothing written, where the disk cannot hold the checkpoint). Then each
+rank streams its files: the big tensors (fp32 sub-groups, moments, frozen fragments) are produced chunk by chunk
+from the host state while their records are written (views of it with one rank: nothing is copied, in memory or on
+disk; checkpoint_partition.py), so a save takes the disk of the checkpoint it writes and no more. With N ranks
+(data parallel, dp.py) a layer's state is held by its owner rank only, so the owner scatters each rank its
+partitions of the layer over the gloo group as the records are written (transient memory: one layer's partitions
+of one kind); a rank whose write fails keeps producing its chunks (the exchanges) until its files are done, then
+every rank raises. Resident parameters are replicated: each rank cuts its partitions locally. (megatrain_ds before
+the way back wrote one group per layer and its own flat moments; those files still load.)
 
 Writing. A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
 file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
-previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``) and only then replaces ``latest``
+previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``, kept until the new one is in place;
+where the disk cannot hold both, it is removed first, with a warning) and only then replaces ``latest``
 (through ``.latest.tmp-<pid>`` and ``os.replace``); the other ranks return once it has. A process killed at any
 moment leaves the previous checkpoint and ``latest`` intact; what it leaves behind is cleaned by the next save
 (``clean_stale``) or put back when the kill landed between the two renames (``_restore_moved_aside``): the folder's
@@ -51,7 +56,6 @@ Full weights (``consolidated_state_dict``, ``save_16bit_model``, ``gather_full_m
 """
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
 
@@ -59,14 +63,14 @@ import torch
 
 from . import _version, wayback
 from .adapters import is_peft_model, save_adapter
-from .checksums import save_file as _save
 from .checksums import write_manifest
 from .checksums import verify as verify_checksums
 from .checkpoint_files import CheckpointMismatchError, _Checkpoint, _read, model_file, optim_file
 from .checkpoint_files import BF16_OPTIM_FILE, MODEL_FILE, OPTIM_FILE, fp32_state_dict  # noqa: F401 (re-exported)
 from .checkpoint_folder import RECOVERY_SCRIPTS, clean_stale  # noqa: F401 (re-exported)
-from .checkpoint_folder import _checkpoint_path, _commit, _fsync_dir, _World
+from .checkpoint_folder import _checkpoint_path, _commit, _fsync_dir, _prepare_folder, _World
 from .checkpoint_partition import _Param, _plan, _RankState
+from .checkpoint_stream import StreamedFile, write_files
 
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
 _RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "window_micro_steps", "skipped_steps",
@@ -129,22 +133,33 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
                       f"{engine.config_settings.gradient_accumulation_steps}: the window's partial gradient is not "
                       "saved; a resume restarts the window (save at a boundary, right after engine.step() closes a "
                       "window, to lose nothing)", stacklevel=3)
-    # rank 0 makes the one temporary folder every rank writes into (named with its pid)
+    # every rank plans its files (their exact sizes) before anything is written
+    files, error = None, None
+    try:
+        files = _rank_files(engine, world, client_state, exclude_frozen_parameters, _version.MEGATRAIN_VERSION,
+                            _version.__version__)
+    except Exception as exc:  # noqa: BLE001 (every rank must learn of it, then it is raised)
+        error = exc
+    world.agree(error, "prepare its checkpoint files")
+    sizes = world.gather(sum(f.nbytes for f in files))
+    # rank 0 checks the free space and makes the one temporary folder every rank writes into (named with its pid)
     tmp, error = None, None
     if world.rank == 0:
         try:
-            os.makedirs(save_dir, exist_ok=True)
-            clean_stale(save_dir)
-            tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except Exception as exc:  # noqa: BLE001 (every rank must learn of it, then it is raised)
+            tmp = _prepare_folder(save_dir, tag, sizes)
+        except Exception as exc:  # noqa: BLE001
             error = exc
     world.agree(error, "create the checkpoint's temporary folder")
     tmp = world.broadcast(tmp)
     try:
-        _write_rank_files(engine, world, tmp, tag, client_state, exclude_frozen_parameters,
-                          _version.MEGATRAIN_VERSION, _version.__version__)
+        error = None
+        try:  # streamed from the host state; with N ranks a failed rank drains its exchanges so no rank waits
+            digests = write_files(files, tmp, drain=world.size > 1)
+            write_manifest(tmp, world.rank, digests)  # verified by load_checkpoint before it reads
+            _fsync_dir(tmp)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        world.agree(error, "write its checkpoint files")
         if is_peft_model(engine.module):  # the adapter as peft saves it, in the same folder (adapters.py)
             error = None
             try:
@@ -186,62 +201,44 @@ def _deepspeed_resume(engine, world: _World, frozen: list[_Param], zero) -> list
     return problems
 
 
-def _write_rank_files(engine, world: _World, tmp: str, tag: str, client_state, exclude_frozen: bool,
-                      megatrain_version: str, ds_version: str) -> None:
+def _rank_files(engine, world: _World, client_state, exclude_frozen: bool, megatrain_version: str,
+                ds_version: str) -> list[StreamedFile]:
+    """This rank's model-states and optimizer-states files, planned (checkpoint_stream.py): what they hold, their
+    exact sizes; their big tensors are streamed from the host state when they are written."""
     zero = wayback.zero_config(engine.config)  # DeepSpeed's reading of it: the layout its ZeRO-3 would have
     groups, group_of, frozen = _plan(engine, world.size, wayback.sub_group_size(zero))
-    state, error = None, None
-    try:
-        problems = _deepspeed_resume(engine, world, frozen, zero)
-        state = _RankState(engine, world, tmp, groups, [] if exclude_frozen else frozen,
-                           moments=engine.optimizer is not None)
-    except Exception as exc:  # noqa: BLE001
-        error = exc
-    world.agree(error, "allocate its checkpoint files")
-    try:
-        state.fill()  # with N ranks: the per-layer exchange (every rank reaches it: allocation succeeded everywhere)
-        error = None
-        try:
-            buffers = {n: b.detach().cpu() for n, b in _persistent_buffers(engine.module).items()}
-            scaler = engine.config_settings.loss_scaler
-            model_states = {
-                "module": _module_states(engine.module, buffers), "buffer_names": list(buffers), "param_shapes": [
-                    {p.name: p.shape for p in group} for group in groups],
-                # None when excluded, as DeepSpeed writes it: the loader then expects no frozen weights
-                "frozen_param_shapes": None if exclude_frozen else {p.name: p.shape for p in frozen},
-                "frozen_param_fragments": None if exclude_frozen else state.fragments,
-                "shared_params": _shared_params(engine.module),
-                "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-                # a save inside an accumulation window: its partial gradient is not saved, the resume restarts it
-                "window_micro_steps": engine.window_micro_steps,
-                "dp_world_size": world.size, "mp_world_size": 1,
-                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
-                "deepspeed_resume": problems,  # empty: real DeepSpeed ZeRO-3 resumes it (docs/wayback.md)
-                "ds_config": engine.config, "ds_version": ds_version, "megatrain_version": megatrain_version,
-                "hf_config": engine.module.config.to_dict()
-                if hasattr(getattr(engine.module, "config", None), "to_dict") else None, **dict(client_state or {})}
-            optim_states = {"optimizer_state_dict": {
-                # what DeepSpeed ZeRO-3's _rigid_load_state_dict reads, in its layout (wayback.py)
-                "zero_stage": 3, "partition_count": world.size, "loss_scaler": wayback.loss_scaler(
-                    scaler, engine.compute_dtype), "dynamic_loss_scale": bool(scaler is not None and scaler.dynamic),
-                "overflow": False, "fp32_flat_groups": state.fp32,
-                "optimizer_state_dict": state.optimizer_state(group_of)},
-                "rng": _rng_state(), "ds_version": ds_version}
-            # DeepSpeed names the optimizer file bf16_... in bf16 runs, and a bf16 engine looks for that name only
-            optim_name = optim_file(world.rank, bf16=engine.compute_dtype == torch.bfloat16)
-            digests = {model_file(world.rank): _save(model_states, os.path.join(tmp, model_file(world.rank))),
-                       optim_name: _save(optim_states, os.path.join(tmp, optim_name))}
-            write_manifest(tmp, world.rank, digests)  # verified by load_checkpoint before it reads
-            del model_states, optim_states
-            state.close()
-            _fsync_dir(tmp)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        world.agree(error, "write its checkpoint files")
-    finally:
-        state.close()
+    problems = _deepspeed_resume(engine, world, frozen, zero)
+    state = _RankState(engine, world, groups, [] if exclude_frozen else frozen, moments=engine.optimizer is not None)
+    buffers = {n: b.detach().cpu() for n, b in _persistent_buffers(engine.module).items()}
+    scaler = engine.config_settings.loss_scaler
+    model_states = {
+        "module": _module_states(engine.module, buffers), "buffer_names": list(buffers), "param_shapes": [
+            {p.name: p.shape for p in group} for group in groups],
+        # None when excluded, as DeepSpeed writes it: the loader then expects no frozen weights
+        "frozen_param_shapes": None if exclude_frozen else {p.name: p.shape for p in frozen},
+        "frozen_param_fragments": None if exclude_frozen else state.fragments,
+        "shared_params": _shared_params(engine.module),
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+        # a save inside an accumulation window: its partial gradient is not saved, the resume restarts it
+        "window_micro_steps": engine.window_micro_steps,
+        "dp_world_size": world.size, "mp_world_size": 1,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
+        "deepspeed_resume": problems,  # empty: real DeepSpeed ZeRO-3 resumes it (docs/wayback.md)
+        "ds_config": engine.config, "ds_version": ds_version, "megatrain_version": megatrain_version,
+        "hf_config": engine.module.config.to_dict()
+        if hasattr(getattr(engine.module, "config", None), "to_dict") else None, **dict(client_state or {})}
+    optim_states = {"optimizer_state_dict": {
+        # what DeepSpeed ZeRO-3's _rigid_load_state_dict reads, in its layout (wayback.py)
+        "zero_stage": 3, "partition_count": world.size, "loss_scaler": wayback.loss_scaler(
+            scaler, engine.compute_dtype), "dynamic_loss_scale": bool(scaler is not None and scaler.dynamic),
+        "overflow": False, "fp32_flat_groups": state.fp32,
+        "optimizer_state_dict": state.optimizer_state(group_of)},
+        "rng": _rng_state(), "ds_version": ds_version}
+    # DeepSpeed names the optimizer file bf16_... in bf16 runs, and a bf16 engine looks for that name only
+    optim_name = optim_file(world.rank, bf16=engine.compute_dtype == torch.bfloat16)
+    return [StreamedFile(model_states, model_file(world.rank)), StreamedFile(optim_states, optim_name)]
 
 
 # ---------------------------------------------------------------------------------------------- checking

@@ -3,18 +3,23 @@
 The ranks agree (``_World``: the engine's data-parallel group over gloo, or one process): every collective runs on
 the main thread in the same order on every rank, and a rank that fails makes every rank raise (``agree``).
 
-Writing. A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
+Writing. Rank 0 first cleans the leftovers of killed saves and checks the free space against the bytes the new
+checkpoint needs (``_prepare_folder``: each rank's files, sized exactly before they are written, and a margin for the
+small files). A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
 file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
 previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``) and only then replaces ``latest``
 (through ``.latest.tmp-<pid>`` and ``os.replace``): ``_commit``. DeepSpeed's recovery scripts are copied beside
 it. A process killed at any moment leaves the previous checkpoint and ``latest`` intact; what it leaves behind is
 cleaned by the next save (``clean_stale``) or put back when the kill landed between the two renames
-(``_restore_moved_aside``).
+(``_restore_moved_aside``). The one exception is a tag saved again on a disk that holds one copy of it but not
+two: the previous one is removed before the new one is written (``_drop_previous``, with a warning), as DeepSpeed
+overwrites a tag in place.
 
 Reading. ``_checkpoint_path``: the folder a tag, or ``latest``, names (putting back a moved-aside one).
 """
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import importlib.util
 import os
@@ -28,7 +33,10 @@ import torch.distributed as dist
 from .checkpoint_files import CheckpointMismatchError
 
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")  # what an interrupted save leaves
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<pid>\d+)$")  # what an interrupted save leaves
+# beside the rank files a save writes its manifests, DeepSpeed's recovery scripts and latest (a few KiB), and each
+# file rounds up to the file system's blocks: the free space a save needs beyond its rank files
+SMALL_FILES_BYTES = 1 << 20
 
 
 class _World:
@@ -122,10 +130,10 @@ def _restore_moved_aside(save_dir: str, tag: str) -> str | None:
 
 def clean_stale(save_dir: str) -> list[str]:
     """Remove what saves killed part-way left in ``save_dir`` (``.<tag>.tmp-<pid>`` folders, ``.latest.tmp-<pid>``
-    and ``.<script>.tmp-<pid>`` files, ``.<tag>.old-<pid>`` folders whose tag folder exists again; one whose
-    tag folder is missing is put back instead). Only entries of processes that are no longer alive: a running
-    save's files are never touched. Pids are host-local: one host saves into a save_dir (as DeepSpeed's
-    rank 0 does). Returns the paths handled."""
+    and ``.<script>.tmp-<pid>`` files, ``.<tag>.old-<pid>`` folders whose tag folder exists again -- one whose
+    tag folder is missing is put back instead -- and ``.<tag>.del-<pid>`` folders, being removed to make room).
+    Only entries of processes that are no longer alive: a running save's files are never touched. Pids are
+    host-local: one host saves into a save_dir (as DeepSpeed's rank 0 does). Returns the paths handled."""
     handled = []
     for name in sorted(os.listdir(save_dir)):
         m = _LEFTOVER.match(name)
@@ -177,6 +185,72 @@ def _copy_recovery_scripts(save_dir: str) -> None:
         shutil.copyfile(src, tmp)
         os.chmod(tmp, os.stat(tmp).st_mode | stat.S_IEXEC)
         os.replace(tmp, os.path.join(save_dir, script))
+
+
+def _folder_bytes(path: str) -> int:
+    """The disk space the files under ``path`` take (what removing them frees)."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _prepare_folder(save_dir: str, tag: str, sizes: list[int]) -> str:
+    """Rank 0, before any checkpoint file is written: the leftovers of killed saves removed, the free space checked
+    against what the new checkpoint needs (``sizes``: each rank's files, exact), the temporary folder made. Returns
+    it. A disk that cannot hold the checkpoint is an OSError naming the bytes needed and free, with nothing written.
+    A previous checkpoint of the same tag is kept until the new one is complete (``_commit``) where the disk holds
+    both; where it holds only one, the previous one is removed first (``_drop_previous``)."""
+    needed = sum(sizes) + SMALL_FILES_BYTES
+    if os.path.isdir(save_dir):
+        clean_stale(save_dir)  # (a killed save's folder frees its space)
+    free = free_bytes(save_dir)
+    if free < needed:
+        final = os.path.join(save_dir, tag)
+        previous = _folder_bytes(final) if os.path.isdir(final) and not os.path.islink(final) else 0
+        if not previous or free + previous < needed:
+            also = f"; removing the previous checkpoint of this tag ({previous:,} bytes) would not make room " \
+                   "either" if previous else ""
+            raise OSError(errno.ENOSPC, f"save_checkpoint: not enough disk space for checkpoint {tag!r} in "
+                          f"{os.path.abspath(save_dir)}: it needs {needed:,} bytes ({needed / 2**30:.2f} GiB: "
+                          f"{sum(sizes):,} in the files of {len(sizes)} rank(s), {SMALL_FILES_BYTES:,} for the small "
+                          f"files beside them), {free:,} bytes ({free / 2**30:.2f} GiB) are free there{also}. Nothing "
+                          "was written: the previous checkpoint and 'latest' are as they were. Free space (older "
+                          "checkpoints?) or save to another disk")
+        _drop_previous(save_dir, tag, needed, free, previous)
+    os.makedirs(save_dir, exist_ok=True)
+    tmp = os.path.join(save_dir, f".{tag}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _drop_previous(save_dir: str, tag: str, needed: int, free: int, previous: int) -> None:
+    """The disk holds the new checkpoint only without the previous one of its tag: remove that one first (renamed
+    to ``.<tag>.del-<pid>``, then deleted: a kill part-way leaves a folder ``clean_stale`` removes, never half a
+    checkpoint under the tag's name). DeepSpeed overwrites a tag in place; this save then has its crash safety: a
+    crash before the commit leaves no checkpoint of this tag (the folder is missing, not half written)."""
+    latest = os.path.join(save_dir, "latest")
+    try:
+        with open(latest) as f:
+            named = f.read().strip() == tag
+    except (OSError, UnicodeDecodeError):
+        named = False
+    warnings.warn(f"save_checkpoint: {os.path.abspath(save_dir)} cannot hold the previous checkpoint of tag {tag!r} "
+                  f"({previous:,} bytes) and the new one ({needed:,} bytes) at once ({free:,} bytes free): the "
+                  "previous one is removed before the new one is written, as DeepSpeed overwrites a tag in place. Until this "
+                  f"save completes there is no checkpoint {tag!r}" + (" (and 'latest' names it)" if named else "")
+                  + ": a crash now loses it. Saving under a new tag keeps the previous checkpoint while a save runs",
+                  stacklevel=5)  # the caller of engine.save_checkpoint
+    dropped = os.path.join(save_dir, f".{tag}.del-{os.getpid()}")
+    os.replace(os.path.join(save_dir, tag), dropped)
+    _fsync_dir(save_dir)
+    shutil.rmtree(dropped)
+    _fsync_dir(save_dir)
 
 
 def _commit(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
@@ -238,3 +312,14 @@ def _checkpoint_path(load_dir: str, tag) -> str | None:
         raise FileNotFoundError(f"{origin}, but {path} does not exist (moved or deleted?); checkpoints in "
                                 f"{load_dir}: {others or 'none'}. Pass tag= to load one of them.")
     return path
+
+
+def free_bytes(path: str) -> int:
+    """Bytes a write by this process can still take on the file system of ``path`` (or of its nearest existing
+    parent): the blocks available to unprivileged users, or to root all free blocks (root may write into the
+    reserved ones, and DeepSpeed's save would)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize

@@ -1,19 +1,18 @@
-"""What one rank writes into its optimizer-states file, in DeepSpeed ZeRO-3's layout (checkpoint.py describes the
-files; wayback.py computes the layout).
+"""What one rank writes into its checkpoint files, in DeepSpeed ZeRO-3's layout (checkpoint.py describes the files;
+wayback.py computes the layout).
 
 ``_plan`` lists the parameters as ZeRO-3 does: the trained ones in real DeepSpeed's sub-groups for N ranks (its
-optimizer groups' order, cut at ``zero_optimization.sub_group_size``), the frozen ones after. ``_RankState`` holds
-this rank's ``fp32_flat_groups``, Adam moments and frozen fragments: for each parameter, rank r's ZeRO-3 partition
-(``ceil(numel / N)`` elements, zero-padded past the end), in scratch files of the temporary folder mapped shared
-(page cache, not process memory; allocated up front, so a full disk fails the save instead of faulting a write).
-With N ranks a layer's state is held by its owner rank only, which scatters every rank its partitions of the layer
-over the gloo group, one layer at a time; resident parameters are replicated, each rank cuts its own.
+optimizer groups' order, cut at ``zero_optimization.sub_group_size``), the frozen ones after. ``_RankState`` gives
+this rank's ``fp32_flat_groups``, Adam moments and frozen fragments as streamed tensors (checkpoint_stream.py): for
+each parameter, rank r's ZeRO-3 partition (``ceil(numel / N)`` elements, zero-padded past the end), produced while
+its file is written, straight from the host state: nothing is collected first, in memory or on disk. With N ranks a
+layer's state is held by its owner rank only, which scatters every rank its partitions of the layer over the gloo
+group (one layer and one kind at a time, as the files are written: every rank writes its records in the same
+order); resident parameters are replicated, each rank cuts its own.
 """
 from __future__ import annotations
 
-import errno
-import os
-import shutil
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,9 @@ import torch.distributed as dist
 from . import wayback
 from .checkpoint_files import _partition
 from .checkpoint_folder import _World
+from .checkpoint_stream import StreamedStorage
+
+_CHUNK_ELEMENTS = 8 << 20  # a converted (or zero-padded) piece: 32 MiB of fp32 at most
 
 
 def _cut(dst: torch.Tensor, flat: torch.Tensor, rank: int, world: int) -> None:
@@ -33,28 +35,19 @@ def _cut(dst: torch.Tensor, flat: torch.Tensor, rank: int, world: int) -> None:
     dst[hi - lo:].zero_()
 
 
-def _scratch(folder: str, name: str, numel: int, paths: list[str], dtype: torch.dtype = torch.float32
-             ) -> torch.Tensor:
-    """A flat ``dtype`` tensor backed by the file ``folder/name``, mapped shared: the kernel may write its pages out
-    and drop them, so filling it costs page cache rather than process memory. The file is allocated up front (a
-    full disk fails here, as an exception, not later as a fault in a mapped write). Its path goes in ``paths``:
-    the caller deletes it once what views the tensor is saved."""
-    if numel == 0:
-        return torch.empty(0, dtype=dtype)
-    path = os.path.join(folder, name)
-    paths.append(path)
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
-    with open(path, "wb") as f:
-        try:
-            os.posix_fallocate(f.fileno(), 0, nbytes)
-        except OSError as exc:  # a file system that cannot preallocate: sized only (ENOSPC is an error)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                free = shutil.disk_usage(folder).free
-                raise OSError(exc.errno, f"save_checkpoint: the disk is full allocating the scratch file {path}: "
-                              f"it needs {nbytes:,} bytes, {free:,} are free; the previous checkpoint is intact",
-                              path) from exc
-            f.truncate(nbytes)
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+def _pieces(flat: torch.Tensor, dtype: torch.dtype):
+    """``flat`` as chunks of ``dtype`` on the host: the tensor itself where it is one already (no copy), else
+    converted (or fetched from the device: a resident parameter) piece by piece."""
+    if flat.dtype == dtype and flat.device.type == "cpu":
+        yield flat
+        return
+    for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
+        yield flat[start:start + _CHUNK_ELEMENTS].to(device="cpu", dtype=dtype)
+
+
+def _zeros(n: int, dtype: torch.dtype):
+    for start in range(0, n, _CHUNK_ELEMENTS):
+        yield torch.zeros(min(_CHUNK_ELEMENTS, n - start), dtype=dtype)
 
 
 @dataclass(slots=True)
@@ -118,114 +111,74 @@ def _source(engine, param: _Param, kind: str) -> torch.Tensor:
 
 
 class _RankState:
-    """What this rank writes: its ``fp32_flat_groups`` and moments (one flat tensor per sub-group each) and its
-    frozen fragments, all in files of the temporary folder mapped shared (``_scratch``): page cache, not process
-    memory.
+    """What this rank writes: its ``fp32_flat_groups`` and moments (one ``StreamedStorage`` per sub-group and kind)
+    and its frozen fragments (one ``StreamedStorage``, a view per parameter), produced while the files are written.
 
     Sub-group k holds, for each of its parameters in order, this rank's ZeRO-3 partition (``ceil(numel / N)``
-    elements, zero past the end): ``offset[name]`` is where in the flat regions (master, exp_avg, exp_avg_sq:
-    the sub-groups one after the other). A streamed layer's state is held by its owner rank only, which scatters
-    every rank its partitions of the layer (one layer at a time); with one rank, and for the replicated resident
-    parameters, each rank cuts its partitions itself. The sub-groups are DeepSpeed's (``_plan``), not the layers,
-    so even one rank copies its masters and moments here (DeepSpeed's flat partition spans layers)."""
+    elements, zero past the end). With one rank a partition is the parameter itself: the chunks are views of the host
+    state (converted to fp32 piece by piece where it is kept in another dtype). With N ranks, for each run of a
+    sub-group's parameters of one streamed layer, the layer's owner scatters every rank its partitions of that run
+    (``_exchange``, a collective); the replicated resident parameters are cut locally. The sub-groups are DeepSpeed's
+    (``_plan``), not the layers: a sub-group spans layers, its record is the concatenation."""
 
-    def __init__(self, engine, world: _World, folder: str, groups: list[list[_Param]], frozen: list[_Param],
+    def __init__(self, engine, world: _World, groups: list[list[_Param]], frozen: list[_Param],
                  moments: bool) -> None:
         self.engine, self.world, self.groups, self.frozen = engine, world, groups, frozen
         self.kinds = ("master", "exp_avg", "exp_avg_sq") if moments else ("master",)
-        self.folder = folder
-        self.paths: list[str] = []
-        n = world.size
-        self.sizes = [sum(_partition(p.numel, n) for p in group) for group in groups]  # per group, per rank
-        self.group_start = [sum(self.sizes[:k]) for k in range(len(groups))]
-        self.offset, offset = {}, 0
-        for group in groups:
-            for p in group:
-                self.offset[p.name] = offset
-                offset += _partition(p.numel, n)
-        total = offset
-        self.frozen_start, offset = {}, 0
-        for p in frozen:
-            self.frozen_start[p.name] = offset
-            offset += _partition(p.numel, n)
+        sizes = [sum(self._size(p) for p in group) for group in groups]  # per group, this rank's elements
+        self.flat = [[StreamedStorage(torch.float32, size, self._producer(kind, group, torch.float32)).tensor()
+                      for size, group in zip(sizes, groups)] for kind in self.kinds]  # per kind, per sub-group
+        self.fp32 = self.flat[0]
         # frozen weights are kept in the compute dtype (host_state.py: a compact store; the resident ones on the
         # device), and written so, as DeepSpeed writes its 16-bit frozen fragments; fp32 in fp32 mode
         frozen_dtype = engine.store.wire_dtype if engine.store.compact else torch.float32
-        self.frozen_buf = _scratch(folder, f".frozen-rank{world.rank}.scratch", offset, self.paths, frozen_dtype)
-        buf = _scratch(folder, f".optim-rank{world.rank}.scratch", total * len(self.kinds), self.paths)
-        self.regions = list(buf.split(total)) if total else [buf] * len(self.kinds)
+        storage = StreamedStorage(frozen_dtype, sum(self._size(p) for p in frozen),
+                                  self._producer("master", frozen, frozen_dtype))
+        self.fragments, offset = {}, 0
+        for p in frozen:
+            self.fragments[p.name] = storage.tensor(offset, self._size(p))
+            offset += self._size(p)
 
     def _size(self, p: _Param) -> int:
         return _partition(p.numel, self.world.size)
 
-    def _own(self, train: list[_Param], frozen: list[_Param]) -> None:
-        """This rank's partitions of parameters whose state it holds, cut straight into its regions."""
-        rank, n = self.world.rank, self.world.size
-        for region, kind in zip(self.regions, self.kinds):
-            for p in train:
-                at = self.offset[p.name]
-                _cut(region[at:at + self._size(p)], _source(self.engine, p, kind), rank, n)
-        for p in frozen:
-            at = self.frozen_start[p.name]
-            _cut(self.frozen_buf[at:at + self._size(p)], _source(self.engine, p, "master"), rank, n)
+    def _producer(self, kind: str, params: list[_Param], dtype: torch.dtype):
+        """The chunks of one record: ``params``' partitions of ``kind``, in order."""
+        def chunks():
+            for layer, run in itertools.groupby(params, key=lambda p: p.layer):
+                run = list(run)
+                if self.world.size > 1 and layer is not None:
+                    yield self._exchange(layer, run, kind, dtype)
+                    continue
+                for p in run:
+                    yield from self._local(p, kind, dtype)
+        return chunks
 
-    def _payload(self, train: list[_Param], frozen: list[_Param], rank: int, out: torch.Tensor) -> None:
-        """Rank ``rank``'s partitions of one layer: masters, moments, then frozen weights."""
-        n, offset = self.world.size, 0
-        for kind in self.kinds:
-            for p in train:
-                _cut(out[offset:offset + self._size(p)], _source(self.engine, p, kind), rank, n)
-                offset += self._size(p)
-        for p in frozen:
-            _cut(out[offset:offset + self._size(p)], _source(self.engine, p, "master"), rank, n)
-            offset += self._size(p)
+    def _local(self, p: _Param, kind: str, dtype: torch.dtype):
+        """This rank's partition of ``p`` from the state it holds (one rank: the whole parameter, a view)."""
+        flat, rank, n = _source(self.engine, p, kind), self.world.rank, self.world.size
+        size = self._size(p)
+        lo = min(rank * size, flat.numel())
+        hi = min(lo + size, flat.numel())
+        yield from _pieces(flat[lo:hi], dtype)
+        yield from _zeros(size - (hi - lo), dtype)
 
-    def _place(self, train: list[_Param], frozen: list[_Param], received: torch.Tensor) -> None:
-        """A received ``_payload`` into this rank's regions, each parameter at its offset."""
-        offset = 0
-        for region in self.regions:
-            for p in train:
-                at, size = self.offset[p.name], self._size(p)
-                region[at:at + size].copy_(received[offset:offset + size])
-                offset += size
-        for p in frozen:
-            at, size = self.frozen_start[p.name], self._size(p)
-            self.frozen_buf[at:at + size].copy_(received[offset:offset + size])
-            offset += size
-
-    def _exchange(self, i: int, train: list[_Param], frozen: list[_Param]) -> None:
-        """Layer i's owner scatters every rank its partitions of the layer (a collective of every rank)."""
+    def _exchange(self, i: int, params: list[_Param], kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """Layer i's owner scatters every rank its partitions of ``params`` (a collective of every rank); returns
+        this rank's."""
         world = self.world
-        width = sum(self._size(p) for p in train) * len(self.kinds) + sum(self._size(p) for p in frozen)
-        owner, received, chunks = world.owner(i), torch.empty(width, dtype=torch.float32), None
+        width = sum(self._size(p) for p in params)
+        owner, received, chunks = world.owner(i), torch.empty(width, dtype=dtype), None
         if world.rank == owner:
-            send = torch.empty(world.size, width, dtype=torch.float32)
+            send = torch.empty(world.size, width, dtype=dtype)
             for rank in range(world.size):
-                self._payload(train, frozen, rank, send[rank])
+                offset = 0
+                for p in params:
+                    _cut(send[rank, offset:offset + self._size(p)], _source(self.engine, p, kind), rank, world.size)
+                    offset += self._size(p)
             chunks = list(send.unbind(0))
         dist.scatter(received, chunks, src=world.peer(owner), group=world.group)
-        self._place(train, frozen, received)
-
-    def fill(self) -> None:
-        """Collective with N ranks (every rank, layers in order)."""
-        by_layer: dict[int | None, tuple[list, list]] = {}
-        for p in [p for group in self.groups for p in group]:
-            by_layer.setdefault(p.layer, ([], []))[0].append(p)
-        for p in self.frozen:
-            by_layer.setdefault(p.layer, ([], []))[1].append(p)
-        for i in range(len(self.engine.layer_states.layouts)):
-            train, frozen = by_layer.get(i, ([], []))
-            if not train and not frozen:
-                continue
-            if self.world.size == 1:
-                self._own(train, frozen)
-            else:
-                self._exchange(i, train, frozen)
-        self._own(*by_layer.get(None, ([], [])))  # resident parameters are replicated
-        self.fragments = {p.name: self.frozen_buf[self.frozen_start[p.name]:][:self._size(p)] for p in self.frozen}
-        self.flat = [[region[start:start + size] for start, size in zip(self.group_start, self.sizes)]
-                     for region in self.regions]  # per kind, per sub-group
-        self.fp32 = self.flat[0]
+        return received
 
     def optimizer_state(self, group_of: list[int]) -> dict | None:
         """The optimizer state as DeepSpeed ZeRO-3's CPU Adam saves it (wayback.py); megatrain_ds reads it too."""
@@ -234,12 +187,3 @@ class _RankState:
             return None
         return wayback.optimizer_state(optimizer.param_groups, group_of, optimizer.step_count, self.flat[1],
                                        self.flat[2])
-
-    def close(self) -> None:
-        """Delete the scratch files (their pages are dropped unwritten) once the files are saved."""
-        self.fp32 = self.flat = self.fragments = self.regions = self.frozen_buf = None
-        for path in self.paths:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass

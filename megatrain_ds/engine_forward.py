@@ -93,7 +93,7 @@ def fused_loss_call(engine, args: tuple, kwargs: dict) -> dict | None:
     call = {**dict(zip(names, args)), **kwargs}
     if call.get("labels") is None:
         return None
-    own_hooks = {h.id for h in engine._refresh_hooks}  # the engine's resident refresh (engine_build.resident_hooks)
+    own_hooks = {h.id for h in engine._offload.forward_hooks}  # the resident refresh hooks (zero_offload.py)
     reason = forward_refusal(model, engine._fused[1], own_hooks) or _keyword_refusal(call, engine._fused[0])
     if reason is None:
         return call

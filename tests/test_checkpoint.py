@@ -96,10 +96,10 @@ def test_nothing_to_load_and_module_only(tmp_path):
 
 
 KILLED_SAVER = """
-import io, os, sys, time, torch
+import os, sys, time, torch
 sys.path.insert(0, {repo!r})
 import megatrain_ds
-from megatrain_ds import checkpoint
+from megatrain_ds import checkpoint, checkpoint_stream
 from tests.models import tiny_hf
 
 stage, save_dir, tag = sys.argv[1:4]
@@ -110,20 +110,26 @@ def in_progress(what):
     time.sleep(300)
 
 
-real_save, real_replace = checkpoint._save, os.replace
+real_write, real_replace = checkpoint_stream.StreamWriter._write, os.replace
 stage_file = {{"model": checkpoint.MODEL_FILE, "optim": checkpoint.OPTIM_FILE}}.get(stage)
 
 
-def half_written_save(obj, path):
-    if os.path.basename(path) == stage_file:  # write half of the file's bytes, durably, then stop mid-file
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        with open(path, "wb") as f:
-            f.write(buf.getvalue()[:buf.tell() // 2])
-            f.flush()
-            os.fsync(f.fileno())
+def half_written(self, data, crc):  # past half of the file's bytes, durably, stop mid-file
+    crc = real_write(self, data, crc)
+    path = self.f.name
+    if os.path.basename(path) == stage_file and 2 * self.written >= planned[path]:
+        self.f.flush()
+        os.fsync(self.f.fileno())
         in_progress(path)
-    real_save(obj, path)
+    return crc
+
+
+planned, real_file_write = {{}}, checkpoint_stream.StreamedFile.write
+
+
+def file_write(self, path, *args, **kwargs):
+    planned[path] = self.nbytes
+    return real_file_write(self, path, *args, **kwargs)
 
 
 def paused_replace(src, dst):
@@ -134,7 +140,8 @@ def paused_replace(src, dst):
         in_progress(dst)  # the old folder of this tag is moved aside, the new one not yet renamed in
 
 
-checkpoint._save, os.replace = half_written_save, paused_replace
+checkpoint_stream.StreamWriter._write, os.replace = half_written, paused_replace
+checkpoint_stream.StreamedFile.write = file_write
 engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", seed=1),
                                      config={{"train_micro_batch_size_per_gpu": 1, "optimizer": {{"type": "AdamW"}}}})
 engine.save_checkpoint(save_dir, tag=tag)

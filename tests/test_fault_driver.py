@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatrain_ds import checksums
+from megatrain_ds import checkpoint_stream, checksums
 from megatrain_ds.schedule import LayerSchedule
 from tests import fault_driver
 
@@ -60,22 +60,23 @@ def test_a_ctrl_c_inside_a_forward_leaves_no_slot_named_after_the_wrong_layer(tm
 
 @pytest.mark.parametrize("where", ["entry", "inside"])
 def test_a_ctrl_c_while_a_checkpoint_file_is_written_is_a_keyboard_interrupt(tmp_path, monkeypatch, where):
-    """torch.save's zip writer turns what a write raised into its RuntimeError "unexpected pos", which the save
+    """torch.save's zip writer turned what a write raised into its RuntimeError "unexpected pos", which the save
     reported as a full disk: a Ctrl-C during a save became "OSError: the disk is full" (and no KeyboardInterrupt).
-    Now the script's except KeyboardInterrupt gets it, and the previous checkpoint is intact."""
+    Now (the files are streamed, checkpoint_stream.py) the script's except KeyboardInterrupt gets it, and the previous
+    checkpoint is intact."""
     engine = fault_driver._engine(1)
     fault_driver.script(engine, 1, str(tmp_path / "ckpt"))  # saves global_step2 on the way
     if where == "entry":  # at the write's first instruction (where a signal's handler runs)
-        _interrupt_at(monkeypatch, checksums.HashingWriter, "write", 5)
+        _interrupt_at(monkeypatch, checkpoint_stream.StreamWriter, "write", 5)
     else:  # inside it, from the file's write
-        real, calls = checksums.HashingWriter.write, {"n": 0}
+        real, calls = checkpoint_stream.StreamWriter.write, {"n": 0}
 
-        def write(self, data):
+        def write(self, data, crc=0):
             calls["n"] += 1
             if calls["n"] == 5:
                 self.f = type("F", (), {"write": lambda _self, _data: (_ for _ in ()).throw(KeyboardInterrupt())})()
-            return real(self, data)
-        monkeypatch.setattr(checksums.HashingWriter, "write", write)
+            return real(self, data, crc)
+        monkeypatch.setattr(checkpoint_stream.StreamWriter, "write", write)
     with pytest.raises(KeyboardInterrupt):
         engine.save_checkpoint(str(tmp_path / "ckpt"))
     monkeypatch.undo()

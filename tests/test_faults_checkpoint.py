@@ -386,20 +386,20 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_checkpo
     needed and free, and the previous checkpoint intact and loadable (the unfinished folder removed)."""
     import errno
 
-    from megatrain_ds import checksums
+    from megatrain_ds import checkpoint_stream
 
     engine = _engine(_llama())
     _train(engine, 1)
     engine.save_checkpoint(str(tmp_path))  # global_step1: the previous checkpoint
     _train(engine, 1)
-    real_write, budget = checksums.HashingWriter.write, {"left": 4096}
+    real_write, budget = checkpoint_stream.StreamWriter._write, {"left": 4096}
 
-    def write(self, data):  # the disk fills up after a few KiB of the next save
-        budget["left"] -= len(data)
+    def write(self, data, crc):  # the disk fills up after a few KiB of the next save
+        budget["left"] -= memoryview(data).nbytes
         if budget["left"] < 0:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(self, data)
-    monkeypatch.setattr(checksums.HashingWriter, "write", write)
+        return real_write(self, data, crc)
+    monkeypatch.setattr(checkpoint_stream.StreamWriter, "_write", write)
     with pytest.raises(OSError, match=r"disk is full writing .*global_step2\.tmp-\d+/zero_pp_rank_0_mp_rank_00_"
                                       r"model_states\.pt: it needs about .* GiB are free there.*previous checkpoint "
                                       r"and 'latest' are intact"):
