@@ -15,18 +15,24 @@ What is compared: each run saves a Trainer checkpoint at its last step; its ``tr
 logged metrics at full precision (the console prints 4 digits). Every metric both engines log (loss, grad_norm,
 learning rate, eval_loss, token accuracy, DPO's rewards/accuracies and log-probs, GRPO's reward and KL, ...)
 must agree to RTOL -- a gradient off by a factor or missing a layer moves grad_norm at the first step, where the
-learning rate is still 0 (WarmupLR's first two steps); the steps after it move the losses. The weights the script's
-``trainer.save_model`` leaves (a DeepSpeed checkpoint: the config's "auto" 16-bit gather resolves to off) must
-rebuild, through DeepSpeed's own zero_to_fp32, into equal weights.
+learning rate is still 0 (WarmupLR's first two steps); the steps after it move the losses. What the script's
+``trainer.save_model`` leaves must hold equal weights: a DeepSpeed checkpoint (the config's "auto" 16-bit gather
+resolves to off), rebuilt through DeepSpeed's own zero_to_fp32, or a PEFT adapter.
 
-The runs (``RUNS``): SFT full (2 ranks, gradient checkpointing, eval every 3 steps, a checkpoint every 3) and its
-resume from checkpoint-3 in a fresh launch; SFT LoRA (``--use_peft``) with packing (padding-free, position_ids);
-DPO (2 ranks; TRL builds the reference model with a second ``deepspeed.initialize``, no optimizer); GRPO with
-transformers' generate, its reference model (beta > 0) and a reward function, with ``ds3_gather_for_generation``
-true (TRL's default: it gathers the whole model and calls its remove_hooks/add_hooks on the engine) and false;
-RLOO (the same generation path); the reward trainer (a sequence classifier). One DeepSpeed run per configuration,
-shared by the tests; the launches of the selected tests start together when the module starts, two at a time
-(``PARALLEL``), so the DeepSpeed and megatrain_ds runs of one configuration overlap.
+The runs (``SPECS``): SFT full (2 ranks, gradient checkpointing, eval every 3 steps, a checkpoint every 3) and its
+resume from checkpoint-3 in a fresh launch; SFT LoRA (``--use_peft``, TRL's reentrant gradient checkpointing) with
+packing (padding-free, position_ids); DPO (2 ranks, gradient checkpointing off; TRL builds the reference model with a
+second ``deepspeed.initialize``, no optimizer); GRPO with transformers' generate, its reference model (beta > 0) and
+a reward function, with ``ds3_gather_for_generation`` true (TRL's default: it gathers the whole model and calls its
+remove_hooks/add_hooks on the engine) and false (megatrain_ds only: compared with DeepSpeed's gathered run, docs/trl.md
+says why); RLOO (the same generation path); the reward trainer (a sequence classifier). One DeepSpeed run per
+configuration, shared by the tests; the launches of the selected tests start together when the module starts, two
+at a time (``PARALLEL``), so the DeepSpeed and megatrain_ds runs of one configuration overlap. Real DeepSpeed's
+2-rank launches get accelerate's CPU process count fixed as the switch fixes it (tests/trl/cpu_world/); without
+that DeepSpeed stops at its batch-size check on a CPU-only machine.
+
+Cost: about 8 CPU-minutes, nearly all of it 33 Python processes importing torch, transformers, DeepSpeed and TRL
+(14 launches, 5 of them 2 ranks); on the 2-core CI machine the two parallel launches keep both cores busy.
 """
 from __future__ import annotations
 
@@ -78,6 +84,8 @@ use_cpu: false
 # Every launch: fp32 (TRL defaults to bf16), a log line and the lr every step, GA 1 as the JSON says
 COMMON = ["--report_to", "none", "--seed", "0", "--bf16", "False", "--logging_steps", "1", "--learning_rate", "1e-3",
           "--gradient_accumulation_steps", "1", "--save_strategy", "steps"]
+SFT = ("--per_device_train_batch_size", "2", "--max_length", "64", "--gradient_checkpointing", "True",
+       "--eval_strategy", "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "4", "--save_steps", "3")
 GENERATION = ["--num_generations", "2", "--max_completion_length", "8", "--per_device_train_batch_size", "4",
               "--beta", "0.1", "--reward_funcs", "tests.trl_assets.char_code_reward"]
 
@@ -95,12 +103,8 @@ class Spec:
 
 
 SPECS = {
-    "sft": Spec("sft.py", "lm", "sft", 6, ranks=2, args=(
-        "--per_device_train_batch_size", "2", "--max_length", "64", "--gradient_checkpointing", "True",
-        "--eval_strategy", "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "4", "--save_steps", "3")),
-    "sft-resume": Spec("sft.py", "lm", "sft", 6, ranks=2, resume_from="sft:3", args=(
-        "--per_device_train_batch_size", "2", "--max_length", "64", "--gradient_checkpointing", "True",
-        "--eval_strategy", "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "4", "--save_steps", "3")),
+    "sft": Spec("sft.py", "lm", "sft", 6, ranks=2, args=SFT),
+    "sft-resume": Spec("sft.py", "lm", "sft", 6, ranks=2, resume_from="sft:3", args=SFT),
     "sft-lora": Spec("sft.py", "lm", "sft", 5, args=(
         "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--packing", "--per_device_train_batch_size", "2",
         "--max_length", "64", "--gradient_checkpointing", "True", "--save_steps", "5")),
@@ -155,7 +159,9 @@ def _last_checkpoint(out: Path) -> Path | None:
 
 
 class Runs:
-    """The module's launches: submitted together at the start (``prefetch``), waited for by the tests."""
+    """The module's launches, keyed "<spec>/<engine>" (engine: deepspeed or megatrain): the ``runs`` fixture submits
+    those of the selected tests at the start, each test waits for the ones it reads. A resumed launch waits (in its
+    pool thread) for the launch whose checkpoint it takes, which was submitted before it."""
 
     def __init__(self, root: Path, assets: dict) -> None:
         self.root, self.assets = root, assets
@@ -179,11 +185,11 @@ class Runs:
     def _launch(self, key: str) -> Run:
         name, engine = key.split("/")
         spec, switch = SPECS[name], engine == "megatrain"
-        out = self.root / name.replace("/", "-") / engine
+        out = self.root / name / engine
         args = list(spec.args)
         if spec.resume_from:
             source, step = spec.resume_from.split(":")
-            first = self[f"{source}/{engine}"]
+            first = self[f"{source}/{engine}"].check()
             out.mkdir(parents=True)
             checkpoint = out / f"checkpoint-{step}"
             shutil.copytree(first.out / f"checkpoint-{step}", checkpoint)  # as if interrupted after that step
@@ -202,10 +208,6 @@ class Runs:
         if checkpoint is not None and (checkpoint / "trainer_state.json").is_file():
             history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
         return Run(key, proc.returncode, log, out, history)
-
-
-def _run_keys(item) -> list[str]:
-    return list(getattr(item.function, "trl_runs", ()))
 
 
 def uses(*keys: str):
@@ -229,7 +231,7 @@ def runs(request, assets, tmp_path_factory):
     module = request.module.__name__
     for item in request.session.items:  # the selected tests' launches, in file order
         if item.module.__name__ == module:
-            for key in _run_keys(item):
+            for key in getattr(item.function, "trl_runs", ()):
                 runs.submit(key)
     yield runs
     runs.pool.shutdown(wait=True, cancel_futures=True)
