@@ -52,9 +52,9 @@ import torch
 
 from tests.launch import run_again_after_exit_abort
 
-trl = pytest.importorskip("trl", reason="TRL is not installed: `make test` installs it (pyproject's test extra); "
-                          "`make oldest` leaves it out: TRL 1.16 needs accelerate>=1.10.1, the oldest set pins 1.0.1 "
-                          "(docs/trl.md)")
+trl = pytest.importorskip("trl", minversion="1.16.0", reason=(
+    "TRL 1.16 or newer is not installed: `make test` installs it (pyproject's test extra); `make oldest` leaves it "
+    "out: TRL 1.16 needs accelerate>=1.10.1, the oldest set pins 1.0.1 (docs/trl.md)"))
 
 REPO = Path(__file__).resolve().parent.parent
 DS_CONFIG = REPO / "tests" / "trl" / "ds_config_zero3.json"  # accelerate's tests/deepspeed/ds_config_zero3.json
@@ -141,13 +141,13 @@ class Run:
                 if isinstance(v, (int, float)) and not IGNORED.search(k)}
 
 
-def _env(switch: bool) -> dict:
+def _env(switch: bool, root: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("MEGATRAIN_DS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     # real DeepSpeed on CPU with several ranks needs accelerate's process count fixed (tests/trl/cpu_world/)
     paths = [str(REPO)] if switch else [str(CPU_WORLD), str(REPO)]
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", PYTHONPATH=os.pathsep.join(p for p in (*paths, env.get("PYTHONPATH")) if p))
+               HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(root / "hf_datasets"), PYTHONPATH=os.pathsep.join(p for p in (*paths, env.get("PYTHONPATH")) if p))
     if switch:
         env["MEGATRAIN_DS"] = "1"
     return env
@@ -199,7 +199,7 @@ class Runs:
                "--model_name_or_path", self.assets[spec.model], "--dataset_name", self.assets[spec.data],
                "--output_dir", out, "--max_steps", str(spec.steps), *COMMON, *args]
         proc = run_again_after_exit_abort(lambda: subprocess.run(
-            [str(c) for c in cmd], cwd=self.root, env=_env(switch), capture_output=True, text=True, timeout=900))
+            [str(c) for c in cmd], cwd=self.root, env=_env(switch, self.root), capture_output=True, text=True, timeout=900))
         log = proc.stdout + proc.stderr
         out.parent.mkdir(parents=True, exist_ok=True)
         (out.parent / f"{engine}.log").write_text(log)  # beside the output, for a failure's whole story
