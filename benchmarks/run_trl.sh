@@ -23,6 +23,10 @@ mkdir -p "$out"
 if [ "${DEVICE:-cuda}" = cuda ]; then
   source benchmarks/device_setup.sh
   export TORCH_EXTENSIONS_DIR=$PWD/.site/ext
+  # the switch's one line (setup.py writes it as megatrain_ds_switch.pth into site-packages when the package is
+  # installed; here the repo is only on PYTHONPATH, where no .pth is read, so sitecustomize carries it). Without it
+  # MEGATRAIN_DS=1 changes nothing: seen 2026-11-28, both "systems" were real DeepSpeed.
+  echo "import os; os.environ.get('MEGATRAIN_DS') == '1' and __import__('compat.switch')" > .site/sitecustomize.py
   prec="--bf16 True --use_liger_kernel True"
 else
   export PYTHONPATH=$PWD:${PYTHONPATH:-}; prec="--bf16 False --use_cpu True"
@@ -42,6 +46,8 @@ one() {  # one SYSTEM TAG LIMIT SCRIPT ARGS...: one system's run of one TRL scri
       --json "$out/${tag}_$system.json" -- $acc "$scripts/$script" --output_dir "$work/out" "$@" \
       > "$out/${tag}_$system.log" 2>&1
   grep -e "^== rc" -e "Error" "$out/${tag}_$system.log" | tail -n 3
+  if [ "$system" = megatrain ] && ! grep -q "the engine is megatrain_ds" "$out/${tag}_$system.log"; then
+    echo "!! $tag/megatrain: the switch's line is not in the log: this run was NOT megatrain_ds"; fi
   du -sh "$work/out" 2>/dev/null
 }
 

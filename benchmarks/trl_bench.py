@@ -4,7 +4,7 @@ Nothing is downloaded (the box reaches no network): ``prepare`` writes a random-
 (benchmarks/shapes.py) with a word-level tokenizer whose vocabulary covers every id of the model (so any generated
 id decodes), a chat template, and two local datasets:
 
-- ``sft/``: ``text`` rows of random words, each longer than ``--seq`` tokens, so that SFT with
+- ``sft/``: ``text`` rows of random words, each longer than ``--seq`` tokens as the saved tokenizer counts them, so that SFT with
   ``--max_length SEQ`` (no packing) trains exactly ``batch × SEQ`` tokens per step;
 - ``grpo/``: ``prompt`` rows of a few words, for GRPO with the reward ``benchmarks.trl_bench.length_reward``.
 
@@ -45,23 +45,42 @@ def length_reward(completions, **kwargs):
     return out
 
 
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer maps each byte to)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
 def _tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """Byte-level BPE without merges: every byte one token (ids 0-255), then ChatML's special tokens, then filler
+    entries up to the model's vocabulary so that every id a random-init model generates decodes. transformers 5
+    loads a qwen2 folder's tokenizer as Qwen2Tokenizer, which keeps its own byte-level pre-tokenizer: a word-level
+    vocabulary there encodes to nothing (seen 2026-11-28: 16 tokens per 16-row step), bytes survive it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for i in range(len(specials), vocab_size):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    from tokenizers import decoders
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token="<|endoftext|>")
+    vocab = {c: i for i, c in enumerate(_byte_chars())}
+    for tok in specials:
+        vocab[tok] = len(vocab)
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<f{i}>"] = i
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None)
+    fast.add_special_tokens({"additional_special_tokens": specials[1:2]})
     fast.chat_template = (
-        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     return fast
 
 
@@ -84,9 +103,18 @@ def prepare(shape: str, out: str, rows: int, seq: int, seed: int = 0) -> None:
     tok.save_pretrained(model_dir)
     n = sum(p.numel() for p in model.parameters())
     del model
-    words = [f"w{i}" for i in range(3, min(config.vocab_size, 20000))]
-    for name, make in (("sft", lambda: {"text": " ".join(rng.choices(words, k=seq + 64))}),
-                       ("grpo", lambda: {"prompt": " ".join(rng.choices(words, k=24))})):
+    from transformers import AutoTokenizer
+    loaded = AutoTokenizer.from_pretrained(model_dir)  # as TRL loads it: the row lengths are counted in its tokens
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    word = lambda: "".join(rng.choices(letters, k=rng.randint(2, 8)))  # noqa: E731
+    text = lambda n: " ".join(word() for _ in range(n))  # noqa: E731
+    probe = len(loaded(text(200))["input_ids"])
+    if probe < 400:
+        raise RuntimeError(f"the saved tokenizer gives {probe} tokens for 200 words ({type(loaded).__name__}): "
+                           "the SFT rows would not fill max_length")
+    words_per_row = int((seq + 64) * 200 / probe) + 1
+    for name, make in (("sft", lambda: {"text": text(words_per_row)}),
+                       ("grpo", lambda: {"prompt": text(8)})):
         os.makedirs(os.path.join(out, name), exist_ok=True)
         with open(os.path.join(out, name, "train.jsonl"), "w") as f:
             for _ in range(rows):
