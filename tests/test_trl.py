@@ -261,7 +261,8 @@ def assert_same_metrics(ours: Run, real: Run, required: tuple[str, ...], steps: 
 
 def saved_weights(run: Run) -> dict[str, torch.Tensor]:
     """What the script's ``trainer.save_model`` wrote to the output dir, as fp32 tensors: a PEFT adapter
-    (``adapter_model.safetensors``, gathered through ``_zero3_consolidated_16bit_state_dict``), else the DeepSpeed
+    (``adapter_model.safetensors``: the Trainer gathers it with
+    ``_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)``), else the DeepSpeed
     checkpoint the Trainer writes when the 16-bit gather is off, rebuilt by DeepSpeed's own zero_to_fp32 (what a
     user runs next)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
