@@ -88,9 +88,9 @@ def _plan(engine, world: int, sub_group_size: int) -> tuple[list[list[_Param]], 
             else:
                 frozen.append(param)
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    for k, (p, grad) in enumerate(zip(engine.resident.params, engine.resident.grad)):
+    for k, (p, is_trained) in enumerate(zip(engine.resident.params, engine.resident.trained)):
         param = _Param(names[id(p)], torch.Size(p.shape), None, k)
-        if grad is None:
+        if not is_trained:
             frozen.append(param)
         else:
             trained[param.name] = param
@@ -193,11 +193,12 @@ class _RankState:
             self.frozen_buf[at:at + size].copy_(received[offset:offset + size])
             offset += size
 
-    def _exchange(self, i: int, train: list[_Param], frozen: list[_Param]) -> None:
-        """Layer i's owner scatters every rank its partitions of the layer (a collective of every rank)."""
+    def _exchange(self, owner: int, train: list[_Param], frozen: list[_Param]) -> None:
+        """The ``owner`` of a layer's (or a resident parameter's) state scatters every rank its partitions of it (a
+        collective of every rank)."""
         world = self.world
         width = sum(self._size(p) for p in train) * len(self.kinds) + sum(self._size(p) for p in frozen)
-        owner, received, chunks = world.owner(i), torch.empty(width, dtype=torch.float32), None
+        received, chunks = torch.empty(width, dtype=torch.float32), None
         if world.rank == owner:
             send = torch.empty(world.size, width, dtype=torch.float32)
             for rank in range(world.size):
@@ -220,8 +221,14 @@ class _RankState:
             if self.world.size == 1:
                 self._own(train, frozen)
             else:
-                self._exchange(i, train, frozen)
-        self._own(*by_layer.get(None, ([], [])))  # resident parameters are replicated
+                self._exchange(self.world.owner(i), train, frozen)
+        train, frozen = by_layer.get(None, ([], []))  # resident parameters: frozen ones are every rank's copy; a
+        self._own([], frozen)  # trained one's state is its owner's (dp.py), which scatters it as a layer's
+        for p in train:
+            if self.world.size == 1:
+                self._own([p], [])
+            else:
+                self._exchange(self.world.dp.resident_owner(p.start), [p], [])
         self.fragments = {p.name: self.frozen_buf[self.frozen_start[p.name]:][:self._size(p)] for p in self.frozen}
         self.flat = [[region[start:start + size] for start, size in zip(self.group_start, self.sizes)]
                      for region in self.regions]  # per kind, per sub-group
