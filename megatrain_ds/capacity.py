@@ -13,10 +13,10 @@ The model of memory
 -------------------
 
 **Host RAM** (persistent; ``host_state_bytes`` equals ``engine.host_memory()["total_bytes"]`` summed over ranks,
-to the byte: tests/test_plan.py):
+to the byte: tests/test_plan.py, tests/test_dp.py with 2 ranks):
 
-- ``HostLayerStore`` (host_state.py), for the streamed layers a rank owns (data parallel: layer i on rank i % N,
-  so the layers are held once per host): the master (fp32; bf16 with ``bf16_master_weights_and_grads``), whole
+- ``HostLayerStore`` (host_state.py), for the streamed layers a rank owns (data parallel: layer i on position
+  i % N of the host's ranks, dp.py's ``Topology``, so the layers are held once per host): the master (fp32; bf16 with ``bf16_master_weights_and_grads``), whole
   layers when it is the wire copy, else the trainable elements only (frozen weights live in the wire copy only);
   exp_avg and exp_avg_sq (fp32, trainable); the wire copy (all elements, in the wire dtype; none when the wire is
   the master); the gradient home (trainable elements, in the landing dtype with GA 1, fp32 with GA > 1); with
@@ -25,7 +25,8 @@ to the byte: tests/test_plan.py):
   the streamed layers leave RAM for the disk (host_bytes.py's ``nvme_split`` picks how many; decisions.py's
   ``resolve`` applies it, for the engine and the planner alike); RAM gains ``max(2, buffer_count)`` staging buffers
   of the largest disk layer's region.
-- ``ResidentParams`` (optimizer.py), once per rank (replicated): per trainable element fp32 master, exp_avg,
+- ``ResidentParams`` (resident.py), each trained one's state on one rank of the host (``dp.resident_positions``;
+  the other ranks keep its device copy only): per trainable element fp32 master, exp_avg,
   exp_avg_sq and gradient (16 bytes) plus a pinned compute-dtype wire copy and landing buffer (2 x 2 bytes in bf16);
   nothing on the host when that state is on the GPU (``gpu_optimizer_layers`` > 0 at initialize), and nothing for a
   frozen one (its only copy is on the device). On a CPU "device" the device copies are host memory too.
@@ -76,6 +77,7 @@ import torch
 
 from .config import TrainConfig
 from .decisions import Decisions, HostShare, resolve
+from .dp import Topology, resident_positions
 from .host_bytes import (NVME_BUFFER_COUNT, GiB, MiB, _resident_items, disk_free_bytes, host_budget_bytes,
                          layer_store_bytes, meminfo, nvme_layer_bytes, nvme_settings, optimizer_scratch_bytes,
                          resident_host_bytes, staging_buffers)
@@ -304,7 +306,7 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
                    world: int = 1, seq: int | None = None, activations: ActivationModel | None = None,
                    freed_bytes: int = 0, host_budget=None, gpu_memory: int | None = None,
                    model_name: str = "model", raise_error: bool = True,
-                   decisions: Decisions | None = None) -> Prediction:
+                   decisions: Decisions | None = None, owned=None, resident_owned=None) -> Prediction:
     """Predict host RAM, disk and GPU bytes for these layouts and resident parameters under ``config``; refuse
     (``CapacityError``, the numbers in its message) what clearly does not fit; return the ``Prediction``.
 
@@ -312,7 +314,8 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     ``resident_numels``: per resident parameter (outside the block list; tied ones once) its element count, as an
     int (trainable), an ``(elements, trainable)`` pair or the tensor itself; ``device``: where the engine computes;
     ``nvme_path``: overrides ``offload_optimizer.nvme_path``; ``world``: data-parallel ranks on this host (the
-    host total is every rank's); ``seq`` + ``activations`` (``ActivationModel``): the step's GPU working set (without
+    host total is every rank's); ``owned`` / ``resident_owned``: what each of them holds (one mask of the layers /
+    of the resident parameters per rank; default: the ``world`` ranks are one shard, dp.py's ``Topology``); ``seq`` + ``activations`` (``ActivationModel``): the step's GPU working set (without
     them only what initialize allocates is checked); ``freed_bytes``: see ``host_budget_bytes``; ``host_budget``:
     overrides ``megatrain.host_memory_budget`` (GiB or "auto"); ``gpu_memory``: the device's bytes when planning
     for a GPU this machine does not have; ``decisions``: the run's (the engine passes its own), else resolved here
@@ -325,17 +328,23 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     budget_setting = host_budget if host_budget is not None else config.megatrain.host_memory_budget
     budget = host_budget_bytes(budget_setting, freed_bytes)
 
+    if owned is None:  # the host's ranks are one shard (dp.py): layer i on rank i % world
+        topo = Topology.uniform(1, world)
+        owned = tuple(tuple(topo.owned_mask(r, len(layouts))) for r in range(world))
+    if resident_owned is None:
+        positions = resident_positions(resident, len(owned))
+        resident_owned = tuple(tuple(p is None or p == r for p in positions) for r in range(len(owned)))
+
     def tally(dec: Decisions) -> _Tally:
-        return _Tally(layouts, resident, config, dec, device, gpu_memory, world, acts)
+        return _Tally(layouts, resident, config, dec, device, gpu_memory, world, acts, owned, resident_owned)
 
     def beside(before_split: Decisions) -> int:  # what the budget holds beside the state: the step's host memory
         counted = tally(before_split)
         return counted.offloaded(counted.mb) + counted.compute_on_host(counted.mb)
 
     if decisions is None:  # every rank of the host shares the budget
-        owned = tuple(tuple(i % world == r for i in range(len(layouts))) for r in range(world))
         decisions = resolve(config, layouts, "cuda" if device.type == "cuda" else "cpu",
-                            HostShare(tuple(resident), owned, budget, beside))
+                            HostShare(tuple(resident), tuple(owned), budget, beside, tuple(resident_owned)))
     t = tally(decisions)
     t.count_host(nvme_path, budget, budget_setting, freed_bytes)
     t.count_gpu(gpu_memory)
@@ -357,11 +366,12 @@ class _Tally:
 
     def __init__(self, layouts: list[LayerLayout], resident: list[tuple[int, bool]], config: TrainConfig,
                  dec: Decisions, device: torch.device, gpu_memory: int | None, world: int,
-                 acts: ActivationModel | None) -> None:
+                 acts: ActivationModel | None, owned, resident_owned) -> None:
         self.layouts, self.resident, self.config, self.dec = layouts, resident, config, dec
         self.world, self.acts, self.n, self.device = world, acts, len(layouts), device
         self.dev = "cuda" if device.type == "cuda" else "cpu"
-        self.owned = [[i % world == r for i in range(self.n)] for r in range(world)]  # dp.owned_mask of each rank
+        self.owned = [list(mask) for mask in owned]  # the layers each rank of the host holds (dp.owned_mask)
+        self.resident_owned = [list(mask) for mask in resident_owned]  # the resident state each holds
         self.mb, self.offload = config.micro_batch_size, bool(config.megatrain.offload_activations)
         self.notes = list(dec.notes)
         self.persistent = self._persistent(device, gpu_memory)
@@ -379,14 +389,15 @@ class _Tally:
             persistent[f"{dec.wire} staging of the slots (stream_fp32_master)"] = slots * max_numel * _size(dec.wire)
         persistent["kept layers' weight buffers"] = sum(layouts[i].numel for i in range(n - dec.keep, n)) * c
         persistent["resident parameters (compute copies)"] = sum(m for m, _ in self.resident) * c
-        if dec.resident_on_device:
-            persistent["resident fp32 state (GPU-held optimizer)"] = 16 * sum(m for m, t in self.resident if t)
+        if dec.resident_on_device:  # rank 0's (data parallel: the resident parameters it holds)
+            persistent["resident fp32 state (GPU-held optimizer)"] = 16 * sum(
+                m for (m, t), mine in zip(self.resident, self.resident_owned[0]) if t and mine)
         persistent["GPU-held layers' master, moments, gradient"] = sum(  # DeviceOptimizerState.nbytes, rank 0's
             4 * (layouts[i].numel if dec.wire == "fp32" else layouts[i].n_train) + 12 * layouts[i].n_train
             for i in range(dec.n_device_layers) if self.owned[0][i])
-        if dec.grad_hold:  # grad_hold.py: every streamed layer's gradient, until its update fetches it
+        if dec.grad_hold:  # grad_hold.py: every streamed layer's gradient rank 0 holds, until its update fetches it
             persistent[f"{dec.grad} gradients held until the norm (gradient_hold)"] = _size(dec.grad) * sum(
-                lay.n_train for lay in layouts)
+                lay.n_train for lay, mine in zip(layouts, self.owned[0]) if mine)
         if self.dev == "cuda":
             persistent["cuBLAS workspace"] = _cublas_workspace_bytes(device, gpu_memory)
         return persistent
@@ -413,8 +424,9 @@ class _Tally:
                                           staging, disk_masters=dec.nvme_masters, moments=dec.moments,
                                           hold=dec.grad_hold).items():
                 parts[f"layers: {k}"] = parts.get(f"layers: {k}", 0) + v
-        parts["resident (embeddings, norms, head)"] = self.world * resident_host_bytes(
-            self.resident, dec.compute, self.dev, dec.resident_on_device)
+        parts["resident (embeddings, norms, head)"] = sum(resident_host_bytes(  # each held by one rank (dp.py)
+            [item for item, mine in zip(self.resident, mask) if mine], dec.compute, self.dev, dec.resident_on_device)
+            for mask in self.resident_owned)
         return parts
 
     def host_need(self, b: int) -> int:

@@ -250,7 +250,7 @@ def _engine_params(engine) -> dict[str, tuple[tuple, bool]]:
             out[f"{engine.block_name}.{i}.{slot.name}"] = (tuple(slot.shape), slot.trainable)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     for k, p in enumerate(engine.resident.params):
-        out[names[id(p)]] = (tuple(getattr(p, "ds_shape", p.shape)), engine.resident.grad[k] is not None)
+        out[names[id(p)]] = (tuple(getattr(p, "ds_shape", p.shape)), engine.resident.trained[k])
     return out
 
 

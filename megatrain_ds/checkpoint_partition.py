@@ -81,9 +81,9 @@ def _plan(engine, world: int, sub_group_size: int) -> tuple[list[list[_Param]], 
             else:
                 frozen.append(param)
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    for k, (p, grad) in enumerate(zip(engine.resident.params, engine.resident.grad)):
+    for k, (p, is_trained) in enumerate(zip(engine.resident.params, engine.resident.trained)):
         param = _Param(names[id(p)], torch.Size(p.shape), None, k)
-        if grad is None:
+        if not is_trained:
             frozen.append(param)
         else:
             trained[param.name] = param
@@ -118,7 +118,8 @@ class _RankState:
     elements, zero past the end). With one rank a partition is the parameter itself: the chunks are views of the host
     state (converted to fp32 piece by piece where it is kept in another dtype). With N ranks, for each run of a
     sub-group's parameters of one streamed layer, the layer's owner scatters every rank its partitions of that run
-    (``_exchange``, a collective); the replicated resident parameters are cut locally. The sub-groups are DeepSpeed's
+    (``_exchange``, a collective), and a trained resident parameter's owner likewise; frozen resident parameters
+    are cut locally. The sub-groups are DeepSpeed's
     (``_plan``), not the layers: a sub-group spans layers, its record is the concatenation."""
 
     def __init__(self, engine, world: _World, groups: list[list[_Param]], frozen: list[_Param],
@@ -133,7 +134,7 @@ class _RankState:
         # device), and written so, as DeepSpeed writes its 16-bit frozen fragments; fp32 in fp32 mode
         frozen_dtype = engine.store.wire_dtype if engine.store.compact else torch.float32
         storage = StreamedStorage(frozen_dtype, sum(self._size(p) for p in frozen),
-                                  self._producer("master", frozen, frozen_dtype))
+                                  self._producer("master", frozen, frozen_dtype, trained=False))
         self.fragments, offset = {}, 0
         for p in frozen:
             self.fragments[p.name] = storage.tensor(offset, self._size(p))
@@ -142,16 +143,21 @@ class _RankState:
     def _size(self, p: _Param) -> int:
         return _partition(p.numel, self.world.size)
 
-    def _producer(self, kind: str, params: list[_Param], dtype: torch.dtype):
-        """The chunks of one record: ``params``' partitions of ``kind``, in order."""
+    def _producer(self, kind: str, params: list[_Param], dtype: torch.dtype, trained: bool = True):
+        """The chunks of one record: ``params``' partitions of ``kind``, in order. With N ranks a streamed layer's
+        run comes from its owner, and so does a trained resident parameter's state (one host copy: dp.py's
+        ``resident_owner``); a frozen resident parameter is every rank's copy, cut locally."""
         def chunks():
             for layer, run in itertools.groupby(params, key=lambda p: p.layer):
                 run = list(run)
                 if self.world.size > 1 and layer is not None:
-                    yield self._exchange(layer, run, kind, dtype)
+                    yield self._exchange(self.world.owner(layer), run, kind, dtype)
                     continue
                 for p in run:
-                    yield from self._local(p, kind, dtype)
+                    if self.world.size > 1 and trained:
+                        yield self._exchange(self.world.dp.resident_owner(p.start), [p], kind, dtype)
+                    else:
+                        yield from self._local(p, kind, dtype)
         return chunks
 
     def _local(self, p: _Param, kind: str, dtype: torch.dtype):
@@ -163,12 +169,12 @@ class _RankState:
         yield from _pieces(flat[lo:hi], dtype)
         yield from _zeros(size - (hi - lo), dtype)
 
-    def _exchange(self, i: int, params: list[_Param], kind: str, dtype: torch.dtype) -> torch.Tensor:
-        """Layer i's owner scatters every rank its partitions of ``params`` (a collective of every rank); returns
-        this rank's."""
+    def _exchange(self, owner: int, params: list[_Param], kind: str, dtype: torch.dtype) -> torch.Tensor:
+        """The ``owner`` of ``params``' state (a layer's, or a resident parameter's) scatters every rank its
+        partitions of them (a collective of every rank); returns this rank's."""
         world = self.world
         width = sum(self._size(p) for p in params)
-        owner, received, chunks = world.owner(i), torch.empty(width, dtype=dtype), None
+        received, chunks = torch.empty(width, dtype=dtype), None
         if world.rank == owner:
             send = torch.empty(world.size, width, dtype=dtype)
             for rank in range(world.size):

@@ -134,6 +134,10 @@ class MegatrainSettings:
     # 2e-2 (bf16), 1e-2 (fp16)
     nvme_backend: str = "auto"  # the NVMe tier's I/O: "aio" (DeepSpeed's async I/O op; libaio), "threads" (a
     # thread pool over an O_DIRECT file), "auto" (aio when it builds and loads, else threads)
+    host_sharding: str = "node"  # data parallel: which ranks split the host state (dp.py, [Note: data parallel]):
+    # "node" = the ranks of each node (host) hold one copy between them, each node its own (gradients all-reduced
+    # between the nodes; no weight crosses the network); "job" = every rank of the job holds its share of one copy
+    # (each node 1/nodes of the state; every layer's weights broadcast to every node). One node: the same
     collective_timeout: float = 600.0  # data parallel: the seconds a rank waits in one of the engine's collectives
     # for the other ranks; then CollectiveError naming this rank, the collective (micro-step, step, layer), the
     # rank(s) that did not arrive and where they last were, and what to do (dp.py, [Note: collective timeouts]). A
@@ -148,6 +152,8 @@ class MegatrainSettings:
                 self.speculation_backoff < 0:
             raise ConfigError(f"megatrain.speculation_backoff must be a step count >= 0, got "
                               f"{self.speculation_backoff!r}")
+        if self.host_sharding not in ("node", "job"):
+            raise ConfigError(f"megatrain.host_sharding must be \"node\" or \"job\", got {self.host_sharding!r}")
         if self.gradient_hold not in ("host", "gpu", "auto"):
             raise ConfigError("megatrain.gradient_hold must be \"host\", \"gpu\" or \"auto\", got "
                               f"{self.gradient_hold!r}")

@@ -96,16 +96,28 @@ class Decisions:
 
 @dataclass(frozen=True)
 class HostShare:
-    """Whose host state an "auto" NVMe split must fit, and in how many bytes: the resident parameters (``(elements,
-    trainable)`` each; every rank holds them), the streamed layers each rank sharing the budget holds (``owned``, one
-    mask per rank: the engine passes its own, the planner every rank on the host), the bytes they may take
-    (``budget``), and what else those bytes must hold beside the state (``beside``: bytes, or a function of the
-    decisions before the split; the planner's offloaded activations and, on a CPU device, its working set)."""
+    """Whose host state an "auto" decision (the NVMe split, ``gradient_hold``) must fit, and in how many bytes: the
+    resident parameters (``(elements, trainable)`` each), the streamed layers each rank sharing the budget holds
+    (``owned``, one mask per rank of the host: the engine and the planner pass every rank on it), the resident
+    parameters each of those ranks holds the state of (``resident_owned``, one mask per rank; None: as one shard of
+    those ranks divides them, dp.resident_positions), the bytes they may take (``budget``), what else those bytes
+    must hold beside the state (``beside``: bytes, or a function of the decisions before the split; the planner's
+    offloaded activations and, on a CPU device, its working set), and ``hold``: ``gradient_hold`` "auto" as decided
+    by the caller (None: here; data parallel: the engine holds on every rank when one rank must)."""
 
     resident: tuple[tuple[int, bool], ...]
     owned: tuple[tuple[bool, ...], ...]
     budget: int
     beside: int | Callable[[Decisions], int] = 0
+    resident_owned: tuple[tuple[bool, ...], ...] | None = None
+    hold: bool | None = None
+
+    def resident_masks(self) -> tuple[tuple[bool, ...], ...]:
+        if self.resident_owned is not None:
+            return self.resident_owned
+        from .dp import resident_positions
+        positions = resident_positions(list(self.resident), len(self.owned))
+        return tuple(tuple(p is None or p == r for p in positions) for r in range(len(self.owned)))
 
 
 def stream_fp32_master(config: TrainConfig, layouts: list[LayerLayout]) -> bool:
@@ -190,13 +202,14 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
         auto_keep=auto_keep, check_recompute_steps=steps_to_check(mt.check_recompute),
         check_recompute_tolerance=recompute_tolerance(config), notes=tuple(notes))
     if mt.gradient_hold == "auto" and not nvme and ga == 1 and device_type == "cuda" and share is not None and \
-            len(share.owned) == 1 and all(share.owned[0]) and config.optimizer is not None and \
-            _host_bytes(before_split, layouts, device_type, share) > share.budget:
+            config.optimizer is not None and (share.hold if share.hold is not None else
+                                              _host_bytes(before_split, layouts, device_type, share) > share.budget):
         held = replace(before_split, grad_hold=True, deferred_moments=False)
-        if _host_bytes(held, layouts, device_type, share) <= share.budget:
+        if share.hold or _host_bytes(held, layouts, device_type, share) <= share.budget:
+            why = "another rank's host state needs" if share.hold else "the host state fits only with"
             before_split = replace(held, notes=held.notes + (
-                "gradient_hold \"auto\": the host state fits only with the gradients held on the GPU until the "
-                "norm (12 host bytes/param instead of 14; no speculative step, one-pass updates)",))
+                f"gradient_hold \"auto\": {why} the gradients held on the GPU until the norm (12 host bytes/param "
+                "instead of 14; no speculative step, one-pass updates)",))
     disk = 0
     if nvme and config.optimizer is not None:
         if mt.nvme_layers != "auto":
@@ -215,8 +228,8 @@ def _host_bytes(dec: Decisions, layouts: list[LayerLayout], device_type: str, sh
     total = sum(sum(layer_store_bytes(layouts, list(mask), dec.wire, dec.grad, dec.ga, disk, dec.master,
                                       disk_masters=dec.nvme_masters, moments=dec.moments,
                                       hold=dec.grad_hold).values()) for mask in share.owned)
-    total += len(share.owned) * resident_host_bytes(list(share.resident), dec.compute, device_type,
-                                                    dec.resident_on_device)
+    total += sum(resident_host_bytes([item for item, mine in zip(share.resident, mask) if mine], dec.compute,
+                                     device_type, dec.resident_on_device) for mask in share.resident_masks())
     total += sum(optimizer_scratch_bytes(layouts, list(mask), dec.master) for mask in share.owned)
     return total + (share.beside(dec) if callable(share.beside) else share.beside)
 

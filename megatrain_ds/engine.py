@@ -23,15 +23,13 @@ from torch import nn
 from .adapters import save_adapter
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .decisions import HostShare, resolve
 from .dp import DataParallel
 from .engine_auto import auto_budget_bytes, place_auto
 from .engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states, build_optimizer,
-                           build_store, build_workers, check_capacity_for, count, host_view, log_tier, param_groups,
-                           step_counters, sync_initial_weights)
+                           build_store, build_workers, check_capacity_for, count, decide, host_share, host_view,
+                           log_tier, param_groups, step_counters, sync_initial_weights)
 from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_call, to_device  # noqa: F401
 from .export import consolidated_state_dict, save_16bit_model
-from .host_bytes import host_budget_bytes
 from .lifecycle import close_tiers_at_exit, deferred_interrupt, refuse_a_model_in_use, refuse_empty_sequences
 from .log import ALL_RANKS, log, logger
 from .loss import fused_loss_parts
@@ -60,8 +58,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.dp = DataParallel(device, config.megatrain.collective_timeout)  # rank, world, layer ownership (dp.py)
-        mt = config.megatrain
+        # rank, world, which ranks share a host, who holds which state (dp.py)
+        self.dp = DataParallel(device, config.megatrain.collective_timeout, config.megatrain.host_sharding)
         model.train()
         groups, defaults = param_groups(model, model_parameters, config.optimizer)
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
@@ -77,21 +75,21 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if self.dp.active:  # every rank starts from rank 0's weights, as DeepSpeed's ZeRO-3 does
             sync_initial_weights(model, layers, self.dp, shared_ids)
         # 2. Decide, once (decisions.py): dtypes, every "auto" decidable now, which layers are GPU-held / on NVMe.
-        # This rank's state must fit its share of the host (the NVMe split); the capacity check counts the same.
+        # Every rank on this host must fit its budget (the NVMe split, gradient_hold); the capacity check counts the same.
         owned = self.dp.owned_mask(len(layers))
-        resident_numels, local, freed = host_view(model, layers, shared_ids, group_of, self.dp)
-        budget = host_budget_bytes(mt.host_memory_budget, freed) // local  # this rank's share of the host
-        share = HostShare(tuple(resident_numels), (tuple(owned),), budget)
-        self.decisions = dec = resolve(config, layouts, device.type, share)
+        resident_numels, _, freed = host_view(model, layers, shared_ids, group_of, self.dp)
+        resident_owned = self.dp.set_resident(resident_numels)  # whose host holds each one's state (dp.py)
+        share = host_share(config, len(layers), resident_numels, freed, self.dp)  # every rank on this host
+        self.decisions = dec = decide(config, layouts, device.type, share, self.dp)
         # before the layer templates are made from the layers
         self.liger_model_type = apply_liger_kernels(model, device, dec.liger_kernels)  # None: the model's own
         self.compute_dtype, self.wire_dtype, self.host_kernel = dec.compute_dtype, dec.wire_dtype, dec.host_kernel
         self.streams = make_streams(device)
         pin = device.type == "cuda"
-        self.capacity = check_capacity_for(config, dec, layouts, resident_numels, local, freed, model, device) \
+        self.capacity = check_capacity_for(config, dec, layouts, share, freed, model, device) \
             if config.optimizer is not None else None  # refused here, before any buffer, when the state cannot fit
         # 3. Build what was decided (engine_build.py): host store, host threads, executor, resident, optimizer.
-        self.store = build_store(config, dec, layouts, owned, self.dp.rank, pin, device, self.dp.active)
+        self.store = build_store(config, dec, layouts, owned, self.dp.rank, pin, device)
         self.precision_mode = "bf16 masters" if config.bf16_masters else "fp32 masters"  # named in the step line
         if self.store.tier is not None:  # its writes must land, and its file go, even without destroy()
             close_tiers_at_exit(self)
@@ -114,7 +112,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
         resident = [p for p in model.parameters() if id(p) not in layer_ids]
         self.resident = ResidentParams(resident, group_of, device, dec.compute_dtype, self.streams, pin,
-                                       state_on_device=dec.resident_on_device, dp=self.dp)
+                                       state_on_device=dec.resident_on_device, dp=self.dp, owned=resident_owned)
         # the resident parameters' refresh hooks (a module called without the engine), DeepSpeed's parameter offload
         self._offload = ParameterOffload(self, model, resident)  # face to trl's generation (zero_offload.py)
         buffers_to_device(model, layers, device)
@@ -533,9 +531,10 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 continue
             for slot in layout.slots:
                 out[f"{prefix}{i}.{slot.name}"] = self.store.param_master(i, slot.name)
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        for p, master in zip(self.resident.params, self.resident.master):
-            out[names[id(p)]] = master.view(p.shape).cpu()
+        names, res = {id(p): n for n, p in self.module.named_parameters()}, self.resident
+        for k, (p, master) in enumerate(zip(res.params, res.master)):  # data parallel: from each one's owner
+            out[names[id(p)]] = res.master_copy(k).view(p.shape) if self.dp.active and res.trained[k] else \
+                master.view(p.shape).cpu()
         return out
 
     # ------------------------------------------------------------------ checkpoints (checkpoint.py)
@@ -553,8 +552,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         resident = sum(t.numel() * t.element_size()
                        for ts in (res.master, res.exp_avg, res.exp_avg_sq, res.grad, res.wire, res.landing)
                        for t in {id(x): x for x in ts if host(x)}.values())
-        trainable = self.store.n_train + sum(m.numel() for m, g in zip(res.master, res.grad) if g is not None)
-        params = self.store.n_full + sum(m.numel() for m in res.master)
+        held = [(p.numel(), t) for p, t, mine in zip(res.params, res.trained, res.owned) if mine]  # (this rank's)
+        trainable = self.store.n_train + sum(n for n, t in held if t)
+        params = self.store.n_full + sum(n for n, _ in held)
         total = self.store.nbytes() + resident
         return {"layers_bytes": self.store.nbytes(), "resident_bytes": resident, "total_bytes": total,
                 "disk_bytes": self.store.disk_nbytes(),
@@ -599,7 +599,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                       for i, layout in enumerate(store.layouts) for slot in layout.slots}
         resident_keys = {names[id(p)]: k for k, p in enumerate(self.resident.params)}
         shapes = {key: tuple(slot.shape) for key, (_, slot) in layer_keys.items()}
-        shapes.update({key: tuple(self.resident.master[k].shape) for key, k in resident_keys.items()})
+        shapes.update({key: tuple(self.resident.params[k].shape) for key, k in resident_keys.items()})
         wrong = [f"{key}: {tuple(state[key].shape)} given, {shape} in the model" for key, shape in shapes.items()
                  if key in state and tuple(state[key].shape) != shape]
         missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
@@ -610,12 +610,15 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         staged = self.layer_states.load_masters([(*layer_keys[key], state[key]) for key in layer_keys if key in state])
         for key, k in resident_keys.items():
             if key in state:
-                p = self.resident.params[k]
-                self.resident.master[k].copy_(state[key].reshape(self.resident.master[k].shape))
+                p, master = self.resident.params[k], self.resident.master[k]
+                if master is None:  # data parallel: another rank holds its state; the device copy is this rank's
+                    p.data.copy_(state[key].reshape(p.shape))
+                    continue
+                master.copy_(state[key].reshape(master.shape))
                 if self.resident.wire[k] is not None:
-                    self.resident.wire[k].copy_(self.resident.master[k])
-                if p.data is not self.resident.master[k]:  # a frozen one's master is p.data
-                    p.data.copy_(self.resident.master[k])
+                    self.resident.wire[k].copy_(master)
+                if p.data is not master:  # a frozen one's master is p.data
+                    p.data.copy_(master)
         self.layer_states.finish_loading_masters(staged)  # NVMe masters, every wire copy, the GPU-held masters
         self.executor.schedule.invalidate()  # every slot is stale
 
@@ -638,8 +641,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     def _read_master(self, home: ParamHome) -> torch.Tensor:
         self.synchronize()  # the optimizer may be writing these bytes
         states = self.layer_states
-        if home.layer is None:  # on the device, where HF's ``model.device`` (the embedding) sends generate's inputs
-            return self.resident.master[home.resident_index].detach().to(self.device, torch.float32, copy=True)
+        if home.layer is None:  # data parallel: a collective from its owner; on the engine's device, where HF's
+            k = home.resident_index  # ``model.device`` (the embedding) sends generate's inputs
+            return self.resident.master_copy(k).view(self.resident.params[k].shape).to(self.device, torch.float32)
         if self.dp.active:  # a collective, as DeepSpeed's GatheredParameters: the owner's master to every rank
             import torch.distributed as dist
             slot = next(s for s in self.store.layouts[home.layer].slots if s.name == home.name)
@@ -658,12 +662,13 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             if home.layer is not None and not self.layer_states.holds(home.layer):
                 self.executor.schedule.invalidate(home.layer)  # every rank: the slots' versions stay in step
                 return
-        if home.layer is None:  # resident: fp32 master and the device copy the forward uses
-            k = home.resident_index
-            self.resident.master[k].copy_(value.reshape(self.resident.master[k].shape))
-            if self.resident.wire[k] is not None:
-                self.resident.wire[k].copy_(self.resident.master[k])
-            self.resident.params[k].ds_tensor.copy_(self.resident.master[k])
+        if home.layer is None:  # resident: fp32 master (its owner's) and the device copy the forward uses
+            k, res = home.resident_index, self.resident
+            if res.master[k] is not None:
+                res.master[k].copy_(value.reshape(res.master[k].shape))
+                if res.wire[k] is not None:
+                    res.wire[k].copy_(res.master[k])
+            res.params[k].ds_tensor.copy_(value.reshape(res.params[k].shape))
             return
         self.layer_states.set_param_master(home.layer, home.name, value)  # and its wire (and device) copies
         self.executor.schedule.invalidate(home.layer)  # slots holding the old weights are stale

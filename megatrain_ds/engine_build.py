@@ -11,9 +11,9 @@ capacity check with the engine's own decisions (``check_capacity_for``), liger-k
 """
 from __future__ import annotations
 
-import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -21,8 +21,9 @@ from torch import nn
 from .activations import HostActivations
 from .capacity import Prediction, check_capacity
 from .config import ConfigError, TrainConfig
-from .decisions import Decisions
+from .decisions import Decisions, HostShare, resolve
 from .executor import StreamedLayers
+from .host_bytes import host_budget_bytes
 from .host_state import HostLayerStore
 from .inference import InferenceCache
 from .layer_state import LayerStates
@@ -80,8 +81,9 @@ def sync_initial_weights(model: nn.Module, layers: nn.ModuleList, dp, shared_ids
             if id(p) in shared_ids:  # resident (used by two layers, or a layer and the rest): every rank
                 continue
             in_layers.add(id(p))
-            if dp.owner(i) != 0 and dp.rank in (0, dp.owner(i)):
-                exchange(p.data, dp.owner(i))
+            for owner in dp.owners(i):  # one per shard (dp.py)
+                if owner != 0 and dp.rank in (0, owner):
+                    exchange(p.data, owner)
     for p in model.parameters():
         if id(p) not in in_layers:
             exchange(p.data, None)
@@ -94,24 +96,48 @@ def host_view(model: nn.Module, layers: nn.ModuleList, shared_ids: set, group_of
               ) -> tuple[list[tuple[int, bool]], int, int]:
     """(per resident parameter (elements, trainable), the ranks sharing this host's memory, the host bytes of the
     model's own weights): what the host budget is measured against. The model's weights count as free (the
-    engine's copies replace them as the layers load); data parallel: the ``LOCAL_WORLD_SIZE`` ranks of the host
-    share its budget, each freeing its own model copy."""
+    engine's copies replace them as the layers load); data parallel: the ranks of this host (dp.py's topology, as
+    the launcher's node and LOCAL_WORLD_SIZE say; not the world) share its budget, each freeing its own model copy."""
     layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
     resident = [(p.numel(), id(p) in group_of) for p in model.parameters() if id(p) not in layer_ids]
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", dp.world) or 1)) if dp.active else 1
+    local = dp.local_world if dp.active else 1
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in model.parameters() if p.device.type == "cpu"}
     return resident, local, local * sum(storages.values())
 
 
-def check_capacity_for(config: TrainConfig, dec: Decisions, layouts, resident, local: int, freed_bytes: int,
+def host_share(config: TrainConfig, n_layers: int, resident: list[tuple[int, bool]], freed_bytes: int,
+               dp) -> HostShare:
+    """What this host's budget must hold (decisions.HostShare): the layers and resident parameters each rank on this
+    host holds (dp.py's ``Topology``), and the host's budget, the smallest any rank measured (``dp.min_int``): the
+    ranks of a host, and the replicas on other hosts, then decide alike."""
+    budget = dp.min_int(host_budget_bytes(config.megatrain.host_memory_budget, freed_bytes))
+    if not dp.active:
+        return HostShare(tuple(resident), ((True,) * n_layers,), budget, resident_owned=((True,) * len(resident),))
+    topo = dp.topology
+    return HostShare(tuple(resident), tuple(tuple(topo.owned_mask(r, n_layers)) for r in dp.host_ranks), budget,
+                     resident_owned=tuple(tuple(topo.resident_mask(r, dp.resident_pos)) for r in dp.host_ranks))
+
+
+def decide(config: TrainConfig, layouts, device_type: str, share: HostShare, dp) -> Decisions:
+    """decisions.resolve for this rank's host share. Data parallel: ``gradient_hold`` "auto" holds on every rank when
+    one rank's host needs it (a hold turns the speculative step off, and every rank must make the same collectives:
+    dp.py's Note)."""
+    dec = resolve(config, layouts, device_type, share)
+    if dp.active and dp.min_int(int(not dec.grad_hold)) == 0 and not dec.grad_hold:  # (every rank calls min_int)
+        dec = resolve(config, layouts, device_type, replace(share, hold=True))
+    return dec
+
+
+def check_capacity_for(config: TrainConfig, dec: Decisions, layouts, share: HostShare, freed_bytes: int,
                        model: nn.Module, device: torch.device) -> Prediction:
-    """capacity.py's check of what ``initialize`` is about to allocate under the engine's own decisions (host RAM,
-    the NVMe tier's disk, the GPU's persistent buffers): ``CapacityError`` with the numbers, before any buffer
-    exists, instead of an allocation failure mid-build or mid-step."""
-    return check_capacity(layouts, resident, config, device, world=local, freed_bytes=freed_bytes,
+    """capacity.py's check of what ``initialize`` is about to allocate on this host under the engine's own
+    decisions (host RAM of every rank on it, the NVMe tier's disk, the GPU's persistent buffers): ``CapacityError``
+    with the numbers, before any buffer exists, instead of an allocation failure mid-build or mid-step."""
+    return check_capacity(layouts, share.resident, config, device, world=len(share.owned), freed_bytes=freed_bytes,
                           model_name=getattr(getattr(model, "config", None), "name_or_path", "") or
-                          type(model).__name__, decisions=dec)
+                          type(model).__name__, decisions=dec, owned=share.owned,
+                          resident_owned=share.resident_masks())
 
 
 def apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str | None:
@@ -147,14 +173,11 @@ def apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str 
 
 
 def build_store(config: TrainConfig, dec: Decisions, layouts, owned: list[bool], rank: int,
-                pin: bool, device: torch.device | None = None, dp_active: bool = False) -> HostLayerStore:
+                pin: bool, device: torch.device | None = None) -> HostLayerStore:
     """The streamed layers' host buffers (host_state.py) as decided: wire, master and landing dtypes, the layers
     this rank holds, the NVMe tier's trailing layers (its path checked up front even when none is on disk now)."""
     if config.nvme is not None and dec.disk_layers == 0:
         check_path(config.nvme.nvme_path, 0)
-    if dec.grad_hold and dp_active:
-        raise ConfigError("megatrain.gradient_hold \"gpu\" runs in one process: data parallel lands each layer's "
-                          "gradient on its owner's host (use gradient_hold \"host\")")
     store = HostLayerStore(layouts, dec.wire_dtype, grad_accum_fp32=dec.ga > 1, pin=pin, grad_dtype=dec.landing_dtype,
                            owned=owned, disk_from=dec.disk_from, nvme=config.nvme, rank=rank,
                            nvme_backend=config.megatrain.nvme_backend, master_dtype=dec.master_dtype,
@@ -199,7 +222,7 @@ def build_workers(config: TrainConfig, device: torch.device, local_rank: int, dp
     threads] in optimizer.py).
     Their threads are placed (placement.py) on CUDA only: on the CPU the main thread computes the model itself
     (data parallel: each local rank within its own share of the host's cores)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp.world) or 1) if dp.active else 1
+    local_world = dp.local_world if dp.active else 1  # the ranks of this host (dp.py's topology)
     placement = resolve_placement(config.megatrain.host_threads, device.index, local_rank=local_rank,
                                   local_world=local_world) if device.type == "cuda" else None
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host",

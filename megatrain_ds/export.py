@@ -29,8 +29,8 @@ def gather_full_masters(engine, dst: int | None = None, dtype: torch.dtype | Non
 
     One process: views of the host masters (no copy unless ``dtype``; frozen weights of a compact store are
     their compute-dtype copy, host_state.py). Data parallel: a collective (every rank
-    calls it): streamed layers go from their owner to rank ``dst`` (None: to every rank), one layer at a time,
-    over the gloo group; resident parameters are replicated. Ranks other than ``dst`` get None. What a rank
+    calls it): streamed layers and trained resident parameters go from their owner to rank ``dst`` (None: to every
+    rank), one at a time, over the gloo group. Ranks other than ``dst`` get None. What a rank
     receives is its own copy (4 bytes per parameter; ``dtype`` casts each layer as it arrives)."""
     engine.sync_masters_to_host()
     world, states = _World(engine), engine.layer_states
@@ -68,11 +68,12 @@ def gather_full_masters(engine, dst: int | None = None, dtype: torch.dtype | Non
         for slot in layout.slots:
             start = slot.offset + (0 if slot.trainable else layout.n_train)
             out[f"{engine.block_name}.{i}.{slot.name}"] = cast(flat[start:start + slot.numel].view(slot.shape))
-    if out is None:
-        return None
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    for p, master in zip(engine.resident.params, engine.resident.master):
-        out[names[id(p)]] = cast(master.view(p.shape).cpu())
+    names, res = {id(p): n for n, p in engine.module.named_parameters()}, engine.resident
+    for k, (p, master) in enumerate(zip(res.params, res.master)):
+        if world.size > 1 and res.trained[k]:  # its owner's (dp.py): a collective, as the layers'
+            master = res.master_copy(k, dst)
+        if out is not None:
+            out[names[id(p)]] = cast(master.view(p.shape).cpu())
     return out
 
 

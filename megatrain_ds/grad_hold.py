@@ -18,7 +18,9 @@ device instead, in one flat buffer of the compute dtype (2 bytes per parameter o
 
 What it costs: a layer's update waits for its copy when the copy is slower than the update before it; the
 speculative step (which steps layers as their gradients land on the host) and deferred moments (which read the
-gradient again after the step) are off in this mode; GA 1 only, one process, no NVMe tier. It pays where the host
+gradient again after the step) are off in this mode; GA 1 only, no NVMe tier. Data parallel (dp.py): each owner holds
+the (mean) gradients of the layers it owns, written on ``d2h`` after their reduce (which the backward's end event
+follows too); every rank holds or none does (engine_build.decide), as the speculative step is off. It pays where the host
 is the limit: a model that fits the host with 12 bytes per parameter but not with 14.
 """
 from __future__ import annotations

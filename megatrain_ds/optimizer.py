@@ -492,7 +492,7 @@ class HostAdamW(torch.optim.Optimizer):
         host = [i for i in range(n) if i not in set(on_device)]
         defer = parts.defer_moments and (spec is None or parts.defer_when_speculating)
         if store.hold is not None:  # the order the layer tasks below fetch the held gradients in
-            store.hold.begin([i for i in host if layer_has[i]], ex.backward_done)
+            store.hold.begin([i for i in host if layer_has[i] and store.owned[i]], ex.backward_done)
         res.rewrite(parts.opt_worker.submit(self._resident_task, res_has, decided, ex.backward_done, spec))
         for i in on_device:
             if layer_has[i]:
@@ -519,24 +519,29 @@ class HostAdamW(torch.optim.Optimizer):
             return self._norm(layer_sq, res_sq, layer_has, res_has, scale, clip, hp, spec, step_count)
 
     def _norm(self, layer_sq, res_sq, layer_has, res_has, scale, clip, hp, spec, step_count) -> StepDecision:
-        total = 0.0
-        owned = self.parts.store.owned
-        counted = self.dp is None or self.dp.rank == 0  # replicated resident gradients: counted once
-        bad: tuple[list[int], list[int]] = ([], [])  # non-finite squared norms: layers, resident parameters
-        for futures, has, grads, bad_k in ((layer_sq, layer_has, None, bad[0]),
-                                           (res_sq, res_has, self.parts.resident.grad, bad[1])):
+        # One entry per layer, then per resident parameter, added in that order whatever the ranks: data parallel,
+        # each entry is filled by its canonical holder only and the vector all-reduced (exact: one term each), so the
+        # sum is one process's and every topology's ([Note: data parallel] in dp.py)
+        dp, squares = self.dp, []
+        for futures, has, resident in ((layer_sq, layer_has, False), (res_sq, res_has, True)):
             for k, fut in enumerate(futures):
-                if not has[k] or (grads is None and not owned[k]) or (grads is not None and not counted):
+                mine = dp is None or dp.rank == (dp.resident_owner(k) if resident else dp.owner(k))
+                if not has[k] or not mine:
+                    squares.append(0.0)
                     continue
                 sq = fut.result()
                 if sq is None:  # the window's boundary was moved after its backward: norm it now
-                    g = self.parts.resident.grad_of(k) if grads is not None else self._layer_grad(k)
+                    g = self.parts.resident.grad_of(k) if resident else self._layer_grad(k)
                     sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2  # rare: slow is ok
-                if not math.isfinite(sq):
-                    bad_k.append(k)
-                total += sq
-        if self.dp is not None:  # every rank's share: one all-reduce of a scalar (gloo, this thread's group)
-            total = self.dp.sum_norm(total)
+                squares.append(sq)
+        if dp is not None:  # one all-reduce of the vector (gloo, this thread's group)
+            squares = dp.sum_norms(squares)
+        total = 0.0
+        for sq in squares:
+            total += sq
+        n_layers = len(layer_sq)  # non-finite squared norms (every rank sees the reduced vector): layers, residents
+        bad = ([k for k in range(n_layers) if not math.isfinite(squares[k])],
+               [k - n_layers for k in range(n_layers, len(squares)) if not math.isfinite(squares[k])])
         norm = math.sqrt(total) / scale  # of the unscaled gradients
         overflow = not math.isfinite(norm)
         message, error = (SKIP_MESSAGE if overflow else None), None
@@ -619,7 +624,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _update_resident(self, hp, has, coef: float) -> int:
         """The parameters updated: the breakdown's Gparam/s counts them with their time (3B's tied embedding: 10%)."""
-        return sum(self._update_resident_one(k, hp, coef) for k in range(len(self.parts.resident.params)) if has[k])
+        res = self.parts.resident  # data parallel: the parameters this rank holds (another's owner updates the rest)
+        return sum(self._update_resident_one(k, hp, coef) for k in range(len(res.params)) if has[k] and res.owned[k])
 
     def _update_resident_one(self, k: int, hp, coef: float) -> int:
         res = self.parts.resident  # host: one native pass that writes the wire too; GPU-held: torch's fused kernel

@@ -24,6 +24,7 @@ from .capacity import (CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACE_BYTES_PRE_HOPPER
                        GPU_HEADROOM, NCCL_BYTES, CapacityError, Prediction, check_capacity)
 from .config import ConfigError, TrainConfig, load_config_source, parse_config  # noqa: F401 (re-exported)
 from .decisions import Decisions, HostShare, liger_setting, resolve  # noqa: F401 (re-exported)
+from .dp import Topology, resident_positions
 from .host_bytes import (HOST_RESERVE_FRACTION, NVME_ALIGN, NVME_BUFFER_COUNT, GiB, MiB, align,  # noqa: F401
                          disk_free_bytes, host_budget_bytes, layer_store_bytes, meminfo, nvme_layer_bytes,
                          nvme_masters, nvme_settings, nvme_split, optimizer_scratch_bytes, resident_host_bytes,
@@ -137,10 +138,13 @@ def _liger_kernels_apply(model: nn.Module, config: TrainConfig, gpu: bool) -> bo
 
 def plan_model(model: nn.Module, config: TrainConfig, *, seq: int | None = None, device="cuda", world: int = 1,
                nvme_path: str | None = None, host_budget=None, gpu_memory: int | None = None, model_parameters=None,
-               name: str | None = None, raise_error: bool = False) -> Prediction:
+               name: str | None = None, raise_error: bool = False, nodes: int = 1,
+               sharding: str | None = None) -> Prediction:
     """The plan for ``model`` (built on the meta device, or a real model: it is not changed, its weights are not
     copied) trained with ``config`` and ``model_parameters`` (as given to initialize): layouts and resident
-    parameters exactly as the engine makes them; with ``seq``, the GPU working set measured on a meta copy."""
+    parameters exactly as the engine makes them; with ``seq``, the GPU working set measured on a meta copy.
+    ``world``: data-parallel ranks per host, on ``nodes`` hosts; what one host holds follows ``sharding``
+    (``megatrain.host_sharding`` when None; dp.py's ``Topology``: "node" a whole copy per host, "job" 1/nodes)."""
     device = torch.device(device)
     gpu = device.type == "cuda"
     group_of = _trainable(model, config, model_parameters)
@@ -175,8 +179,15 @@ def plan_model(model: nn.Module, config: TrainConfig, *, seq: int | None = None,
         if acts is not None:
             kernels = "liger-kernel's RMSNorm/SwiGLU" if liger else "the model's own norm/MLP"
             notes.append(f"kernels planned: {'flash' if acts.flash else 'math'} attention, {kernels}, loss: {loss}")
+    topo = Topology.uniform(nodes, world, sharding or config.megatrain.host_sharding)  # host 0: ranks 0..world-1
+    positions = resident_positions(resident, topo.size, topo.position_order())
     pred = check_capacity(layouts, resident, config, device, nvme_path, world=world, seq=seq if acts else None,
                           activations=acts, host_budget=host_budget, gpu_memory=gpu_memory,
-                          model_name=name or type(model).__name__, raise_error=raise_error)
+                          model_name=name or type(model).__name__, raise_error=raise_error,
+                          owned=[topo.owned_mask(r, len(layouts)) for r in topo.nodes[0]],
+                          resident_owned=[topo.resident_mask(r, positions) for r in topo.nodes[0]])
+    if nodes > 1:
+        pred.notes.append(f"{nodes} nodes of {world} GPUs, host_sharding \"{sharding or config.megatrain.host_sharding}"
+                          f"\": host bytes are one node's")
     pred.notes.extend(notes)
     return pred

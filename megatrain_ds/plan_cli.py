@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="without --config (default bf16)")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs on this host (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="hosts of --gpus GPUs each (default 1): the plan is one "
+                                                             "host's")
+    parser.add_argument("--host-sharding", default=None, choices=["node", "job"],
+                        help="which ranks split the host state (default: megatrain.host_sharding, \"node\": a copy "
+                             "per host; \"job\": 1/nodes of it per host)")
     parser.add_argument("--layers", type=int, default=None, help="override the model's depth")
     parser.add_argument("--nvme-path", default=None, help="the NVMe tier's folder (overrides the config's)")
     parser.add_argument("--host-budget", type=float, default=None, metavar="GiB",
@@ -63,23 +68,25 @@ def _plan_from_args(args: argparse.Namespace) -> Prediction:
     if args.config and args.tokens_per_step is not None:
         raise SystemExit("megatrain-ds plan: give --config or --tokens-per-step, not both (the config holds the "
                          "micro-batch)")
-    if args.gpus < 1 or args.seq < 1:
-        raise SystemExit("megatrain-ds plan: --gpus and --seq must be >= 1")
+    if args.gpus < 1 or args.seq < 1 or args.nodes < 1:
+        raise SystemExit("megatrain-ds plan: --gpus, --nodes and --seq must be >= 1")
+    ranks = args.gpus * args.nodes
     if args.config:
         try:
-            config = load_train_config(args.config, world=args.gpus)
+            config = load_train_config(args.config, world=ranks)
         except ConfigError as exc:
             raise SystemExit(f"megatrain-ds plan: config {args.config}: {exc}") from None
     else:
         tokens = args.tokens_per_step or 16384
-        micro = max(1, tokens // (args.seq * args.gpus))
-        config = load_train_config(default_ds_config(micro, args.dtype), world=args.gpus)
+        micro = max(1, tokens // (args.seq * ranks))
+        config = load_train_config(default_ds_config(micro, args.dtype), world=ranks)
     hf_config, name = load_model_config(args.model, args.layers)
     model = meta_model(hf_config)
     gpu_memory = int(args.gpu_memory * GiB) if args.gpu_memory else None
     try:
         pred = plan_model(model, config, seq=args.seq, device=args.device, world=args.gpus,
-                          nvme_path=args.nvme_path, host_budget=args.host_budget, gpu_memory=gpu_memory, name=name)
+                          nvme_path=args.nvme_path, host_budget=args.host_budget, gpu_memory=gpu_memory, name=name,
+                          nodes=args.nodes, sharding=args.host_sharding)
     except (ConfigError, UnsupportedModelError) as exc:
         raise SystemExit(f"megatrain-ds plan: {exc}") from None
     return pred

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .dp import done as _done
 from .host_memory import _release_all, host_buffer
 from .landing import LandingListener
 from .speculation import adamw_undo
@@ -24,12 +25,19 @@ class ResidentParams:
     host work. A frozen parameter (in no optimizer group: a LoRA model's embeddings and head) is never updated:
     its ``master`` is the device copy itself, in the compute dtype, with no host copy (as the streamed layers'
     frozen weights, host_state.py).
+
+    Data parallel ([Note: data parallel] in dp.py): a trained parameter's state is held by its owner only
+    (``owned[k]``); every other rank keeps the device copy alone (``master[k]`` and the rest None), sends its gradient
+    to the owner (``evacuate``) and receives the updated copy from it before a forward (``upload``).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], group_of: dict[int, int], device: torch.device,
-                 compute_dtype: torch.dtype, streams, pin: bool, state_on_device: bool = False, dp=None) -> None:
+                 compute_dtype: torch.dtype, streams, pin: bool, state_on_device: bool = False, dp=None,
+                 owned: list[bool] | None = None) -> None:
         self.params, self.group_of, self.device, self.streams = params, group_of, device, streams
-        self.dp = dp if dp is not None and dp.active else None  # data parallel: replicated, gradients averaged
+        self.dp = dp if dp is not None and dp.active else None  # data parallel: each state held by its owner
+        self.trained = [id(p) in group_of for p in params]  # in an optimizer group (whoever holds its state)
+        self.owned = list(owned) if owned is not None else [True] * len(params)  # this rank holds its state
         self.on_device = state_on_device
         state = device if state_on_device else torch.device("cpu")
         self.master, self.exp_avg, self.exp_avg_sq, self.grad, self.wire, self.landing = [], [], [], [], [], []
@@ -41,12 +49,11 @@ class ResidentParams:
             if not pin or state_on_device:
                 return t
             return host_buffer(t.numel(), t.dtype, True, self.regions).view(t.shape).copy_(t)
-        for p in params:
-            trainable = id(p) in group_of  # in an optimizer group; others are never updated
-            if not trainable:
+        for p, trainable, mine in zip(params, self.trained, self.owned):
+            if not trainable or not mine:  # frozen (never updated), or another rank's to update
                 p.data = p.detach().to(device, compute_dtype, copy=True)
                 for kind in (self.master, self.wire, self.exp_avg, self.exp_avg_sq, self.grad, self.landing):
-                    kind.append(p.data if kind is self.master else None)
+                    kind.append(p.data if kind is self.master and not trainable else None)
                 continue
             master = p.detach().to(state, torch.float32, copy=True)
             self.master.append(master)
@@ -139,14 +146,16 @@ class ResidentParams:
         for k, p in enumerate(self.params):
             if p.grad is None:
                 continue
-            if self.grad[k] is None:  # requires grad but not in any optimizer group: not trained
+            if not self.trained[k]:  # requires grad but not in any optimizer group: not trained
                 p.grad = None
                 continue
-            if self.dp is not None:  # every rank holds the same gradient from here on: the mean (dp.py)
-                self.dp.mean_grad(p.grad)
+            if self.dp is not None:  # the mean over every rank, on the owner (dp.py)
+                self.dp.reduce_resident_grad(p.grad, k)
             first = not self.has_grad[k]
-            self.has_grad[k] = True
-            if self.on_device:
+            self.has_grad[k] = True  # (every rank: the window has a gradient of k, wherever it lands)
+            if not self.owned[k]:  # another rank's: its squared norm is the owner's share of the sum
+                self.sq_norm[k] = _done(0.0)
+            elif self.on_device:
                 self.sq_norm[k] = self._accumulate_on_device(k, p.grad, first, final, worker)
             else:
                 self.sq_norm[k] = self._send_to_host(k, p.grad, first, final, worker)
@@ -214,6 +223,27 @@ class ResidentParams:
         if self.wire[k] is not None:
             self.wire[k].copy_(self.master[k])
 
+    def master_copy(self, k: int, dst: int | None = None) -> torch.Tensor | None:
+        """Resident parameter k's fp32 master, a host copy (flat); data parallel, a collective of every rank over the
+        gloo group: from its owner to rank ``dst`` (None: every rank); None on the other ranks. The caller has
+        synchronized (no update is writing it)."""
+        if not self.trained[k] or self.dp is None:  # a frozen one is every rank's (its device copy)
+            return self.master[k].detach().to("cpu", torch.float32, copy=True).reshape(-1)
+        import torch.distributed as dist
+
+        owner, numel = self.dp.resident_owner(k), self.params[k].numel()
+        mine = self.dp.rank == owner
+        value = self.master[k].detach().to("cpu", torch.float32, copy=True).reshape(-1) if mine else \
+            torch.empty(numel, dtype=torch.float32)
+        if dst is None:
+            dist.broadcast(value, src=owner, group=self.dp.cpu_group)
+        elif owner != dst:
+            if mine:
+                dist.send(value, dst=dst, group=self.dp.cpu_group)
+            elif self.dp.rank == dst:
+                dist.recv(value, src=owner, group=self.dp.cpu_group)
+        return value if dst is None or self.dp.rank == dst else None
+
     def upload(self) -> None:
         """Before a forward: wait for the optimizer, then refresh the device copies (H2D of the host wire
         copies, or a cast of the device masters), ordered before the forward's first kernel."""
@@ -230,8 +260,12 @@ class ResidentParams:
             st.wait(st.h2d, updated)  # the GPU-side update (opt stream) is done
         with st.on(st.h2d):
             for p, master, wire, grad in zip(self.params, self.master, self.wire, self.grad):
-                if grad is not None:  # frozen ones never change (their master is p.data)
+                if grad is not None:  # frozen ones never change (their master is p.data); others' come below
                     p.data.copy_(master if self.on_device else wire, non_blocking=True)
+            if self.dp is not None:  # each owner's copy to its shard (NCCL's stream after h2d's work: dp.py)
+                for k, p in enumerate(self.params):
+                    if self.trained[k]:
+                        self.dp.broadcast_resident(p.data, k)
         self.wire_read = st.record(st.h2d)
         st.wait(st.compute(), self.wire_read)
         self.uploaded = True

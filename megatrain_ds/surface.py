@@ -175,7 +175,7 @@ class EngineSurface:
     # Data parallel (dp.py): a streamed layer's state lives on its owner only, so each of these is a collective,
     # as DeepSpeed's are under ZeRO-3 (every rank calls it for the same parameter): the owner's value comes to
     # every rank over the engine's gloo group; a setter writes rank 0's value (GatheredParameters'
-    # ``modifier_rank=0``). Resident parameters are replicated: every rank answers from its own copy.
+    # ``modifier_rank=0``). A resident parameter's state is held by its owner too (dp.py), and reached the same way.
     _MOMENTS = ("exp_avg", "exp_avg_sq")
 
     def _home_of(self, param):
@@ -195,21 +195,27 @@ class EngineSurface:
         return dp if dp is not None and dp.active else None
 
     def _held_here(self, home) -> bool:
-        """Whether this process holds ``home``'s state: resident parameters everywhere, a streamed layer's on its
-        owner only (data parallel)."""
-        return home.layer is None or self._data_parallel() is None or self.layer_states.holds(home.layer)
+        """Whether this process holds ``home``'s state: one process, or (data parallel) the owner of its layer or
+        resident parameter."""
+        if self._data_parallel() is None:
+            return True
+        return self.resident.owned[home.resident_index] if home.layer is None else self.layer_states.holds(home.layer)
 
     def _from_owner(self, home, local: torch.Tensor | None, shape) -> torch.Tensor:
-        """Data parallel: ``local`` (the owner's value of a streamed layer's tensor) on every rank, fp32 on the
-        host; one process or a resident parameter: ``local`` itself."""
+        """Data parallel: ``local`` (the owner's value of a tensor of ``home``'s state) on every rank, fp32 on the
+        host; one process: ``local`` itself."""
         dp = self._data_parallel()
-        if dp is None or home.layer is None:
+        if dp is None:
             return local
         import torch.distributed as dist
 
-        buf = (local.detach().to("cpu", torch.float32, copy=True).contiguous() if self.layer_states.holds(home.layer)
+        if home.layer is None:
+            shape, src = self.resident.params[home.resident_index].shape, dp.resident_owner(home.resident_index)
+        else:
+            src = dp.owner(home.layer)
+        buf = (local.detach().to("cpu", torch.float32, copy=True).contiguous() if dp.rank == src
                else torch.empty(tuple(shape), dtype=torch.float32))
-        dist.broadcast(buf, src=dp.owner(home.layer), group=dp.cpu_group)
+        dist.broadcast(buf, src=src, group=dp.cpu_group)
         return buf
 
     def _rank0_value(self, value: torch.Tensor) -> torch.Tensor:
@@ -252,7 +258,8 @@ class EngineSurface:
             raise KeyError(f"optimizer state {key!r}: megatrain_ds's AdamW keeps 'exp_avg' and 'exp_avg_sq'")
         home = self._home_of(param)
         self.synchronize()  # queued updates write the moments (and a speculative update is rolled back)
-        trained = self.optimizer is not None and (home.layer is None or self._slot_of(home).trainable)
+        trained = self.optimizer is not None and (self.resident.trained[home.resident_index] if home.layer is None
+                                                  else self._slot_of(home).trainable)
         return home, trained  # the same answer on every rank: the layouts are every rank's
 
     def full_optimizer_state(self, param, key: str) -> torch.Tensor | None:
@@ -286,9 +293,9 @@ class EngineSurface:
         home = self._home_of(param)
         if home.layer is None:
             k, resident = home.resident_index, self.resident
-            if resident.grad[k] is None or not resident.has_grad[k]:
+            if not resident.trained[k] or not resident.has_grad[k]:  # every rank's answer (each ran the backward)
                 return None
-            landing, grad = resident.sq_norm[k], resident.grad[k]  # replicated: the mean is every rank's
+            landing, grad = resident.sq_norm[k], resident.grad[k]  # the owner's (mean) gradient; None elsewhere
         else:
             i, executor, slot = home.layer, self.executor, self._slot_of(home)
             if not slot.trainable or not executor.has_grad[i]:  # every rank's answer (each records the landings)
@@ -300,7 +307,8 @@ class EngineSurface:
         if grad is not None and landing is not None:
             landing.result()  # the host worker has folded the last landing into the buffer (waits for its D2H)
         if home.layer is None:
-            grad = resident.grad_of(k)  # (GA 1: the landing buffer itself)
+            grad = self._from_owner(home, resident.grad_of(k) if grad is not None else None, None)  # (GA 1: the
+            # landing buffer itself; data parallel: the owner's)
         else:
             grad = self._from_owner(home, grad, slot.shape)  # data parallel: the owner's (mean) gradient
         # GPU-held gradients are accumulated on the compute stream, the current one: this copy is ordered after

@@ -4,8 +4,8 @@
   and GPU-held optimizer state on the CPU device): per-micro-batch losses, global grad norms and final fp32
   weights within 1e-5, every rank ending with the same weights;
 - == real DeepSpeed ZeRO-3 (CPU offload) with 2 ranks on the same script and config;
-- two "nodes" (two ``torchrun --nnodes 2`` launches on this host, one rank each) train the same;
-- host state is held once: each rank holds only the layers it owns.
+- host state is held once: each rank holds only the layers and resident parameters it owns, and the planner's host
+  bytes for 2 ranks are theirs to the byte (several nodes: tests/test_dp_nodes.py).
 Script: tests/scripts/dp_train.py (a DeepSpeed-style script; ``--engine deepspeed`` runs real DeepSpeed).
 """
 import json
@@ -105,6 +105,21 @@ def test_each_rank_holds_only_its_layers(runs):
     assert sum(n for n, _ in held) == total  # once over the run, not once per rank
     assert all(0 < n < total for n, _ in held)
     assert runs["ga2"]["host_elements"][0][0] == total
+
+
+def test_each_resident_parameter_is_held_by_one_rank_and_the_plan_counts_the_host(runs):
+    """The resident parameters' state (untied embedding, final norm, head) is held once over the ranks: the embedding
+    and the head on different ranks (dp.resident_positions); engine.host_memory() summed over the ranks equals the
+    planner's host state for 2 ranks to the byte (and one process's, with GA 2, its own)."""
+    ranks, one = runs["dp2"]["ranks"], runs["ga2"]["ranks"][0]
+    held = [set(r["resident"]) for r in ranks]
+    assert not held[0] & held[1] and held[0] | held[1] == set(one["resident"])
+    assert len(one["resident"]) == 3 and all(held)
+    assert {"model.embed_tokens.weight", "lm_head.weight"} - held[0] and {"model.embed_tokens.weight",
+                                                                          "lm_head.weight"} - held[1]
+    total = sum(r["host_bytes"] for r in ranks)
+    assert total == runs["dp2"]["planned_host_bytes"] and one["host_bytes"] == runs["ga2"]["planned_host_bytes"]
+    assert [r["local_world"] for r in ranks] == [2, 2]
 
 
 def test_two_ranks_with_ga_tied_kept_layer_and_device_state_equal_ga4(tmp_path):
@@ -220,30 +235,6 @@ def test_two_ranks_equal_real_deepspeed_zero3(runs):
     """The same script and config under real DeepSpeed ZeRO-3 (CPU offload, gloo) with 2 ranks."""
     real = run(runs["tmp"] / "ds2.json", "--engine", "deepspeed", ranks=2)
     assert_same_training(runs["dp2"], real)
-
-
-def test_two_nodes_simulated(runs, tmp_path):
-    """Two ``torchrun --nnodes 2`` launches on this host (one rank each, LOCAL_RANK 0 on both): the multi-node
-    launch path trains as one process with GA 2."""
-    out = tmp_path / "nodes.json"
-
-    def launch():  # both "nodes"; the first failure (or success) of the two, with both logs
-        port = _port()
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-             "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT),
-             "--out", str(out if node == 0 else tmp_path / "unused.json")],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-        done = [(proc, *proc.communicate(timeout=900)) for proc in procs]
-        failed = [d for d in done if d[0].returncode != 0]
-        proc = (failed or done)[0][0]
-        return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(d[1] for d in done),
-                                           "".join(d[2] for d in done))
-    _check(run_again_after_exit_abort(launch))
-    record = json.loads(out.read_text())
-    record["weights"] = torch.load(str(out) + ".pt")
-    assert record["world"] == 2
-    assert_same_training(record, runs["ga2"])
 
 
 @pytest.mark.gpu

@@ -128,6 +128,20 @@ def main():
         dist.all_gather_object(held, (engine.store.n_full, sum(l.numel for l in engine.store.layouts)))
         record["host_elements"] = held
         record["moments_dtype"] = str(engine.store.exp_avg.dtype)
+        res = engine.resident  # the resident parameters whose state each rank holds, and its host bytes
+        mine = {"resident": sorted(n for n, p in engine.module.named_parameters() for k, q in enumerate(res.params)
+                                   if p is q and res.trained[k] and res.owned[k]),
+                "host_bytes": engine.host_memory()["total_bytes"], "local_world": engine.dp.local_world,
+                "grad_hold": engine.decisions.grad_hold}
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
+        record["ranks"] = ranks
+        if rank == 0 and not args.lora:  # the planner's host bytes for this host's ranks (one copy per host: dp.py)
+            from megatrain_ds import plan
+            meta = plan.meta_model(config)
+            cfg = plan.parse_config(dict(ds_config), world_size=world, warn=False)
+            record["planned_host_bytes"] = plan.plan_model(meta, cfg, device="cpu",
+                                                           world=engine.dp.local_world).host_state_bytes
     if rank == 0:
         torch.save(weights, args.out + ".pt")
         with open(args.out, "w") as f:
