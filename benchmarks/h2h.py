@@ -7,6 +7,8 @@
         --tokens-per-step 256 --out runs/h2h-smoke    # CPU smoke test
     python -m benchmarks.h2h --model qwen2.5-3b --gpus 2 --scaling --tokens-per-step 16384 --out runs/dp
         # data parallel: every system with 2 ranks (torchrun), plus megatrain on 1 GPU for the scaling ratio
+    python -m benchmarks.h2h --model qwen2.5-3b --gpus 2 --nodes 2 --systems megatrain --out runs/nodes
+        # two torchrun "nodes" of one GPU each on this box (--nnodes 2 over localhost; NCCL over sockets between them)
     python -m benchmarks.h2h --model qwen2.5-72b --lora 16 --systems megatrain,zero3 --out runs/72b-lora
         # LoRA r16 (alpha 32) on q,k,v,o,gate,up,down: frozen bf16 base, only the adapters train
     python -m benchmarks.h2h --model olmoe-1b-7b --systems megatrain,zero3 --liger off --out runs/moe
@@ -109,7 +111,8 @@ PER_PROCESS_HOST_BYTES = 3 * 2**30
 
 def planned_megatrain_host_bytes(args, config, tokens: int, gpus: int) -> int | None:
     """The host bytes megatrain_ds's planner (the check ``initialize`` runs) predicts for this run's config, summed
-    over ``gpus`` ranks: engine state, NVMe staging, optimizer scratch. None where the plan does not apply here
+    over ``gpus`` ranks (``--nodes``: over the "nodes" on this box, each one's own plan): engine state, NVMe staging,
+    optimizer scratch. None where the plan does not apply here
     (LoRA: the harness applies peft after building; an NVMe config: the engine places layers on disk itself)."""
     if getattr(args, "lora", 0) or '"nvme"' in (getattr(args, "ds_config", None) or ""):
         return None
@@ -121,9 +124,10 @@ def planned_megatrain_host_bytes(args, config, tokens: int, gpus: int) -> int | 
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     ds = megatrain_ds_config(micro_batch_for(tokens, args.seq), device, resolve_liger(args.liger, args.device),
                              args.gpu_optimizer_fraction, args.host_only)
+    nodes = int(getattr(args, "nodes", 1) or 1) if gpus > 1 else 1  # h2h --nodes: every "node" is on this box
     pred = plan_model(meta_model(config), parse_config(ds, world_size=gpus, warn=False), device=device,
-                      world=gpus, host_budget=1e9)  # (GiB: no budget; the caller compares with what is free)
-    return int(pred.host_need_bytes)
+                      world=gpus // nodes, nodes=nodes, host_budget=1e9)  # (GiB: no budget; compared with what is free)
+    return int(pred.host_need_bytes) * nodes
 
 
 def host_precheck(system: str, args, config, tokens: int, gpus: int) -> str | None:
@@ -178,7 +182,7 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus:
         cmd += ["--gpu-memory-limit", repr(args.gpu_memory_limit)]
     if gpus > 1:
         bind = getattr(args, "bind_cores", "on") == "on"
-        return run_dp(system, cmd[3:], config, tokens, path, gpus, bind_cores=bind)
+        return run_dp(system, cmd[3:], config, tokens, path, gpus, bind_cores=bind, nodes=getattr(args, "nodes", 1))
     if os.path.exists(path):  # a stale file from an earlier run must not stand in for a process that died
         os.remove(path)
     watch: dict = {}
@@ -227,8 +231,9 @@ def failed_run(system: str, model: str, layers: int, tokens: int, tail: list[str
 
 
 def run_dp(system: str, run_system_args: list[str], config, tokens: int, path: str, gpus: int,
-           bind_cores: bool = True) -> dict:
-    """One system as ``gpus`` ranks under torchrun; the ranks' JSONs (``<path stem>.rank<r>.json``) are combined
+           bind_cores: bool = True, nodes: int = 1) -> dict:
+    """One system as ``gpus`` ranks under torchrun (``nodes`` > 1: that many torchrun launches on this box, each
+    standing for a host: multi_gpu.node_launches); the ranks' JSONs (``<path stem>.rank<r>.json``) are combined
     by multi_gpu.aggregate into ``path``. The launch command, OMP_NUM_THREADS and the ranks' cores
     (``bind_cores``: multi_gpu.launch_env) are recorded."""
     for r in range(gpus):  # a stale file from an earlier run must not stand in for a rank that died
@@ -236,7 +241,13 @@ def run_dp(system: str, run_system_args: list[str], config, tokens: int, path: s
             os.remove(multi_gpu.rank_json(path, r))
     cmd = multi_gpu.launch_cmd(sys.executable, gpus, run_system_args)
     env = multi_gpu.launch_env(gpus, bind=bind_cores)
-    tail = _run_with_progress(cmd, f"{system} ×{gpus} L={config.num_hidden_layers} T={tokens}/rank", env=env)
+    desc = f"{system} ×{gpus}{f' ({nodes} nodes)' if nodes > 1 else ''} L={config.num_hidden_layers} T={tokens}/rank"
+    if nodes > 1:
+        launches = multi_gpu.node_launches(sys.executable, gpus, nodes, run_system_args, _free_port(), env)
+        cmd = launches[0][0]
+        tail = _run_nodes(launches, desc, path)
+    else:
+        tail = _run_with_progress(cmd, desc, env=env)
     per_rank = []
     for r in range(gpus):
         if os.path.exists(multi_gpu.rank_json(path, r)):
@@ -251,10 +262,44 @@ def run_dp(system: str, run_system_args: list[str], config, tokens: int, path: s
         result["launcher_tail"] = "".join(tail)[-2000:]
     result["launch"] = {"command": multi_gpu.recorded_cmd(cmd, path), "OMP_NUM_THREADS": env["OMP_NUM_THREADS"],
                         "H2H_RANK_CPUS": env.get("H2H_RANK_CPUS", "not bound")}
+    if nodes > 1:  # (the command is node 0's; node r: --node_rank r, its GPU block, NCCL_HOSTID h2h-node<r>)
+        result["launch"]["nodes"] = nodes
+        result["nodes"] = nodes
     result["name"] = os.path.splitext(os.path.basename(path))[0]
     with open(path, "w") as f:
         json.dump(result, f, indent=2, default=str)
     return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_nodes(launches: list[tuple[list[str], dict]], desc: str, path: str) -> list[str]:
+    """``h2h --nodes``: nodes 1.. in the background (their output in ``<path stem>.node<r>.log``), node 0 with the
+    progress bar; returns node 0's last lines. A node still running 60 s after node 0 ended is stopped."""
+    stem = os.path.splitext(path)[0]
+    others = []
+    for node, (cmd, env) in enumerate(launches[1:], start=1):
+        with open(f"{stem}.node{node}.log", "w") as log:
+            others.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        tail = _run_with_progress(launches[0][0], desc, env=launches[0][1])
+    finally:
+        for proc in others:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return tail
 
 
 def run_resident_bound(args, layers: int | None, tokens: int, out: str, gpus: int) -> dict:
@@ -494,6 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=1, metavar="N",
                    help="processes (GPUs) per system: N > 1 launches each system as N ranks under torchrun, each "
                         "on its own micro-batch of --tokens-per-step tokens (benchmarks/multi_gpu.py)")
+    p.add_argument("--nodes", type=int, default=1, metavar="M",
+                   help="with --gpus N: launch each system as M torchrun 'nodes' on this box (--nnodes M, N/M GPUs "
+                        "each, over 127.0.0.1, NCCL between them through its socket transport): the multi-node "
+                        "path on one machine (benchmarks/multi_gpu.py node_launches)")
     p.add_argument("--scaling", action="store_true",
                    help="with --gpus N > 1: also run megatrain on one GPU and print N GPUs / 1 GPU")
     p.add_argument("--resident-mode", default="auto", choices=list(multi_gpu.RESIDENT_MODES),
@@ -530,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--lora must be >= 0")
     if args.gpus < 1:
         p.error("--gpus must be >= 1")
+    if args.nodes < 1 or args.gpus % args.nodes:
+        p.error("--nodes M needs --gpus N with N a multiple of M")
     if args.scaling and args.gpus < 2:
         p.error("--scaling compares N GPUs with one: give --gpus N with N >= 2")
     if not 0.0 <= args.gpu_optimizer_fraction <= 1.0:

@@ -125,6 +125,26 @@ def launch_cmd(python: str, gpus: int, run_system_args: list[str]) -> list[str]:
             "-m", "benchmarks.run_system", *run_system_args]
 
 
+def node_launches(python: str, gpus: int, nodes: int, run_system_args: list[str], port: int,
+                  env: dict) -> list[tuple[list[str], dict]]:
+    """``h2h --nodes M``: M torchrun launches on this box standing for M hosts of ``gpus / M`` GPUs each (the
+    multi-node launch of docs/data_parallel.md: ``--nnodes M --node_rank r`` over 127.0.0.1), each with its block of
+    GPUs (CUDA_VISIBLE_DEVICES) and its own NCCL host identity (NCCL_HOSTID), so NCCL connects the "nodes" through
+    its network transport (sockets here: no InfiniBand between them) as it would between hosts; every rank keeps its
+    global rank's core block (``H2H_RANK_CPUS``). (cmd, env) per node, node 0 first."""
+    per = gpus // nodes
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",") if d][:gpus]
+    out = []
+    for node in range(nodes):
+        cmd = [python, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
+               "--nproc_per_node", str(per), "--master_addr", "127.0.0.1", "--master_port", str(port),
+               "-m", "benchmarks.run_system", *run_system_args]
+        node_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(visible[node * per:(node + 1) * per]),
+                        NCCL_HOSTID=f"h2h-node{node}", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME="lo")
+        out.append((cmd, node_env))
+    return out
+
+
 def launch_env(gpus: int, bind: bool = True, env: dict | None = None, topology: dict | None = None) -> dict:
     """The launch's environment: ``env`` (default os.environ) with H2H_RANK_CPUS (``bind``, when the cores split)
     and OMP_NUM_THREADS per rank (the smallest block's cpus, or the cpus / N) unless OMP_NUM_THREADS is set."""

@@ -2,7 +2,7 @@
 # Data parallel over the GPUs of one box (issue 14), on the lent nvidia-h200-x2: every system with N ranks
 # (benchmarks.h2h --gpus N; torchrun, one process per GPU, each rank on its own 16K-token micro-batch).
 #
-#   bash benchmarks/run_dp.sh PHASE OUTDIR      PHASE: 3b | 7b | scale | smoke
+#   bash benchmarks/run_dp.sh PHASE OUTDIR      PHASE: 3b | 7b | scale | 14b | 14b1 | nodes | smoke
 #
 #   3b     Qwen2.5-3B, 16K tokens per rank: megatrain --host-only on 1 GPU and N (--scaling), ZeRO-3 ×N,
 #          megatrain (engine defaults) on 1 GPU and N (--scaling), whole-on-GPU ×N (DDP)     (~6 min; limits 560 s)
@@ -11,6 +11,15 @@
 #          The whole-on-GPU run is not in it (device time; prediction, not measured: 16 B/param of fp32 weights,
 #          gradients and Adam moments × 7.6 B = 122 GB before activations, on a 141 GB GPU); to try it:
 #          h2h --model qwen2.5-7b --systems resident --gpus 2 --resident-mode auto (DDP, else 1 GPU × 2 as a bound)
+#   14b    issue 40: Qwen2.5-14B, fp32 masters, 16K tokens per rank, clip 1.0, megatrain (defaults) on N GPUs: the
+#          resident parameters' state held once per host (embedding on rank 0, head on rank 1) and gradient_hold
+#          "auto" (the plan: ~181 GiB for 2 ranks, was 232 GiB, refused). The 14B models are built with
+#          --init fast (h2h's default from 14 B parameters: one layer held until the engine copies it)   (~8 min)
+#   14b1   the same on one GPU (the scaling ratio, in the same lease: run it right after 14b)            (~5 min)
+#   nodes  issue 40: two "nodes" on this box (h2h --nodes 2: torchrun --nnodes 2 over 127.0.0.1, one GPU each,
+#          NCCL between them through its socket transport, as between hosts without InfiniBand), Qwen2.5-3B, 16K
+#          tokens per rank: megatrain on one node of 2 GPUs (the reference), on 2 nodes with host_sharding "node"
+#          (a copy of the host state per node: host RSS about twice), and "job" (one copy over both)      (~6 min)
 #   smoke  the tiny shape on CUDA, every system ×N, 1 + 2 steps: checks the NCCL paths before the long phases
 #          (~2 min with ZeRO-3's cpu_adam build; optional; DEVICE=cpu runs it on a CPU box, gloo, to check this script)
 #
@@ -48,6 +57,17 @@ case $phase in
   scale) # issue 39 (the 4-GPU box, GPUS=4): megatrain_ds's scaling alone, host-only and defaults (1 GPU, then N)
        h2h_call 150 hostonly_$c --systems megatrain --host-only --scaling --tokens-per-step 16384 $dp
        h2h_call 130 megatrain_$c --systems megatrain --scaling --tokens-per-step 16384 $dp ;;
+  14b) model=qwen2.5-14b  # one rank of 14B: ~4 min to its first step (fast init, 180 GiB of host state to fill)
+       h2h_call 560 megatrain_clip1.0 --systems megatrain --tokens-per-step 16384 --gpus $gpus --clip 1.0 \
+           --warmup 2 --steps 3 ${mem:+--host-mem-gib $mem} ;;
+  14b1) model=qwen2.5-14b
+       h2h_call 330 megatrain_g1_clip1.0 --systems megatrain --tokens-per-step 16384 --gpus 1 --clip 1.0 \
+           --warmup 2 --steps 3 ${mem:+--host-mem-gib $mem} ;;
+  nodes) node="--gpus 2 --clip $clip --warmup 2 --steps 3 ${mem:+--host-mem-gib $mem}"
+       h2h_call 150 one_node_$c --systems megatrain --tokens-per-step 16384 $node
+       h2h_call 170 nodes_node_$c --systems megatrain --tokens-per-step 16384 --nodes 2 $node
+       h2h_call 170 nodes_job_$c --systems megatrain --tokens-per-step 16384 --nodes 2 $node \
+           --megatrain-options '{"host_sharding": "job"}' ;;
   smoke) model=tiny
        h2h_call 240 smoke --systems megatrain,zero3,resident --scaling --seq 256 --tokens-per-step 1024 \
            --gpus $gpus --warmup 1 --steps 2 --device ${DEVICE:-cuda} ;;

@@ -29,9 +29,14 @@ def test_one_shard_per_node_and_ownership_by_position():
 
 
 def test_nodes_of_different_sizes_need_job_sharding():
+    from megatrain_ds.config import MegatrainSettings
+
     with pytest.raises(ConfigError, match="same number of ranks.*host_sharding"):
         Topology.of(["a", "a", "b"])
     assert Topology.of(["a", "a", "b"], "job").shards == ((0, 1, 2),)
+    assert MegatrainSettings().host_sharding == "node"
+    with pytest.raises(ConfigError, match="host_sharding"):
+        MegatrainSettings(host_sharding="host")
 
 
 def test_resident_parameters_go_largest_first_to_the_least_loaded_position():

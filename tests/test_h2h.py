@@ -173,7 +173,7 @@ def test_h2h_dp_arguments_are_checked(tmp_path):
     from benchmarks import h2h
 
     for bad in (["--gpus", "0"], ["--scaling"], ["--gpus", "1", "--scaling"], ["--gpus", "2", "--resident-mode", "x"],
-                ["--gpus", "2", "--bind-cores", "maybe"]):
+                ["--gpus", "2", "--bind-cores", "maybe"], ["--gpus", "3", "--nodes", "2"]):
         with pytest.raises(SystemExit):
             h2h.main(["--model", "tiny", "--device", "cpu", *bad, "--out", str(tmp_path)])
 
@@ -254,6 +254,21 @@ def test_dp_rank_cpu_sets_keep_physical_cores_whole_and_launch_env():
     assert multi_gpu.recorded_cmd(cmd, "runs/x/z.json") == ("python3 -m torch.distributed.run --standalone "
                                                            "--nproc_per_node 2 -m benchmarks.run_system --system zero3 "
                                                            "--json z.json")
+
+
+def test_node_launches_stand_for_hosts_on_one_box():
+    """h2h --nodes 2: two torchrun launches (--nnodes 2, --node_rank 0/1 over 127.0.0.1), each with its GPU block and
+    its own NCCL host identity, the ranks' core blocks kept."""
+    from benchmarks import multi_gpu
+
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "H2H_RANK_CPUS": "0-3;4-7;8-11;12-15", "OMP_NUM_THREADS": "4"}
+    (cmd0, env0), (cmd1, env1) = multi_gpu.node_launches("python3", 4, 2, ["--system", "megatrain"], 29511, env)
+    assert cmd0[cmd0.index("--nnodes") + 1] == "2" and cmd0[cmd0.index("--nproc_per_node") + 1] == "2"
+    assert [c[c.index("--node_rank") + 1] for c in (cmd0, cmd1)] == ["0", "1"]
+    assert "--master_port" in cmd1 and cmd1[cmd1.index("--master_addr") + 1] == "127.0.0.1"
+    assert (env0["CUDA_VISIBLE_DEVICES"], env1["CUDA_VISIBLE_DEVICES"]) == ("4,5", "6,7")
+    assert env0["NCCL_HOSTID"] != env1["NCCL_HOSTID"] and env1["H2H_RANK_CPUS"] == env["H2H_RANK_CPUS"]
+    assert cmd1[-2:] == ["--system", "megatrain"]
 
 
 def test_make_batches_gives_each_rank_its_own_data_and_rank_0_the_one_process_data():
