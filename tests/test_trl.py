@@ -7,9 +7,9 @@ Every run is what a TRL user types (docs/trl.md has the lines)::
 
 ``zero3.yaml`` is an ordinary accelerate DeepSpeed config whose ``deepspeed_config_file`` is accelerate's published
 ``tests/deepspeed/ds_config_zero3.json`` (a verbatim copy in tests/trl_files/: ZeRO-3, parameters and optimizer
-offloaded to the CPU, AdamW and WarmupLR with "auto" values; the yaml sets ``zero3_init_flag``). CPU only (CUDA hidden), gloo, fp32. The model is
-a tiny random Qwen2 with a byte-level tokenizer and a ChatML chat template, the data local JSON lines in TRL's
-conversational formats (tests/trl_assets.py builds them). Nothing is downloaded.
+offloaded to the CPU, AdamW and WarmupLR with "auto" values; the yaml sets ``zero3_init_flag``). CPU only (CUDA
+hidden), gloo, fp32. The model is a tiny random Qwen2 with a byte-level tokenizer and a ChatML chat template, the data
+local JSON lines in TRL's conversational formats (tests/trl_assets.py builds them). Nothing is downloaded.
 
 What is compared: each run saves a Trainer checkpoint at its last step; its ``trainer_state.json`` holds the
 logged metrics at full precision (the console prints 4 digits). Every metric both engines log (loss, grad_norm,
