@@ -6,10 +6,10 @@ Every run is what a TRL user types (docs/trl.md has the lines)::
     MEGATRAIN_DS=1 accelerate launch ...   (the same line; $TRL: the installed trl package's folder)
 
 ``zero3.yaml`` is an ordinary accelerate DeepSpeed config whose ``deepspeed_config_file`` is accelerate's published
-``tests/deepspeed/ds_config_zero3.json`` (tests/trl/, verbatim: ZeRO-3, parameters and optimizer offloaded to the
-CPU, AdamW and WarmupLR with "auto" values, ``zero3_init_flag``). CPU only (CUDA hidden), gloo, fp32. The model is
-a tiny random Qwen2 with a byte-level tokenizer and a ChatML chat template, the data local JSON lines in TRL's
-conversational formats (tests/trl_assets.py builds them). Nothing is downloaded.
+``tests/deepspeed/ds_config_zero3.json`` (a verbatim copy in tests/trl_files/: ZeRO-3, parameters and optimizer
+offloaded to the CPU, AdamW and WarmupLR with "auto" values; the yaml sets ``zero3_init_flag``). CPU only (CUDA
+hidden), gloo, fp32. The model is a tiny random Qwen2 with a byte-level tokenizer and a ChatML chat template, the data
+local JSON lines in TRL's conversational formats (tests/trl_assets.py builds them). Nothing is downloaded.
 
 What is compared: each run saves a Trainer checkpoint at its last step; its ``trainer_state.json`` holds the
 logged metrics at full precision (the console prints 4 digits). Every metric both engines log (loss, grad_norm,
@@ -28,8 +28,9 @@ remove_hooks/add_hooks on the engine) and false (megatrain_ds only: compared wit
 says why); RLOO (the same generation path); the reward trainer (a sequence classifier). One DeepSpeed run per
 configuration, shared by the tests; the launches of the selected tests start together when the module starts, two
 at a time (``PARALLEL``), so the DeepSpeed and megatrain_ds runs of one configuration overlap. Real DeepSpeed's
-2-rank launches get accelerate's CPU process count fixed as the switch fixes it (tests/trl/cpu_world/); without
-that DeepSpeed stops at its batch-size check on a CPU-only machine.
+2-rank launches get accelerate's CPU process count fixed as the switch fixes it (tests/trl_files/cpu_world/); without
+that DeepSpeed stops at its batch-size check on a CPU-only machine. (Not tests/trl/: pytest puts tests/ on sys.path,
+where a folder named trl would be a namespace package ``import trl`` finds when TRL is not installed.)
 
 Cost: about 8 CPU-minutes, nearly all of it 33 Python processes importing torch, transformers, DeepSpeed and TRL
 (14 launches, 5 of them 2 ranks); on the 2-core CI machine the two parallel launches keep both cores busy.
@@ -57,8 +58,8 @@ trl = pytest.importorskip("trl", minversion="1.16.0", reason=(
     "out: TRL 1.16 needs accelerate>=1.10.1, the oldest set pins 1.0.1 (docs/trl.md)"))
 
 REPO = Path(__file__).resolve().parent.parent
-DS_CONFIG = REPO / "tests" / "trl" / "ds_config_zero3.json"  # accelerate's tests/deepspeed/ds_config_zero3.json
-CPU_WORLD = REPO / "tests" / "trl" / "cpu_world"  # sitecustomize: accelerate's CPU process count, real DeepSpeed
+DS_CONFIG = REPO / "tests" / "trl_files" / "ds_config_zero3.json"  # accelerate's tests/deepspeed/ds_config_zero3.json
+CPU_WORLD = REPO / "tests" / "trl_files" / "cpu_world"  # sitecustomize: accelerate's CPU process count, real DeepSpeed
 TRL_SCRIPTS = Path(trl.__file__).resolve().parent / "scripts"
 ENGINE_LINE = "[megatrain_ds] MEGATRAIN_DS=1: the engine is megatrain_ds"
 RTOL, ATOL = 1e-4, 1e-6  # fp32 on both sides; DeepSpeed and megatrain_ds reduce in different orders
@@ -144,10 +145,11 @@ class Run:
 def _env(switch: bool, root: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("MEGATRAIN_DS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    # real DeepSpeed on CPU with several ranks needs accelerate's process count fixed (tests/trl/cpu_world/)
+    # real DeepSpeed on CPU with several ranks needs accelerate's process count fixed (tests/trl_files/cpu_world/)
     paths = [str(REPO)] if switch else [str(CPU_WORLD), str(REPO)]
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(root / "hf_datasets"), PYTHONPATH=os.pathsep.join(p for p in (*paths, env.get("PYTHONPATH")) if p))
+               HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(root / "hf_datasets"),  # not the user's cache
+               PYTHONPATH=os.pathsep.join(p for p in (*paths, env.get("PYTHONPATH")) if p))
     if switch:
         env["MEGATRAIN_DS"] = "1"
     return env
@@ -198,8 +200,9 @@ class Runs:
                "--num_processes", str(spec.ranks), "--main_process_port", "0", TRL_SCRIPTS / spec.script,
                "--model_name_or_path", self.assets[spec.model], "--dataset_name", self.assets[spec.data],
                "--output_dir", out, "--max_steps", str(spec.steps), *COMMON, *args]
+        env = _env(switch, self.root)
         proc = run_again_after_exit_abort(lambda: subprocess.run(
-            [str(c) for c in cmd], cwd=self.root, env=_env(switch, self.root), capture_output=True, text=True, timeout=900))
+            [str(c) for c in cmd], cwd=self.root, env=env, capture_output=True, text=True, timeout=900))
         log = proc.stdout + proc.stderr
         out.parent.mkdir(parents=True, exist_ok=True)
         (out.parent / f"{engine}.log").write_text(log)  # beside the output, for a failure's whole story
