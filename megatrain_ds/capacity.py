@@ -16,8 +16,9 @@ The model of memory
 to the byte: tests/test_plan.py, tests/test_dp.py with 2 ranks):
 
 - ``HostLayerStore`` (host_state.py), for the streamed layers a rank owns (data parallel: layer i on position
-  i % N of the host's ranks, dp.py's ``Topology``, so the layers are held once per host): the master (fp32; bf16 with ``bf16_master_weights_and_grads``), whole
-  layers when it is the wire copy, else the trainable elements only (frozen weights live in the wire copy only);
+  i % N of the host's ranks, dp.py's ``Topology``, so the layers are held once per host): the master (fp32; bf16
+  with ``bf16_master_weights_and_grads``), whole layers when it is the wire copy, else the trainable elements only
+  (frozen weights live in the wire copy only);
   exp_avg and exp_avg_sq (fp32, trainable); the wire copy (all elements, in the wire dtype; none when the wire is
   the master); the gradient home (trainable elements, in the landing dtype with GA 1, fp32 with GA > 1); with
   GA > 1, a landing ring of 4 slabs of the largest layer's trainable region (wire dtype) plus an fp32 scratch.
@@ -315,8 +316,9 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     int (trainable), an ``(elements, trainable)`` pair or the tensor itself; ``device``: where the engine computes;
     ``nvme_path``: overrides ``offload_optimizer.nvme_path``; ``world``: data-parallel ranks on this host (the
     host total is every rank's); ``owned`` / ``resident_owned``: what each of them holds (one mask of the layers /
-    of the resident parameters per rank; default: the ``world`` ranks are one shard, dp.py's ``Topology``); ``seq`` + ``activations`` (``ActivationModel``): the step's GPU working set (without
-    them only what initialize allocates is checked); ``freed_bytes``: see ``host_budget_bytes``; ``host_budget``:
+    of the resident parameters per rank; default: the ``world`` ranks are one shard, dp.py's ``Topology``);
+    ``seq`` + ``activations`` (``ActivationModel``): the step's GPU working set (without them only what initialize
+    allocates is checked); ``freed_bytes``: see ``host_budget_bytes``; ``host_budget``:
     overrides ``megatrain.host_memory_budget`` (GiB or "auto"); ``gpu_memory``: the device's bytes when planning
     for a GPU this machine does not have; ``decisions``: the run's (the engine passes its own), else resolved here
     for the whole host (decisions.resolve, its NVMe split fitting every rank's state and the step's host memory in

@@ -230,7 +230,7 @@ class DataParallel:
         self.cpu_group = None  # gloo, main thread: host scalars and checkpoint exchange
         self.norm_group = None  # gloo, the landing thread: the global norm
         self.topology = Topology(((0,),), ((0,),))  # one process
-        self.shard, self.shard_pos, self.local_world = (0,), 0, 1  # this rank's shard, its place in it, its host's ranks
+        self.shard, self.shard_pos, self.local_world = (0,), 0, 1  # its shard, its place there, its host's ranks
         self.resident_pos: list[int | None] = []  # per resident parameter, its owning position (``set_resident``)
         # this rank's last report: the engine call it is in (seq counts them) and the collectives the calling
         # thread has entered in it (c; the last one: "in")

@@ -75,7 +75,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         if self.dp.active:  # every rank starts from rank 0's weights, as DeepSpeed's ZeRO-3 does
             sync_initial_weights(model, layers, self.dp, shared_ids)
         # 2. Decide, once (decisions.py): dtypes, every "auto" decidable now, which layers are GPU-held / on NVMe.
-        # Every rank on this host must fit its budget (the NVMe split, gradient_hold); the capacity check counts the same.
+        # Every rank on this host must fit its budget (NVMe split, gradient_hold); the capacity check counts the same.
         owned = self.dp.owned_mask(len(layers))
         resident_numels, _, freed = host_view(model, layers, shared_ids, group_of, self.dp)
         resident_owned = self.dp.set_resident(resident_numels)  # whose host holds each one's state (dp.py)
