@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     import transformers as tf
 
     import megatrain_ds
-    from megatrain_ds import plan
+    from megatrain_ds.planning import plan
 
     os.makedirs(args.out, exist_ok=True)
     cfg = tf.Qwen2Config(hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,

@@ -118,8 +118,8 @@ def planned_megatrain_host_bytes(args, config, tokens: int, gpus: int) -> int | 
         return None
     from benchmarks.common import micro_batch_for, resolve_liger
     from benchmarks.megatrain_system import megatrain_ds_config
-    from megatrain_ds.config import parse_config
-    from megatrain_ds.plan import meta_model, plan_model
+    from megatrain_ds.planning.config import parse_config
+    from megatrain_ds.planning.plan import meta_model, plan_model
 
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     ds = megatrain_ds_config(micro_batch_for(tokens, args.seq), device, resolve_liger(args.liger, args.device),

@@ -12,7 +12,7 @@ Units: Gparam/s = 1e9 parameters per second, GB/s = 1e9 bytes per second.
 
     python -m benchmarks.host_adam --sweep --params 300e6
 
-The placement sweep (the measurement behind megatrain_ds/placement.py, docs/placement.md): the fused AdamW
+The placement sweep (the measurement behind megatrain_ds/host/placement.py, docs/placement.md): the fused AdamW
 runs on a host worker thread, as in training, for thread counts 1, 2, 4, 8, all-1, all; each unpinned
 (torch.set_num_threads only) and pinned (placement.apply_placement: the worker's mask, which its OpenMP threads
 inherit; the main thread on the core the plan keeps for it), each with the main thread idle and busy (a Python
@@ -108,7 +108,7 @@ def sweep_thread_counts(total: int) -> list[int]:
 
 def sweep(n: int, runs: int = 5, threads: list[int] | None = None, device: str = "auto") -> list[dict]:
     """One row per (threads, pinned, main idle/busy), plus a main-alone baseline row (threads 0)."""
-    from megatrain_ds import placement as pl
+    from megatrain_ds.host import placement as pl
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     n = int(args.params) if args.params else int(args.gparams * 1e9)
     if args.sweep:
-        from megatrain_ds import placement as pl
+        from megatrain_ds.host import placement as pl
         topo = pl.host_topology()
         print(f"{n / 1e9:.3g} G params, fp32; torch {torch.__version__}; {len(topo['cpus'])} usable cpus, "
               f"NUMA nodes {{{', '.join(f'{k}: {_cpulist(v)}' for k, v in topo['nodes'].items())}}}, "

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from megatrain_ds import host_update
-from megatrain_ds.host_update import adamw_scalars, fused_adam, update_segment
+from megatrain_ds.optim import host_update
+from megatrain_ds.optim.host_update import adamw_scalars, fused_adam, update_segment
 
 LAYOUTS = {  # name: (grad dtype, master dtype, wire dtype or None)
     "fp32 grad, fp32 master (torch kernel default)": (torch.float32, torch.float32, None),
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
 def _rollback(n: int, args, native: bool) -> None:
     """A speculative step undone (clipping fired after the layer was stepped): speculation.adamw_undo in float64
     chunks plus the wire refresh, against the native undo ([Note: native rollback]), bf16 gradient + bf16 wire."""
-    from megatrain_ds.speculation import adamw_undo
+    from megatrain_ds.optim.speculation import adamw_undo
     master, grad, m, v, wire = _tensors(n, torch.bfloat16, torch.float32, torch.bfloat16)
     scratch = torch.empty(n)
     row = {"adamw_undo + refresh": _median_s(lambda: (adamw_undo(master, scratch.copy_(grad), m, v, HP, args.coef,
@@ -149,7 +149,7 @@ def _phases(n: int, counts: list[int], args) -> int:
         t = (master, grad, m.to(moments_dtype), v.to(moments_dtype))
         where, regions = "torch's allocator", []
         if args.engine_buffers:
-            from megatrain_ds.host_memory import host_buffer
+            from megatrain_ds.host.host_memory import host_buffer
             t = tuple(host_buffer(n, x.dtype, pin=k == 0, regions=regions).copy_(x) for k, x in enumerate(t))
             where = "the engine's host buffers (master pinned)"
         loads = [False, True] if args.h2d_load and torch.cuda.is_available() else [False]
@@ -167,7 +167,7 @@ def _phases(n: int, counts: list[int], args) -> int:
             if stop is not None:
                 print(f"  (H2D load: {stop():.1f} GB/s while it ran)")
         # unpinned before the next layout's buffers (a new mapping may reuse a registered address: CUDA error 712)
-        from megatrain_ds.host_memory import _release_all
+        from megatrain_ds.host.host_memory import _release_all
         del t
         _release_all(regions)
     return 0

@@ -69,7 +69,7 @@ def rank_cpu_sets(gpus: int, topology: dict | None = None) -> list[list[int]] | 
     """The usable cpus split into ``gpus`` blocks of whole physical cores (siblings kept together), NUMA node by
     node; block sizes differ by at most one core. None when there are fewer physical cores than ranks."""
     if topology is None:
-        from megatrain_ds.placement import host_topology
+        from megatrain_ds.host.placement import host_topology
 
         topology = host_topology()
     allowed = set(topology["cpus"])
@@ -112,7 +112,7 @@ def bind_rank(rank: int) -> str | None:
     spec = os.environ.get("H2H_RANK_CPUS")
     if not spec:
         return None
-    from megatrain_ds.placement import parse_cpulist
+    from megatrain_ds.host.placement import parse_cpulist
 
     block = spec.split(";")[rank]
     os.sched_setaffinity(0, parse_cpulist(block))

@@ -1,5 +1,5 @@
 """The NVMe tier's two I/O backends on this machine's disk, measured the way the tier uses them: one layer region
-at a time, written then read back (``megatrain_ds.nvme``'s ``_ThreadIO`` over an O_DIRECT file, and DeepSpeed's
+at a time, written then read back (``megatrain_ds.host.nvme``'s ``_ThreadIO`` over an O_DIRECT file, and DeepSpeed's
 async I/O op where it builds), with the ``aio`` block's settings.
 
     python -m benchmarks.nvme_io --path /nvme/folder --region-gib 1.87 --regions 4 --out io.json
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from megatrain_ds import nvme
-from megatrain_ds.host_state import HostRegion
+from megatrain_ds.host import nvme
+from megatrain_ds.host.host_state import HostRegion
 
 
 def bench(backend: str, path: str, region_bytes: int, regions: int, aio: dict) -> dict:

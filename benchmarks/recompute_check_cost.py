@@ -1,4 +1,4 @@
-"""What the recompute check (megatrain_ds/recompute_check.py) costs per step, on its own: the device work of
+"""What the recompute check (megatrain_ds/model/recompute_check.py) costs per step, on its own: the device work of
 ``RecomputeCheck.compare`` for every layer of a model shape at a batch, plus the one ``read`` at the step, timed
 with CUDA events (median of repeats), against the step time the caller gives.
 
@@ -16,8 +16,8 @@ import time
 import torch
 
 from benchmarks.shapes import SHAPES
-from megatrain_ds.executor import LayerCall
-from megatrain_ds.recompute_check import RecomputeCheck, _CallCheck
+from megatrain_ds.streaming.executor import LayerCall
+from megatrain_ds.model.recompute_check import RecomputeCheck, _CallCheck
 
 
 def time_check(layers: int, tokens: int, hidden: int, dtype=torch.bfloat16, repeats: int = 20) -> tuple[float, float]:

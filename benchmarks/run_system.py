@@ -54,7 +54,7 @@ else:
 # How each system runs over N ranks (recorded in its settings under "data_parallel" when WORLD_SIZE > 1)
 DATA_PARALLEL = {
     "megatrain": "megatrain_ds data parallel: layer i's host state on rank i % N, weights broadcast and gradients "
-                 "reduced per layer (megatrain_ds/dp.py), resident parameters all-reduced",
+                 "reduced per layer (megatrain_ds/parallel/dp.py), resident parameters all-reduced",
     "zero3": "DeepSpeed ZeRO-3 over N ranks: parameters, gradients and optimizer state partitioned, CPU offload",
     "resident": "torch DDP over N ranks (gradient_as_bucket_view), gradients averaged; whole model on every GPU",
 }

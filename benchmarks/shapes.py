@@ -1,7 +1,8 @@
 """Random-init model shapes (dense Qwen2.5, and two mixture-of-experts families) and the model-FLOPs formulas
 shared by every benchmark.
 
-The shapes themselves (``SHAPES``, ``MOE_SHAPES``, ``SHAPE_NAMES``, ``make_config``) are megatrain_ds/shapes.py's,
+The shapes themselves (``SHAPES``, ``MOE_SHAPES``, ``SHAPE_NAMES``, ``make_config``) are
+megatrain_ds/planning/shapes.py's,
 re-exported here: built as ``transformers`` config objects (``Qwen2Config``, ``OlmoeConfig``, ``Qwen2MoeConfig``);
 nothing is downloaded. The FLOPs formulas (FLOP per trained token; s = tokens per sequence, L = decoder layers,
 h = hidden size; recompute is never counted):
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 # The shapes registry lives in the package (megatrain-ds plan resolves shape names without benchmarks/): re-exported
-from megatrain_ds.shapes import MOE_CONFIGS, MOE_SHAPES, SHAPE_NAMES, SHAPES, make_config  # noqa: F401
+from megatrain_ds.planning.shapes import MOE_CONFIGS, MOE_SHAPES, SHAPE_NAMES, SHAPES, make_config  # noqa: F401
 
 # The linears peft's LoRA adapts by default in the harness (h2h --lora R); "all-linear" is peft's own choice
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

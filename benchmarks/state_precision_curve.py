@@ -1,6 +1,6 @@
 """The loss of a fine-tune by optimizer-state precision: exact fp32 masters and moments, bf16 masters
 (``bf16_master_weights_and_grads``), bf16 masters and bf16 moments (``bf16_optimizer_states``: [Note: compact
-moments] in megatrain_ds/host_update.py).
+moments] in megatrain_ds/optim/host_update.py).
 
     python -m benchmarks.state_precision_curve --out DIR [--pretrain-steps 400 --steps 300 --lr 1e-4]
 

@@ -112,7 +112,7 @@ def _command_line(argv: list[str], args) -> str:
 
 
 def _timeline_run(engine, step, batches, args) -> int:
-    from megatrain_ds.timing import start_timeline, take_timeline
+    from megatrain_ds.streaming.timing import start_timeline, take_timeline
     start_timeline()
     t0 = __import__("time").perf_counter()
     for ids in batches[:args.steps + 1]:  # the last one closes the device spans of the one before (StepTimer)

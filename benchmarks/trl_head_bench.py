@@ -4,7 +4,7 @@
   kernel when installed, else loss.py's chunks), no whole logits;
 - ``trl``: the model after TRL's ``add_fused_lm_head`` (as its SFT/DPO/GRPO trainers patch it), ``engine(...,
   labels=, fused_lm_head=True)``: TRL's forward runs as TRL wrote it on the streamed decoder ([Note: fused loss only
-  where exact] in megatrain_ds/engine_forward.py), its chunked log-prob head (Triton on CUDA), no whole logits;
+  where exact] in megatrain_ds/training/engine_forward.py), its chunked log-prob head (Triton on CUDA), no whole logits;
 - ``own``: ``"fused_loss": false``: the model's own forward, whole [tokens, vocab] logits.
 
     python -m benchmarks.trl_head_bench --model qwen2.5-1.5b --seq 4096 --micro 2 --steps 8
@@ -23,7 +23,7 @@ import time
 import torch
 
 import megatrain_ds
-from megatrain_ds.shapes import make_config
+from megatrain_ds.planning.shapes import make_config
 
 
 def build(name: str, layers: int | None, seed: int = 0):

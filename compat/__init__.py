@@ -4,7 +4,7 @@
     MEGATRAIN_DS=1 torchrun --nproc_per_node N train_with_trainer.py      # Trainer(args=TrainingArguments(deepspeed=...))
 
 Any number of processes: each rank reaches megatrain_ds's engine, which trains data-parallel over accelerate's
-(or the Trainer's) process group (megatrain_ds/dp.py).
+(or the Trainer's) process group (megatrain_ds/parallel/dp.py).
 
 switch.py             the opt-in, run at interpreter start by the ``megatrain_ds_switch.pth`` the package installs
 import_hook.py        runs a function on a module right after its first import

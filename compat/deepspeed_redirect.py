@@ -5,7 +5,7 @@
   through accelerate too). With N processes (``accelerate launch --num_processes N``, the Trainer under
   ``torchrun --nproc_per_node N``) every rank calls it with accelerate's config (``train_batch_size`` = micro x GA
   x N, as accelerate and the Trainer fill it for DeepSpeed) over accelerate's process group, and the engines
-  train data-parallel (megatrain_ds/dp.py). accelerate shards the dataloader itself (each rank its batches).
+  train data-parallel (megatrain_ds/parallel/dp.py). accelerate shards the dataloader itself (each rank its batches).
 - ``deepspeed.DeepSpeedEngine`` -> ``megatrain_ds.MegaTrainEngine``: accelerate's ``extract_model_from_parallel``
   does ``from deepspeed import DeepSpeedEngine`` and ``isinstance`` (unwrap_model, the Trainer's saves).
 - ``deepspeed.zero.Init`` -> ``Init`` below: megatrain_ds's (builds the model whole on the CPU, never on the

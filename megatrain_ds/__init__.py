@@ -11,13 +11,19 @@ import weakref
 
 import torch
 
-from . import checkpointing, comm, ops, runtime, utils, zero
-from .surface import module_getattr as __getattr__  # other deepspeed.<name>: DeepSpeed's, or an error naming it
-from .comm import init_distributed
-from .config import ConfigError, OptimizerSettings, TrainConfig, collective_timeout_of, parse_config, warn_not_acted_on
+from . import _moved
+_moved.install()  # the flat layout's import paths (megatrain_ds.config, ...) reach the same modules in their rooms
+
+from . import ops, runtime
+from .api import checkpointing, utils, zero  # deepspeed.zero, deepspeed.utils, deepspeed.checkpointing
+from .api.surface import module_getattr as __getattr__  # other deepspeed.<name>: DeepSpeed's, or an error naming it
+from .parallel import comm  # deepspeed.comm
+from .parallel.comm import init_distributed
+from .planning.config import (ConfigError, OptimizerSettings, TrainConfig, collective_timeout_of, parse_config,
+                              warn_not_acted_on)
 from .engine import MegaTrainEngine
-from .model_map import UnsupportedModelError
-from .recompute_check import RecomputeMismatch
+from .model.model_map import UnsupportedModelError
+from .model.recompute_check import RecomputeMismatch
 from ._version import MEGATRAIN_VERSION, __version__  # (in a module of their own: no import circle)
 
 DeepSpeedEngine = MegaTrainEngine

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from .checkpoint import MODEL_FILE, fp32_state_dict
+from .checkpoints.checkpoint import MODEL_FILE, fp32_state_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
     sub.add_parser("bench", help="the head-to-head harness (python -m benchmarks.h2h), run from the repo root",
                    add_help=False)
-    from .plan_cli import add_arguments as add_plan_arguments
+    from .planning.plan_cli import add_arguments as add_plan_arguments
     add_plan_arguments(sub.add_parser("plan", help="predict host RAM, disk and GPU memory before anything is built "
                                                    "(no GPU needed)"))
     argv = sys.argv[1:] if argv is None else argv
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "plan":
-        from .plan_cli import run as run_plan
+        from .planning.plan_cli import run as run_plan
         return run_plan(args)
     files = convert(args.checkpoint_dir, args.out_dir, args.tag, args.dtype, args.max_shard_size)
     print(f"wrote {len(files)} safetensors file(s) and config.json to {args.out_dir}")

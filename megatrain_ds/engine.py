@@ -20,29 +20,30 @@ import weakref
 import torch
 from torch import nn
 
-from .adapters import save_adapter
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig
-from .dp import DataParallel
-from .engine_auto import auto_budget_bytes, place_auto
-from .engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states, build_optimizer,
-                           build_store, build_workers, check_capacity_for, count, decide, host_share, host_view,
-                           log_tier, param_groups, step_counters, sync_initial_weights)
-from .engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_call, to_device  # noqa: F401
-from .export import consolidated_state_dict, save_16bit_model
-from .lifecycle import close_tiers_at_exit, deferred_interrupt, refuse_a_model_in_use, refuse_empty_sequences
+from .checkpoints.adapters import save_adapter
+from .checkpoints.checkpoint import load_checkpoint, save_checkpoint
+from .planning.config import TrainConfig
+from .parallel.dp import DataParallel
+from .training.engine_auto import auto_budget_bytes, place_auto
+from .training.engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states,
+                                    build_optimizer, build_store, build_workers, check_capacity_for, count, decide,
+                                    host_share, host_view, log_tier, param_groups, step_counters,
+                                    sync_initial_weights)
+from .training.engine_forward import LogitsNotComputed, forward_fused_loss, fused_loss_call, to_device  # noqa: F401
+from .checkpoints.export import consolidated_state_dict, save_16bit_model
+from .training.lifecycle import close_tiers_at_exit, deferred_interrupt, refuse_a_model_in_use, refuse_empty_sequences
 from .log import ALL_RANKS, log, logger
-from .loss import fused_loss_parts
-from .loss_scale import cast_inputs_half
-from .model_map import build_layout, find_block_list, shared_parameter_ids
-from .monitor import Monitor
-from .optimizer import ResidentParams
-from .recompute_check import RecomputeMismatch, nonfinite_gradients_message
-from .streams import make_streams
-from .surface import EngineSurface, adopt_zero3_model
-from .timing import StepTimer, traced
-from .zero import ParamHome, mark_partitioned
-from .zero_offload import ParameterOffload
+from .model.loss import fused_loss_parts
+from .optim.loss_scale import cast_inputs_half
+from .model.model_map import build_layout, find_block_list, shared_parameter_ids
+from .api.monitor import Monitor
+from .optim.optimizer import ResidentParams
+from .model.recompute_check import RecomputeMismatch, nonfinite_gradients_message
+from .streaming.streams import make_streams
+from .api.surface import EngineSurface, adopt_zero3_model
+from .streaming.timing import StepTimer, traced
+from .api.zero import ParamHome, mark_partitioned
+from .api.zero_offload import ParameterOffload
 
 
 class MegaTrainEngine(EngineSurface, nn.Module):

@@ -1,6 +1,6 @@
 """The config error and the reading of DeepSpeed's validation errors, in a module of their own: config.py raises
 them, and so do the modules config.py calls to validate a block (monitor.py), which must not import config.py back.
-Both names stay importable from ``megatrain_ds.config`` (and ``ConfigError`` from ``megatrain_ds``)."""
+Both names stay importable from ``megatrain_ds.planning.config`` (and ``ConfigError`` from ``megatrain_ds``)."""
 from __future__ import annotations
 
 

@@ -167,10 +167,13 @@ def _bindings() -> dict:
     """code object -> every (owner, name) holding a plain function with it: module functions (and their imports
     under other names: ``from .checksums import save_file as _save``) and class methods of megatrain_ds."""
     out = collections.defaultdict(list)
-    seen = set()
+    seen, modules_seen = set(), set()
     for name, module in list(sys.modules.items()):
         if not (name == "megatrain_ds" or name.startswith("megatrain_ds.")) or module is None:
             continue
+        if id(module) in modules_seen:  # a module under its flat-layout name too (megatrain_ds/_moved.py)
+            continue
+        modules_seen.add(id(module))
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, types.FunctionType):
                 out[obj.__code__].append((module, attr))

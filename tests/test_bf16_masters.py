@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds.config import ConfigError
+from megatrain_ds.planning.config import ConfigError
 from tests.models import tiny_hf, token_batches, train_lm
 
 

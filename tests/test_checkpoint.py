@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds.checkpoint import MODEL_FILE, OPTIM_FILE
+from megatrain_ds.checkpoints.checkpoint import MODEL_FILE, OPTIM_FILE
 from tests.models import tiny_hf
 
 HERE = Path(__file__).resolve().parent

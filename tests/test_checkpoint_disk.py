@@ -23,8 +23,8 @@ import torch
 import transformers
 
 import megatrain_ds
-from megatrain_ds import checkpoint_folder, checkpoint_stream
-from megatrain_ds.checkpoint import MODEL_FILE, OPTIM_FILE
+from megatrain_ds.checkpoints import checkpoint_folder, checkpoint_stream
+from megatrain_ds.checkpoints.checkpoint import MODEL_FILE, OPTIM_FILE
 from tests.fault_driver import FullDisk
 
 HERE = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from megatrain_ds.config import ConfigError, MegatrainSettings, collective_timeout_of, parse_config
+from megatrain_ds.planning.config import ConfigError, MegatrainSettings, collective_timeout_of, parse_config
 from tests.scripts.dp_fault import launch_pair
 
 TIMEOUT_S = 3.0

@@ -1,4 +1,4 @@
-"""Compact optimizer state ([Note: compact moments], megatrain_ds/host_update.py): DeepSpeed's
+"""Compact optimizer state ([Note: compact moments], megatrain_ds/optim/host_update.py): DeepSpeed's
 ``bf16.bf16_optimizer_states`` beside ``bf16_master_weights_and_grads`` keeps the streamed layers' Adam moments in bf16.
 
 - The kernel equals torch's fused AdamW on fp32 copies of the moments followed by a copy back, bit for bit, in every
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds import host_update
-from megatrain_ds.config import ConfigError, parse_config
-from megatrain_ds.host_update import PHASE_MOMENTS, PHASE_WEIGHTS, adamw_scalars, fused_adam
+from megatrain_ds.optim import host_update
+from megatrain_ds.planning.config import ConfigError, parse_config
+from megatrain_ds.optim.host_update import PHASE_MOMENTS, PHASE_WEIGHTS, adamw_scalars, fused_adam
 from tests.models import tiny_hf, token_batches, train_lm
 
 native = pytest.mark.skipif(host_update.native_library() is None,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds.config import ConfigError, parse_config
-from megatrain_ds.timing import StepTimer
+from megatrain_ds.planning.config import ConfigError, parse_config
+from megatrain_ds.streaming.timing import StepTimer
 from tests.models import tiny_hf
 
 

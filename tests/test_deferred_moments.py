@@ -1,4 +1,4 @@
-"""The host update in two passes ([Note: deferred moments] in megatrain_ds/host_update.py): the weights pass after the
+"""The host update in two passes ([Note: deferred moments] in optim/host_update.py): the weights pass after the
 norm, the moments pass later. The kernel's two passes equal its one pass bit for bit in every layout; training with
 the passes deferred equals training with whole updates bit for bit (masters and Adam moments), with GA 1 (the D2H
 into the gradient home waits for the moments pass) and GA 2 (the landing thread's fold waits), with a moments pass
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds import host_update
-from megatrain_ds.host_update import PHASE_MOMENTS, PHASE_WEIGHTS, native_adam
-from megatrain_ds.optimizer import HostAdamW
+from megatrain_ds.optim import host_update
+from megatrain_ds.optim.host_update import PHASE_MOMENTS, PHASE_WEIGHTS, native_adam
+from megatrain_ds.optim.optimizer import HostAdamW
 from tests.models import tiny_hf
 
 pytestmark = pytest.mark.skipif(host_update.native_library() is None,
@@ -144,8 +144,8 @@ def test_slow_moments_pass_is_waited_for(monkeypatch):
 def test_a_wait_is_timed():
     from concurrent.futures import Future
     import threading
-    from megatrain_ds.schedule import LayerSchedule
-    from megatrain_ds.timing import StepTimer
+    from megatrain_ds.streaming.schedule import LayerSchedule
+    from megatrain_ds.streaming.timing import StepTimer
     sched, timer = LayerSchedule(3), StepTimer(streams=type("S", (), {"kind": "cpu"})(), enabled=False)
     done, late = Future(), Future()
     done.set_result(None)
@@ -180,7 +180,7 @@ def test_adam_l2_updates_whole(monkeypatch):
 def test_deferred_true_needs_native_kernel():
     config = _config(True)
     config["megatrain"]["host_kernel"] = "torch"
-    with pytest.raises(megatrain_ds.config.ConfigError, match="deferred_moments"):
+    with pytest.raises(megatrain_ds.planning.config.ConfigError, match="deferred_moments"):
         megatrain_ds.initialize(model=tiny_hf("llama", seed=3), config=config)
 
 
@@ -191,7 +191,7 @@ def test_a_late_fold_waits_for_the_pass_it_was_queued_behind(monkeypatch):
     step() has just queued behind the norm (which waits for that very fold: a deadlock). Bit-identical to whole
     updates."""
     import threading
-    from megatrain_ds.landing import GradientLanding
+    from megatrain_ds.streaming.landing import GradientLanding
     real = GradientLanding._land
 
     def slow(self, *args):

@@ -188,7 +188,7 @@ def test_the_two_rank_layout_is_deepspeeds_and_zero_to_fp32_reads_it(runs):
     zero_to_fp32 reconstructs exactly the engine's fp32 masters at the save (frozen ones included)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from megatrain_ds.checkpoint import fp32_state_dict
+    from megatrain_ds.checkpoints.checkpoint import fp32_state_dict
 
     ckpt, folder = runs["tmp"] / "ck2", runs["tmp"] / "ck2" / "global_step2"
     assert sorted(os.listdir(folder)) == sorted([f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
@@ -236,7 +236,7 @@ def test_sixteen_bit_export_under_two_ranks(runs):
 def test_a_two_rank_checkpoint_that_does_not_fit_changes_nothing(runs, tmp_path):
     """Checked before any write with N-rank files too; a missing rank's file is named."""
     import megatrain_ds
-    from megatrain_ds.checkpoint import CheckpointMismatchError
+    from megatrain_ds.checkpoints.checkpoint import CheckpointMismatchError
     from tests.models import PlainLM
 
     model = PlainLM(vocab=63, width=35, depth=3)  # another width: every shape differs
@@ -258,7 +258,7 @@ def test_a_two_rank_checkpoint_that_does_not_fit_changes_nothing(runs, tmp_path)
 def test_a_corrupted_rank_file_of_a_two_rank_checkpoint_is_refused(runs, tmp_path):
     """Each rank's save records its files' SHA-256; a load verifies every rank's manifest before reading (issue 27)."""
     import megatrain_ds
-    from megatrain_ds.checksums import ChecksumError
+    from megatrain_ds.checkpoints.checksums import ChecksumError
 
     broken = tmp_path / "ck"
     shutil.copytree(runs["tmp"] / "ck2", broken)

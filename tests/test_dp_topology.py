@@ -3,8 +3,8 @@ planner's host bytes per host with it (capacity.py): one host copy of every pers
 copy per node with ``host_sharding: "node"``, 1/nodes of one with ``"job"``."""
 import pytest
 
-from megatrain_ds import plan
-from megatrain_ds.dp import Topology, resident_positions
+from megatrain_ds.planning import plan
+from megatrain_ds.parallel.dp import Topology, resident_positions
 from megatrain_ds.errors import ConfigError
 
 
@@ -29,7 +29,7 @@ def test_one_shard_per_node_and_ownership_by_position():
 
 
 def test_nodes_of_different_sizes_need_job_sharding():
-    from megatrain_ds.config import MegatrainSettings
+    from megatrain_ds.planning.config import MegatrainSettings
 
     with pytest.raises(ConfigError, match="same number of ranks.*host_sharding"):
         Topology.of(["a", "a", "b"])

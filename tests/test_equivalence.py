@@ -156,7 +156,7 @@ def test_auto_optimizer_state_placement_after_the_first_step_matches_pytorch(ga,
     layers whose state fits the memory the step left free move to the device, moments and all (here the free
     memory is set to what the resident state and 2 of 4 layers take; the same code runs on CPU); the run
     stays plain PyTorch's."""
-    from megatrain_ds.device_state import DeviceOptimizerState
+    from megatrain_ds.host.device_state import DeviceOptimizerState
     from megatrain_ds.engine import MegaTrainEngine
 
     placed = []
@@ -225,8 +225,8 @@ def test_activations_in_host_memory(monkeypatch):
 def test_host_activation_buffers_follow_varying_lengths():
     """Batches of varying length reuse the host buffers that fit (the smallest); a longer one than any before
     releases the free buffers it outgrew instead of piling up one set per length; contents round-trip."""
-    from megatrain_ds.activations import HostActivations
-    from megatrain_ds.streams import make_streams
+    from megatrain_ds.streaming.activations import HostActivations
+    from megatrain_ds.streaming.streams import make_streams
 
     acts = HostActivations(make_streams(torch.device("cpu")), torch.device("cpu"))
 
@@ -266,7 +266,7 @@ def test_model_without_block_list_is_rejected_with_reason():
 
 def test_the_comparison_catches_a_wrong_layer_gradient(monkeypatch):
     """A 10% error in one layer's gradient must fail the comparison above."""
-    from megatrain_ds.executor import StreamedLayers
+    from megatrain_ds.streaming.executor import StreamedLayers
 
     fold = StreamedLayers._fold
 

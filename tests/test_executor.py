@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds.streams import CpuStreams, CudaStreams
+from megatrain_ds.streaming.streams import CpuStreams, CudaStreams
 from tests.models import tiny_hf
 
 LAYERS = 4

@@ -203,7 +203,7 @@ def test_fused_loss_follows_the_configured_head():
     """The fused head + cross-entropy is used exactly when the model's forward, with this config, is head matmul ->
     Hugging Face's causal-LM loss: a branch the config switches off does not count (Gemma 2 without soft-capping,
     Bamba without z-loss), one it switches on does (a cap of 1.0 is a cap)."""
-    from megatrain_ds.model_map import plain_lm_head
+    from megatrain_ds.model.model_map import plain_lm_head
 
     def why(model):
         return plain_lm_head(model, "lm_head", model.base_model_prefix)
@@ -411,7 +411,7 @@ def test_refused_at_initialize(family, monkeypatch):
         megatrain_ds.initialize(model=build(), config={"train_micro_batch_size_per_gpu": 2})
     frozen = build().requires_grad_(False)
     megatrain_ds.initialize(model=frozen, config={"train_micro_batch_size_per_gpu": 2})
-    monkeypatch.setattr(megatrain_ds.model_map, "refuse_known_unsupported", lambda model: None)
+    monkeypatch.setattr(megatrain_ds.model.model_map, "refuse_known_unsupported", lambda model: None)
     engine, *_ = megatrain_ds.initialize(model=build(), config={"train_micro_batch_size_per_gpu": 2})
     with pytest.raises(NotImplementedError, match="extra tensor argument that requires grad"):
         engine.backward(step(engine, _seq_batches()[0]))

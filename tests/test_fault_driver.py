@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from megatrain_ds import checkpoint_stream, checksums
-from megatrain_ds.schedule import LayerSchedule
+from megatrain_ds.checkpoints import checkpoint_stream, checksums
+from megatrain_ds.streaming.schedule import LayerSchedule
 from tests import fault_driver
 
 SEED = 0

@@ -17,7 +17,7 @@ import transformers
 from torch import nn
 
 import megatrain_ds
-from megatrain_ds.checkpoint import MODEL_FILE, OPTIM_FILE, CheckpointMismatchError
+from megatrain_ds.checkpoints.checkpoint import MODEL_FILE, OPTIM_FILE, CheckpointMismatchError
 from tests.models import tiny_hf
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
@@ -324,7 +324,7 @@ def test_a_flipped_byte_is_refused_naming_the_file_and_the_engine_is_untouched(t
     records each file's SHA-256 (in sha256sum's format); the load verifies them first and refuses by name."""
     import hashlib
 
-    from megatrain_ds.checksums import ChecksumError
+    from megatrain_ds.checkpoints.checksums import ChecksumError
 
     saved = _engine(_llama())
     _train(saved, 2)
@@ -386,7 +386,7 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_checkpo
     needed and free, and the previous checkpoint intact and loadable (the unfinished folder removed)."""
     import errno
 
-    from megatrain_ds import checkpoint_stream
+    from megatrain_ds.checkpoints import checkpoint_stream
 
     engine = _engine(_llama())
     _train(engine, 1)

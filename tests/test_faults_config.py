@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import megatrain_ds
-from megatrain_ds.config import ConfigError, parse_config
-from megatrain_ds.loss_scale import LossScaleAtMinimumError, LossScaler, cast_inputs_half
+from megatrain_ds.planning.config import ConfigError, parse_config
+from megatrain_ds.optim.loss_scale import LossScaleAtMinimumError, LossScaler, cast_inputs_half
 from tests.models import PlainBlock, tiny_hf
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """The fused LM head + cross-entropy only where it is exact ([Note: fused loss only where exact] in
-megatrain_ds/engine_forward.py), and non-finite values reported as what they are ([Note: non-finite values are not
-drift] in megatrain_ds/recompute_check.py). fp32, CPU, against plain PyTorch.
+megatrain_ds/training/engine_forward.py), and non-finite values reported as what they are ([Note: non-finite
+values are not drift] in megatrain_ds/model/recompute_check.py). fp32, CPU, against plain PyTorch.
 
 A model whose forward computes another loss than transformers' causal-LM forward -- a forward patched on the
 instance, a subclass's own forward, a keyword the fused loss does not handle -- trains exactly as the plain model
@@ -21,7 +21,7 @@ import transformers as tf
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import megatrain_ds
-from megatrain_ds.recompute_check import RecomputeMismatch
+from megatrain_ds.model.recompute_check import RecomputeMismatch
 from tests import test_paths
 from tests.models import PlainLM, tiny_hf
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds.loss_scale import LossScaler
+from megatrain_ds.optim.loss_scale import LossScaler
 from tests.models import tiny_hf
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds.config import ConfigError, MegatrainSettings
+from megatrain_ds.planning.config import ConfigError, MegatrainSettings
 from tests.launch import run_again_after_exit_abort
 from tests.models import tiny_hf
 from tests.test_paths import _batches, _compare, _logits_loss

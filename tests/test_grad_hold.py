@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds.config import ConfigError
+from megatrain_ds.planning.config import ConfigError
 from models import tiny_hf
 
 
@@ -55,7 +55,7 @@ def test_held_gradients_train_bit_for_bit_as_the_host_landing(kernel):
 
 
 def test_held_gradients_refuse_what_they_do_not_combine_with(tmp_path):
-    from megatrain_ds.config import parse_config
+    from megatrain_ds.planning.config import parse_config
     with pytest.raises(ConfigError, match="gradient_hold"):
         parse_config(_config("device"))
     with pytest.raises(ConfigError, match="gradient_hold.*gradient_accumulation_steps 1, got 2"):
@@ -80,7 +80,7 @@ def test_gpu_held_gradients_match_the_host_landing():
 def test_auto_holds_the_gradients_only_where_the_host_state_needs_it():
     """``gradient_hold: "auto"`` (the default) on a CUDA device: the host landing while the state fits the host budget
     with it; the hold when only the hold's 12 bytes/param fit (the planner and the engine share decisions.resolve)."""
-    from megatrain_ds import plan
+    from megatrain_ds.planning import plan
 
     def planned(hold: str, budget_gib: float = 100.0):
         cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": True},

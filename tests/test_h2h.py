@@ -517,8 +517,8 @@ def test_host_precheck_asks_megatrains_planner(tmp_path, monkeypatch):
 
     from benchmarks import h2h
     from benchmarks.shapes import make_config
-    from megatrain_ds.config import parse_config
-    from megatrain_ds.plan import meta_model, plan_model
+    from megatrain_ds.planning.config import parse_config
+    from megatrain_ds.planning.plan import meta_model, plan_model
     from benchmarks.megatrain_system import megatrain_ds_config
 
     args = argparse.Namespace(lora=0, ds_config=None, device="cuda", seq=1024, liger="off",

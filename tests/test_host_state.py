@@ -80,7 +80,7 @@ def test_large_host_buffers_use_huge_pages_when_the_kernel_offers_them():
         pytest.skip("no transparent huge pages in this kernel")
     if "[never]" in mode:
         pytest.skip("transparent huge pages are switched off on this machine")
-    from megatrain_ds.host_state import host_buffer
+    from megatrain_ds.host.host_state import host_buffer
 
     regions: list = []
     t = host_buffer(16 << 20, torch.float32, pin=False, regions=regions)  # 64 MiB

@@ -1,11 +1,11 @@
-"""The blocked host update ([Note: blocked host update], megatrain_ds/host_update.py) equals the whole-layer
+"""The blocked host update ([Note: blocked host update], megatrain_ds/optim/host_update.py) equals the whole-layer
 passes it replaces bit for bit: the bf16 gradient converted whole then torch's fused AdamW, bf16 masters copied to
 fp32 and back, the wire copy refreshed afterwards; for AdamW and Adam-L2, a clip coefficient, a loss scale, bias
 correction at several steps, block edges inside a segment and several segments."""
 import pytest
 import torch
 
-from megatrain_ds.host_update import adamw_scalars, fused_adam, update_segment
+from megatrain_ds.optim.host_update import adamw_scalars, fused_adam, update_segment
 
 
 def _state(n: int, seed: int, grad_dtype, master_dtype):
@@ -61,7 +61,7 @@ def test_blocked_equals_whole_layer_passes(grad_dtype, master_dtype, with_wire, 
 
 
 # --- the native kernel ([Note: native host update]) ------------------------------------------------------------------
-from megatrain_ds import host_update  # noqa: E402
+from megatrain_ds.optim import host_update  # noqa: E402
 
 
 def _ulps(x: torch.Tensor, y: torch.Tensor) -> int:
@@ -195,7 +195,7 @@ def test_native_undo_equals_adamw_undo(grad_dtype, wire_dtype, adam_w_mode, coef
     """A step undone by the C kernel equals speculation.adamw_undo (master, moments; see _undo_close for the last
     bit), over threads, writes the wire from the restored master, clamps exp_avg_sq at +0, keeps a NaN where
     adamw_undo does; the undo lands near the state before the step."""
-    from megatrain_ds.speculation import adamw_undo
+    from megatrain_ds.optim.speculation import adamw_undo
     _native_or_skip()
     n = 3 * 65_536 + 77
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=wd, step=step)

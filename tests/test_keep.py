@@ -201,9 +201,9 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(monk
     update (0.1 s a layer), GPU-held state saves more per byte than a kept layer could: as many leading layers' state
     as the exposure pays for (2), then kept layers in what is left; held 0.01 s (hidden), kept layers first. (The
     engine calls ``_place`` after its second step with what it measured; here the measurements are given.)"""
-    from megatrain_ds.device_state import DeviceOptimizerState
+    from megatrain_ds.host.device_state import DeviceOptimizerState
     from megatrain_ds.engine import MegaTrainEngine
-    from megatrain_ds.engine_auto import _keep_bytes_per_layer, _place, host_update_exposure
+    from megatrain_ds.training.engine_auto import _keep_bytes_per_layer, _place, host_update_exposure
 
     cfg = {**test_paths._config(), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": "auto"}}
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)

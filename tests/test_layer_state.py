@@ -1,4 +1,4 @@
-"""One owner of where each streamed layer's state lives (megatrain_ds/layer_state.py, issue 28): ``where(i)`` answers
+"""One owner of where each streamed layer's state lives (host/layer_state.py, issue 28): ``where(i)`` answers
 RAM, NVMe, GPU-held (on CPU the "device" is the CPU) and the reads it offers equal what ``master_state_dict`` gives;
 checkpoints, exports, the surface and zero.py ask it instead of checking the store, the tier or the device state."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import torch
 
 import megatrain_ds
-from megatrain_ds.layer_state import Home, LayerStates
+from megatrain_ds.host.layer_state import Home, LayerStates
 from tests.models import tiny_hf
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatrain_ds")

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain_ds.loss import IGNORE_INDEX, linear_cross_entropy
+from megatrain_ds.model.loss import IGNORE_INDEX, linear_cross_entropy
 
 
 def _reference(hidden, weight, bias, labels, num_items=None):

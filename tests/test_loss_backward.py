@@ -129,7 +129,7 @@ class _PostNormLM(torch.nn.Module):
 @pytest.mark.parametrize("own_backward", [True, False])
 def test_forward_under_autocast_recomputes_under_it(own_backward):
     """The script wraps its forward and loss in torch.autocast (the bf16_master_weight example), the backward runs
-    outside it: each layer's recompute runs under the forward's autocast (megatrain_ds/replay.py), so training with
+    outside it: each layer's recompute runs under the forward's autocast (model/replay.py), so training with
     recompute equals training with every layer kept (the forward's own graph), bit for bit. fp32 weights here, so a
     recompute without autocast would compute its matmuls in fp32 where the forward used bf16 (on the GPU, where the
     bf16 weights meet the fp32 output of an autocast LayerNorm, it raised a dtype mismatch)."""
@@ -157,7 +157,7 @@ def test_a_loss_backward_that_raised_part_way_is_discarded(monkeypatch):
     """loss.backward() raises in layer 0's backward (the last one it reaches) and the script catches it: at the
     engine's next call the partial gradients are discarded with a warning, and the next step trains as a clean
     engine's does."""
-    from megatrain_ds.executor import StreamedLayers
+    from megatrain_ds.streaming.executor import StreamedLayers
     config = _config(bf16={"enabled": True})
     clean = megatrain_ds.initialize(model=tiny_hf("llama", layers=2, seed=7), config=config)[0]
     engine = megatrain_ds.initialize(model=tiny_hf("llama", layers=2, seed=7), config=config)[0]

@@ -1,4 +1,4 @@
-"""The native host update ([Note: native host update], megatrain_ds/host_update.py) inside the engine: training
+"""The native host update ([Note: native host update], megatrain_ds/optim/host_update.py) inside the engine: training
 with ``megatrain.host_kernel: native`` equals training with torch's fused AdamW (``torch``) bit for bit over 20
 steps, in every layout the host update meets: the default (fp32 master streamed, bf16 gradients landed where the
 torch kernel lands fp32 ones), a bf16 wire, GA 2 (fp32 accumulator), bf16 masters, a LoRA model (compact store),
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds import host_update
+from megatrain_ds.optim import host_update
 from tests.models import tiny_hf
 
 pytestmark = pytest.mark.skipif(host_update.native_library() is None,

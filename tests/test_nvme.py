@@ -1,4 +1,4 @@
-"""The NVMe tier (megatrain_ds/nvme.py): DeepSpeed's ``offload_optimizer: {device: nvme, nvme_path, ...}`` puts the
+"""The NVMe tier (megatrain_ds/host/nvme.py): DeepSpeed's ``offload_optimizer: {device: nvme, nvme_path, ...}`` puts the
 Adam moments of the trailing streamed layers in a swap file under ``nvme_path``. Training with it equals training
 with every moment in RAM, bit for bit (the moments are copied, never recomputed); the files appear where the config
 says; checkpoints read and write the moments wherever they live; a bad ``nvme_path`` fails at ``initialize`` with
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds import nvme as nvme_mod
-from megatrain_ds.plan import CapacityError
+from megatrain_ds.host import nvme as nvme_mod
+from megatrain_ds.planning.plan import CapacityError
 from tests.models import tiny_hf
 
 STEPS = 6
@@ -221,7 +221,7 @@ def test_full_disk_at_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     engine = engines[0]
     ckpt = tmp_path / "ckpt"
     engine.save_checkpoint(str(ckpt), tag="good")
-    from megatrain_ds import checkpoint_stream
+    from megatrain_ds.checkpoints import checkpoint_stream
     real_write = checkpoint_stream.StreamWriter._write
 
     def full(self, data, crc):
@@ -243,7 +243,7 @@ def test_full_disk_at_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_nvme_config_errors_name_the_key(tmp_path):
-    from megatrain_ds.config import ConfigError
+    from megatrain_ds.planning.config import ConfigError
     for key, value in (("nvme_layers", -1), ("nvme_backend", "spdk"), ("host_memory_budget", 0)):
         cfg = _config(tmp_path)
         cfg["megatrain"][key] = value

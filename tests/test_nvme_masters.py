@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds import plan
-from megatrain_ds.config import ConfigError
-from megatrain_ds.nvme import align
+from megatrain_ds.planning import plan
+from megatrain_ds.planning.config import ConfigError
+from megatrain_ds.host.nvme import align
 from tests.models import tiny_hf, token_batches, train_lm
 
 LAYERS, DISK, GA, STEPS = 5, 3, 2, 5

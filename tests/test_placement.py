@@ -1,4 +1,4 @@
-"""megatrain_ds.placement: topology from a fake sysfs, the plan's choices, the config parse, applying it to a
+"""megatrain_ds.host.placement: topology from a fake sysfs, the plan's choices, the config parse, applying it to a
 real worker thread, and the host_adam placement sweep on tiny parameters."""
 import os
 import threading
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatrain_ds import placement as pl
+from megatrain_ds.host import placement as pl
 
 
 def _fake_sysfs(root, nodes: dict[int, str], siblings: dict[int, str] | None = None, pci: dict | None = None):
@@ -228,7 +228,7 @@ def test_openmp_threads_inherit_the_worker_mask():
 def test_local_ranks_get_disjoint_shares_of_the_host():
     """Data parallel: two ranks whose GPUs share a NUMA node split its physical cores (SMT siblings follow their
     core); ranks on different nodes keep their node; the plans never overlap."""
-    from megatrain_ds.placement import plan_placement, share_between_local_ranks
+    from megatrain_ds.host.placement import plan_placement, share_between_local_ranks
 
     # one node, 8 physical cores 0-7 with siblings 8-15
     topo = {"nodes": {0: list(range(16))}, "siblings": {c: (c % 8, c % 8 + 8) for c in range(16)}}

@@ -1,4 +1,4 @@
-"""``megatrain-ds plan`` (megatrain_ds/plan.py): memory predicted before anything is built.
+"""``megatrain-ds plan`` (megatrain_ds/planning/plan.py): memory predicted before anything is built.
 
 - Host RAM: the plan's prediction of the engine's state equals ``engine.host_memory()["total_bytes"]`` of the engine
   ``initialize`` then builds, to the byte, in every storage mode (fp32 / bf16, GA 1 / 2, fp32 master streamed or a
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import megatrain_ds
-from megatrain_ds import capacity, plan, plan_cli
-from megatrain_ds.config import ConfigError
-from megatrain_ds.model_map import build_layout, find_block_list
+from megatrain_ds.planning import capacity, plan, plan_cli
+from megatrain_ds.planning.config import ConfigError
+from megatrain_ds.model.model_map import build_layout, find_block_list
 from tests.models import PlainLM, tiny_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

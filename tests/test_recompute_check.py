@@ -1,4 +1,4 @@
-"""The recompute checks itself ([Note: recompute check], megatrain_ds/recompute_check.py).
+"""The recompute checks itself ([Note: recompute check], megatrain_ds/model/recompute_check.py).
 
 Each test makes the recompute differ from the forward the way an upstream release could (a KV cache that reaches
 the layer under a name the engine does not know, RNG not replayed, a layer that keeps state of its own) and
@@ -14,9 +14,9 @@ import transformers
 from torch import nn
 
 import megatrain_ds
-from megatrain_ds import executor as executor_mod
-from megatrain_ds.config import ConfigError
-from megatrain_ds.recompute_check import AUTO_STEPS, RecomputeMismatch
+from megatrain_ds.streaming import executor as executor_mod
+from megatrain_ds.planning.config import ConfigError
+from megatrain_ds.model.recompute_check import AUTO_STEPS, RecomputeMismatch
 from tests.models import PlainLM, tiny_hf
 
 

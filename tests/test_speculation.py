@@ -1,4 +1,4 @@
-"""Speculative optimizer stepping (megatrain_ds/speculation.py) against plain PyTorch, fp32 on CPU.
+"""Speculative optimizer stepping (megatrain_ds/optim/speculation.py) against plain PyTorch, fp32 on CPU.
 
 Each layer is stepped as its gradient lands, as if clipping did not fire; the norm then commits the updates
 (bit-identical to the plain path) or rolls them back and redoes them with the true coefficient. Checked:
@@ -140,7 +140,7 @@ def test_a_backlog_of_landings_is_taken_newest_first(monkeypatch):
     landing order; the run stays bit-identical to one without speculation."""
     import threading
 
-    from megatrain_ds.optimizer import HostAdamW
+    from megatrain_ds.optim.optimizer import HostAdamW
     real, real_final = HostAdamW._speculative_update, HostAdamW.final_landing
 
     def run(speculate: bool):
@@ -187,7 +187,7 @@ def test_landings_after_step_are_still_stepped_before_the_norm(monkeypatch):
     one without speculation."""
     import time
 
-    from megatrain_ds.landing import GradientLanding
+    from megatrain_ds.streaming.landing import GradientLanding
     real_land = GradientLanding._land
     held = {"on": False}
 
@@ -196,7 +196,7 @@ def test_landings_after_step_are_still_stepped_before_the_norm(monkeypatch):
             time.sleep(0.05 * (2 - i))  # layer 1 after 50 ms, layer 0 after 100 ms: both after step() was queued
         return real_land(self, i, *args, **kwargs)
     monkeypatch.setattr(GradientLanding, "_land", late)
-    from megatrain_ds.optimizer import HostAdamW
+    from megatrain_ds.optim.optimizer import HostAdamW
     real_close, done = HostAdamW._close_task, []
 
     def close(self, decided, spec):  # the step's last task: which layers the speculation stepped

@@ -2,9 +2,12 @@
 
 - The product never imports ``benchmarks``: the harness ships with the repository, not with the installed package.
   The one exception is ``megatrain-ds bench`` (cli.py ``_bench``), documented as repository-root only. Shape names
-  (``megatrain-ds plan qwen2.5-7b``) resolve through megatrain_ds/shapes.py, from any working directory.
+  (``megatrain-ds plan qwen2.5-7b``) resolve through megatrain_ds/planning/shapes.py, from any working directory.
 - No import circle inside the package, function-level imports included: a module that needs another's name imports it
   from a module below both (errors.py, _version.py, host_memory.py, checkpoint_folder.py are such modules).
+- The package is in rooms (docs/architecture.md), and the arrows between rooms point one way, down ``LAYERS``: a room
+  imports only rooms below it (and the base modules at the top level); the flat layout's import paths still reach
+  the same module objects (megatrain_ds/_moved.py).
 - No file of the package over 700 lines, no function over 120, no ``print`` outside the command-line front ends (the
   library reports through warnings and logging).
 - One resolver of init-time decisions (decisions.py): the engine and the planner hold the same ``Decisions`` for a
@@ -89,7 +92,7 @@ def test_shape_name_resolves_outside_the_repository(tmp_path):
     env["PYTHONPATH"] = str(pkg)
     code = ("import importlib.util, sys\n"
             "import megatrain_ds\n"
-            "from megatrain_ds.plan import load_model_config\n"
+            "from megatrain_ds.planning.plan import load_model_config\n"
             "assert importlib.util.find_spec('benchmarks') is None, 'benchmarks importable here'\n"
             "cfg, name = load_model_config('qwen2.5-7b')\n"
             "cfg2, _ = load_model_config('tiny-moe', layers=1)\n"
@@ -107,7 +110,7 @@ def test_shape_name_resolves_outside_the_repository(tmp_path):
 def test_benchmarks_shapes_reexports_the_package_registry():
     """One registry: benchmarks/shapes.py's names are the package's objects."""
     from benchmarks import shapes as bench_shapes
-    from megatrain_ds import shapes
+    from megatrain_ds.planning import shapes
 
     for name in ("SHAPES", "MOE_SHAPES", "MOE_CONFIGS", "SHAPE_NAMES", "make_config"):
         assert getattr(bench_shapes, name) is getattr(shapes, name)
@@ -132,7 +135,7 @@ def test_bench_outside_the_repository_says_where_to_run_it(tmp_path):
 MAX_FILE_LINES = 700
 MAX_FUNCTION_LINES = 120
 # (file relative to the package, enclosing function or "*" for any): where ``print`` may be called
-PRINT_ALLOWED = {("cli.py", "*"), ("plan_cli.py", "*"), ("versions.py", "main")}
+PRINT_ALLOWED = {("cli.py", "*"), ("planning/plan_cli.py", "*"), ("versions.py", "main")}
 SOURCE_SUFFIXES = (".py", ".c", ".h", ".cpp", ".cu")
 
 
@@ -336,11 +339,85 @@ def test_the_circle_checker_sees_every_import_form(tmp_path):
         (pkg / name).write_text(text)
     circles = _circles(_import_graph(str(pkg)))
     assert sorted(circles) == [["pkg", "pkg.a"], ["pkg.b", "pkg.c"], ["pkg.d", "pkg.sub.e"], ["pkg.f", "pkg.g"]]
+# ---------------------------------------------------------------------------------------------- rooms and arrows
+# top to bottom: a room may import the rooms after it, never one before it (docs/architecture.md draws it)
+LAYERS = ("top", "training", "api", "checkpoints", "planning", "optim", "streaming", "host", "parallel", "model",
+          "base")
+TOP = {"megatrain_ds", "megatrain_ds.engine", "megatrain_ds.cli"}  # the front: initialize, the engine, the CLI
+BASE_MODULES = {"megatrain_ds._version", "megatrain_ds.errors", "megatrain_ds.log", "megatrain_ds.versions",
+        "megatrain_ds._moved"}  # below every room
+MAX_TOP_LEVEL_MODULES = 10  # the top level holds the front and the base; everything else lives in a room
+
+
+def room_of(module: str) -> str:
+    """The layer a module of the package belongs to: its room (first folder under the package), or top / base."""
+    if module in TOP:
+        return "top"
+    if module in BASE_MODULES:
+        return "base"
+    room = module.split(".")[1]
+    return "top" if room in ("ops", "runtime") else room  # deepspeed.ops / deepspeed.runtime mirrors: the front
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a module to a module in a room above its own (or in no known room)."""
+    out = []
+    for module, targets in graph.items():
+        here = room_of(module)
+        for target in targets:
+            there = room_of(target)
+            if here not in LAYERS or there not in LAYERS or LAYERS.index(there) < LAYERS.index(here):
+                out.append(f"{module} ({here}) imports {target} ({there})")
+    return sorted(out)
+
+
+def test_rooms_import_only_rooms_below():
+    bad = upward_arrows(_import_graph(PACKAGE))
+    assert not bad, "imports against the arrows of docs/architecture.md (move the name down, or the module up): " \
+        + "; ".join(bad)
+
+
+def test_top_level_holds_the_front_and_the_base_only():
+    top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    rooms = sorted(d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py")))
+    assert set(rooms) == set(LAYERS[1:-1]) | {"ops", "runtime"}, rooms
+    for room in LAYERS[1:-1]:  # each room says what it holds
+        with open(os.path.join(PACKAGE, room, "__init__.py")) as f:
+            assert ast.get_docstring(ast.parse(f.read())), f"megatrain_ds/{room}/__init__.py has no docstring"
+
+
+def test_the_arrow_checker_sees_an_upward_import():
+    graph = {"megatrain_ds.streaming.executor": {"megatrain_ds.host.host_state", "megatrain_ds.log"},
+             "megatrain_ds.host.host_state": {"megatrain_ds.optim.optimizer"},
+             "megatrain_ds.model.loss": {"megatrain_ds.engine"}}
+    assert upward_arrows(graph) == ["megatrain_ds.host.host_state (host) imports megatrain_ds.optim.optimizer (optim)",
+                                    "megatrain_ds.model.loss (model) imports megatrain_ds.engine (top)"]
+
+
+def test_the_flat_layout_paths_are_the_same_modules():
+    """``megatrain_ds.<module>`` of the flat layout is the module in its room (one object: a patch through either
+    name is seen by the engine), and every old name is mapped to a module that exists."""
+    import importlib
+
+    import megatrain_ds
+    from megatrain_ds._moved import MOVED
+
+    modules = _module_names(PACKAGE)
+    assert set(MOVED.values()) <= set(modules), sorted(set(MOVED.values()) - set(modules))
+    for old, new in MOVED.items():
+        assert old not in modules, f"{old} is both a file and an alias"
+        assert importlib.import_module(old) is importlib.import_module(new)
+    assert megatrain_ds.zero is importlib.import_module("megatrain_ds.api.zero")
+    assert megatrain_ds.comm is importlib.import_module("megatrain_ds.parallel.comm")
+
+
 # ---------------------------------------------------------------------------------------------- one resolver
 RESOLVED_SETTINGS = {"stream_fp32_master", "gpu_optimizer_layers", "keep_activations", "fp32_grad_landing",
                      "host_kernel", "liger_kernels", "nvme_layers", "check_recompute",
                      "check_recompute_tolerance"}  # megatrain.<key>: what decisions.resolve resolves at init
-RESOLVER_FILES = {"decisions.py", "config.py"}  # the resolver, and the parse that validates the settings
+# the resolver, and the parse that validates the settings
+RESOLVER_FILES = {"planning/decisions.py", "planning/config.py"}
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "bf16": {"enabled": True}}
 ONE_RESOLVER_CASES = {
@@ -357,7 +434,7 @@ def test_engine_and_planner_decide_through_one_resolver(case):
     """The engine (``engine.decisions``) and the planner (``Prediction.decisions``) hold the same frozen
     ``decisions.Decisions`` for a config: the same object type, equal field by field, with the values it asks for."""
     import megatrain_ds
-    from megatrain_ds import decisions, plan
+    from megatrain_ds.planning import decisions, plan
     from tests.models import tiny_hf
 
     over, expected = ONE_RESOLVER_CASES[case]
@@ -401,7 +478,7 @@ def test_resolved_settings_are_read_only_by_the_resolver():
 def test_cross_field_conflicts_are_parse_errors(tmp_path):
     """Settings that exclude each other are refused by ``parse_config`` itself (no model, no engine), with the
     message naming both keys."""
-    from megatrain_ds.config import ConfigError, parse_config
+    from megatrain_ds.planning.config import ConfigError, parse_config
 
     low = copy.deepcopy(BASE)
     low["bf16"]["bf16_master_weights_and_grads"] = True
@@ -421,7 +498,7 @@ def test_cross_field_conflicts_are_parse_errors(tmp_path):
 # (file relative to the package, class): classes whose every attribute is declared in ``__init__`` (issue 28: what
 # another thread reads is declared, with the thread that writes it, in one place). ``HostAdamW``'s host-thread
 # hand-offs are [Note: host threads] in optimizer.py.
-DECLARED_IN_INIT = {("optimizer.py", "HostAdamW"), ("resident.py", "ResidentParams")}
+DECLARED_IN_INIT = {("optim/optimizer.py", "HostAdamW"), ("optim/resident.py", "ResidentParams")}
 
 
 def _assigned_outside_init(tree: ast.AST, cls_name: str) -> list[tuple[str, str, int]]:

@@ -17,8 +17,8 @@ from torch import nn
 from torch.func import functional_call
 
 import megatrain_ds
-from megatrain_ds import tiling
-from megatrain_ds.config import ConfigError, parse_config
+from megatrain_ds.model import tiling
+from megatrain_ds.planning.config import ConfigError, parse_config
 from tests.models import tiny_hf
 
 GA, STEPS, SEQ, CHUNK = 2, 3, 13, 5  # 2 x 13 = 26 rows per micro-batch: chunks of 5, 5, 5, 5, 5, 1

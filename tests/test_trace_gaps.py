@@ -44,7 +44,7 @@ def test_timeline_gaps_name_what_each_thread_was_doing():
 def test_traced_ranges_are_recorded_from_every_thread_only_while_a_timeline_is_on():
     import threading
 
-    from megatrain_ds.timing import start_timeline, take_timeline, traced
+    from megatrain_ds.streaming.timing import start_timeline, take_timeline, traced
     with traced("megatrain.before"):
         pass
     start_timeline()

@@ -181,7 +181,7 @@ def test_the_files_hold_deepspeeds_own_layout(runs, n):
 def test_the_checksums_cover_every_file(runs, n, tmp_path):
     """Every rank's manifest names its two files (all the folder holds), megatrain_ds's load verifies them, and a
     flipped byte in what DeepSpeed reads (the loss scaler and Adam state live in the optimizer file) is refused."""
-    from megatrain_ds.checksums import ChecksumError, verify
+    from megatrain_ds.checkpoints.checksums import ChecksumError, verify
 
     folder = runs.ck[n] / "global_step3"
     listed = []
@@ -234,7 +234,7 @@ def test_sub_groups_cut_where_deepspeed_cuts():
     """wayback.sub_groups against DeepSpeed's own _create_fp16_sub_groups, on partition sizes around the cut."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from megatrain_ds.wayback import sub_groups
+    from megatrain_ds.checkpoints.wayback import sub_groups
 
     class Param:
         def __init__(self, numel: int, world: int) -> None:
@@ -254,7 +254,7 @@ def test_sub_groups_cut_where_deepspeed_cuts():
 
 
 def test_what_deepspeed_cannot_resume_is_named():
-    from megatrain_ds.wayback import resume_problems
+    from megatrain_ds.checkpoints.wayback import resume_problems
 
     assert resume_problems(CONFIG, []) == []
     stage2 = resume_problems({**CONFIG, "zero_optimization": {"stage": 2}}, [])

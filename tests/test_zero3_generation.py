@@ -2,7 +2,7 @@
 ``trl.models.utils.unwrap_model_for_generation`` (unmodified) on a megatrain_ds engine, with
 ``gather_deepspeed3_params`` true (TRL's default: a whole-model ``GatheredParameters`` and TRL's
 ``remove_hooks``/``add_hooks`` on ``engine.optimizer.parameter_offload``) and false
-([Note: generation under ZeRO-3] in megatrain_ds/zero_offload.py).
+([Note: generation under ZeRO-3] in megatrain_ds/api/zero_offload.py).
 
 - through accelerate (a real ``Accelerator`` with a ZeRO-3 DeepSpeed plugin, the engine from ``accelerator.prepare``
   with what ``MEGATRAIN_DS=1`` does to DeepSpeed applied in this process, as compat/ does at interpreter start):

@@ -29,7 +29,7 @@ _UNSUPPORTED = {
     "domino": "Domino tensor-parallel overlap needs several GPUs; megatrain_ds trains on one",
     "sequence_parallel": "Ulysses sequence parallelism needs several GPUs; megatrain_ds trains on one",
     "tensor_parallel": "AutoTP tensor parallelism needs several GPUs; megatrain_ds trains on one",
-    "activation_checkpointing": "use deepspeed.checkpointing (megatrain_ds.checkpointing) or the model's "
+    "activation_checkpointing": "use deepspeed.checkpointing (megatrain_ds.api.checkpointing) or the model's "
                                 "gradient_checkpointing_enable(); the engine recomputes streamed layers itself",
     "superoffload": "SuperOffload is DeepSpeed's own CPU-offload optimizer; megatrain_ds runs its host "
                     "optimizer for every offload setting",

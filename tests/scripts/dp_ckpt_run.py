@@ -86,7 +86,7 @@ def train(engine, deepspeed, args, rank: int, world: int, real: bool = False, sa
         if save and step + 1 == args.save_at:
             engine.save_checkpoint(args.save, client_state={"rank": rank, "step": step + 1})
             if not real:
-                from megatrain_ds.export import gather_full_masters
+                from megatrain_ds.checkpoints.export import gather_full_masters
 
                 at_save = {n: t.clone() for n, t in gather_full_masters(engine).items()}
                 if rank == 0:
@@ -98,7 +98,7 @@ def train(engine, deepspeed, args, rank: int, world: int, real: bool = False, sa
 def refuse(deepspeed, args, rank: int, world: int) -> list:
     """Load ``--refuse`` with the check failing on one rank only: [(exception type, message, engine untouched)]
     of every rank."""
-    from megatrain_ds import checkpoint
+    from megatrain_ds.checkpoints import checkpoint
 
     m = model(1)
     engine, *_ = deepspeed.initialize(model=m, model_parameters=[p for p in m.parameters() if p.requires_grad],

@@ -96,7 +96,8 @@ def main() -> None:
     import torch
 
     import megatrain_ds
-    from megatrain_ds import checkpoint, dp
+    from megatrain_ds.checkpoints import checkpoint
+    from megatrain_ds.parallel import dp
     from tests.models import tiny_hf
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,

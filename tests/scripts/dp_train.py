@@ -137,7 +137,7 @@ def main():
         dist.all_gather_object(ranks, mine)
         record["ranks"] = ranks
         if rank == 0 and not args.lora:  # the planner's host bytes for this host's ranks (one copy per host: dp.py)
-            from megatrain_ds import plan
+            from megatrain_ds.planning import plan
             meta = plan.meta_model(config)
             cfg = plan.parse_config(dict(ds_config), world_size=world, warn=False)
             record["planned_host_bytes"] = plan.plan_model(meta, cfg, device="cpu",

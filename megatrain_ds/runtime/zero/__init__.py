@@ -1,11 +1,11 @@
-"""``deepspeed.runtime.zero`` by attribute: megatrain_ds's ``Init`` and ``GatheredParameters`` (megatrain_ds/zero.py)
+"""``deepspeed.runtime.zero`` by attribute: megatrain_ds's ``Init`` and ``GatheredParameters`` (api/zero.py)
 and ``partition_parameters``; DeepSpeed's own ``config`` and ``offload_config`` (pydantic models and enums)."""
 from __future__ import annotations
 
 import importlib
 
 from . import partition_parameters
-from ...zero import GatheredParameters, Init
+from ...api.zero import GatheredParameters, Init
 
 _REAL = ("config", "offload_config")
 

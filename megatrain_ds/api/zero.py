@@ -1,0 +1,275 @@
+"""``deepspeed.zero`` for a host-resident engine: ``Init``, ``GatheredParameters``, ``ZeroParamStatus``.
+
+After ``initialize`` a streamed layer's parameter owns no storage (like a ZeRO-3 partitioned parameter:
+``ds_shape``, ``ds_numel``, ``ds_id``, ``ds_status``, ``ds_tensor``); its weights live in the engine's fp32
+host master. ``GatheredParameters`` materialises them into ``param.data`` (fp32, on the host: never the whole
+model on the GPU) for reading or modifying; with a ``modifier_rank`` the values are written back on exit (master,
+wire copy, any GPU-held master) and the slots holding the old values are invalidated. Resident parameters
+(embeddings, norms, head) are gathered the same way from their fp32 masters, onto the engine's device (HF's
+``model.device`` is the embedding's: ``generate`` moves its inputs there). A forward inside the block computes on
+the engine's weights, not on the gathered copies (a generate under a whole-model gather: [Note: generation under
+ZeRO-3] in zero_offload.py).
+Every such parameter also carries ``_z3_optimizer`` (``ZeroOptimizerView``), so that DeepSpeed's own
+``deepspeed.utils.safe_get_full_fp32_param`` and its siblings read and write the engine's state for it.
+
+``Init`` builds the model on the CPU: the engine moves the layers into host buffers at ``initialize``, so
+the model is never materialised on the GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import itertools
+import warnings
+
+import torch
+
+from .zero_offload import DeviceCopies
+
+_ids = itertools.count()
+
+
+class _OwnZeroParamStatus(enum.Enum):
+    """DeepSpeed's member names and values; used only where deepspeed itself cannot be imported."""
+    AVAILABLE = 1  # param.data holds the full tensor
+    NOT_AVAILABLE = 2  # param.data is empty; the weights are in the engine's host master
+    INFLIGHT = 3  # kept for compatibility; megatrain_ds never leaves a parameter half-gathered
+
+
+@functools.cache
+def _status_enum() -> type[enum.Enum]:
+    """DeepSpeed's own ``ZeroParamStatus`` enum. Client code compares ``p.ds_status`` with the class it imports
+    from ``deepspeed.runtime.zero.partition_parameters`` -- a ``from deepspeed... import`` line reaches real
+    DeepSpeed even in a script that says ``import megatrain_ds as deepspeed`` -- and members of two different
+    enum classes never compare equal (DeepSpeed-Chat's and OpenRLHF's ``_z3_params_to_fetch`` would then gather
+    nothing). Resolved on first use, not at import: importing deepspeed costs a second or two, and under the
+    switch (compat/) importing deepspeed re-enters megatrain_ds."""
+    try:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    except ImportError:
+        return _OwnZeroParamStatus
+    return ZeroParamStatus
+
+
+def __getattr__(name: str):
+    """``megatrain_ds.api.zero.ZeroParamStatus`` is DeepSpeed's enum (see ``_status_enum``), looked up lazily."""
+    if name == "ZeroParamStatus":
+        return _status_enum()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class ParamHome:
+    """Where a parameter's fp32 master lives: a streamed layer's slot in the host store, or a resident
+    parameter's own master."""
+
+    def __init__(self, engine, layer: int | None, name: str | None, resident_index: int | None) -> None:
+        self.engine, self.layer, self.name, self.resident_index = engine, layer, name, resident_index
+
+    def read(self) -> torch.Tensor:
+        return self.engine._read_master(self)
+
+    def write(self, value: torch.Tensor) -> None:
+        self.engine._write_master(self, value)
+
+
+def _engine_of(param):
+    home = getattr(param, "_megatrain_home", None)
+    if home is None:
+        raise ValueError("this parameter is no longer trained by a megatrain_ds engine (engine.destroy() was "
+                         "called): its fp32 master, gradient and optimizer state are gone")
+    return home.engine
+
+
+class ZeroOptimizerView:
+    """``param._z3_optimizer`` of every parameter an engine holds. Real DeepSpeed's ``deepspeed.utils``
+    functions (``safe_get_full_fp32_param``, ``safe_set_full_fp32_param``, ``safe_get_full_grad``,
+    ``safe_get/set_full_optimizer_state``) see ``ds_id`` on a parameter and call these methods of its "ZeRO-3
+    optimizer"; here the engine holding the parameter answers (surface.py, ``EngineSurface.full_fp32_param``...).
+    A script's ``from deepspeed.utils import safe_get_full_fp32_param`` (real DeepSpeed even with the alias import)
+    and the switch (compat/) then get the right values, not an AttributeError. The rest of a ZeRO-3 optimizer
+    (local partitions, writing gradients) raises AttributeError naming the method."""
+
+    def get_full_hp_param(self, param, optim_state_key=None):
+        engine = _engine_of(param)
+        if optim_state_key is None:
+            return engine.full_fp32_param(param)
+        return engine.full_optimizer_state(param, optim_state_key)
+
+    def set_full_hp_param(self, value, param, optim_state_key=None) -> None:
+        engine = _engine_of(param)
+        if optim_state_key is None:
+            engine.set_full_fp32_param(param, value)
+        else:
+            engine.set_full_optimizer_state(param, value, optim_state_key)
+
+    def get_fp32_grad_for_param(self, param):
+        return _engine_of(param).full_grad(param)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"param._z3_optimizer.{name}: megatrain_ds answers deepspeed.utils' safe_get_full_fp32_param, "
+            "safe_set_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state and "
+            "safe_set_full_optimizer_state; the local-partition and gradient-writing functions are not provided")
+
+
+_Z3_VIEW = ZeroOptimizerView()
+
+
+def mark_partitioned(param: torch.nn.Parameter, home: ParamHome, shape: tuple[int, ...]) -> None:
+    param.ds_shape = tuple(shape)
+    param.ds_numel = int(torch.Size(shape).numel())
+    param.ds_id = next(_ids)
+    status = _status_enum()
+    param.ds_status = status.NOT_AVAILABLE if home.layer is not None else status.AVAILABLE
+    param.ds_active_sub_modules = set()  # empty outside a forward: [Note: generation under ZeRO-3] (zero_offload.py)
+    param._megatrain_home = home
+    param._z3_optimizer = _Z3_VIEW  # see ZeroOptimizerView: DeepSpeed's safe_get_full_* reach the engine
+
+
+class Init:
+    """``with deepspeed.zero.Init(...): model = ...``: build on the CPU (never on the GPU), in DeepSpeed's dtype.
+
+    - ``dtype``: floating-point parameters (and tensors made without a dtype) are made in it, as DeepSpeed
+      casts every floating tensor made in the context; the engine's fp32 masters then start from these values,
+      as DeepSpeed's do.
+    - ``config_dict_or_path`` (or the deprecated ``config``) without ``dtype``: the config's precision, as
+      DeepSpeed: bf16 / fp16 when enabled, else fp32; its ``zero_optimization.offload_param.device`` is the
+      ``remote_device`` when none is given.
+    - neither: the model's own dtype. (DeepSpeed would pick fp16, or bf16 where its accelerator lacks fp16; the
+      masters made from an fp32 build are only more exact.)
+    - ``remote_device="nvme"``: a warning (parameters are built in host memory; the NVMe tier holds Adam moments,
+      set by ``offload_optimizer.device``: nvme.py).
+    - one process only, and it leaves ``torch.distributed`` initialized (as DeepSpeed's ``Init``).
+    Other arguments (process groups, ``pin_memory``, ``mem_efficient_linear``) concern partitioning: none here.
+    """
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 **kwargs) -> None:
+        self.enabled = enabled and module is None
+        if config is not None and config_dict_or_path is None:
+            config_dict_or_path = config
+        cfg = None
+        if config_dict_or_path is not None:
+            from ..planning.config import load_config_source
+
+            cfg = load_config_source(config_dict_or_path)
+        if dtype is None and cfg is not None:
+            dtype = _config_dtype(cfg)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"zero.Init(dtype={dtype!r}): a floating-point torch.dtype is needed")
+        if remote_device is None and cfg is not None:
+            remote_device = ((cfg.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
+        if remote_device == "nvme":
+            warnings.warn("zero.Init(remote_device='nvme'): megatrain_ds builds the parameters in host memory "
+                          "(its NVMe tier holds the Adam moments: zero_optimization.offload_optimizer.device=nvme)",
+                          stacklevel=2)
+        self.dtype = dtype
+        self._device_ctx = torch.device("cpu")
+        self._saved_dtype = None
+
+    def __enter__(self):
+        if self.enabled:
+            from ..parallel.comm import ensure_deepspeed_comm
+
+            ensure_deepspeed_comm()
+            self._device_ctx.__enter__()
+            if self.dtype is not None:
+                # Floating tensors made without a dtype get this one; parameters get it even when the model's
+                # constructor sets its own default dtype (transformers does), as DeepSpeed's creation wrappers.
+                self._saved_dtype, self._saved_new = torch.get_default_dtype(), torch.nn.Parameter.__dict__["__new__"]
+                torch.set_default_dtype(self.dtype)
+                torch.nn.Parameter.__new__ = _parameter_new_in(self.dtype, torch.nn.Parameter.__new__)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            if self._saved_dtype is not None:
+                torch.set_default_dtype(self._saved_dtype)
+                torch.nn.Parameter.__new__ = self._saved_new
+                self._saved_dtype = None
+            self._device_ctx.__exit__(*exc)
+        return False
+
+
+def _parameter_new_in(dtype: torch.dtype, original_new):
+    def new(cls, data=None, requires_grad=True):
+        if data is not None and data.is_floating_point() and data.dtype != dtype:
+            data = data.to(dtype)
+        return original_new(cls, data, requires_grad)
+    return new
+
+
+def _config_dtype(cfg: dict) -> torch.dtype:
+    """DeepSpeed's ``Init._set_dtype`` from a config: bf16, else fp16, else fp32 (values as its models read them:
+    ``"true"`` is true)."""
+    from ..planning.config import ConfigError, _precision_blocks
+
+    # An "auto" not resolved yet (transformers builds the model before accelerate / the Trainer fill the rest):
+    # read as DeepSpeed's models read it, the default; initialize() still refuses a config that keeps it.
+    cfg = {k: ({kk: vv for kk, vv in v.items() if vv != "auto"} if k in ("fp16", "bf16", "bfloat16")
+               and isinstance(v, dict) else v) for k, v in cfg.items()}
+    fp16, bf16 = _precision_blocks(cfg)
+    if fp16["enabled"] and bf16["enabled"]:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one")
+    return torch.bfloat16 if bf16["enabled"] else torch.float16 if fp16["enabled"] else torch.float32
+
+
+class GatheredParameters:
+    """Materialise engine-held parameters for the duration of the ``with`` block."""
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in (params or []) if hasattr(p, "_megatrain_home")] if enabled else []
+        self.modifier_rank = modifier_rank
+        self._saved = []
+        self._bindings: list[DeviceCopies] = []
+
+    def __enter__(self):
+        engines = {id(p._megatrain_home.engine): p._megatrain_home.engine for p in self.params}
+        for engine in engines.values():  # data parallel: where this rank is, should a peer not arrive (dp.py)
+            engine.dp.mark("gather", engine.micro_steps, engine.global_steps)
+        for engine in engines.values():  # the device copies a forward in the block computes on hold the last step
+            if any(p._megatrain_home.layer is None and p._megatrain_home.engine is engine for p in self.params):
+                engine.resident.upload()  # (before p.data is swapped: it writes into the device copies)
+        for p in self.params:
+            self._saved.append((p, p.data, p.ds_status))
+            with _watch(p, "gathering"):
+                p.data = p._megatrain_home.read()
+            p.ds_status = _status_enum().AVAILABLE
+        for engine in engines.values():  # a forward in the block runs on the device copies, not on the host copies
+            resident = [p for p in self.params
+                        if p._megatrain_home.engine is engine and p._megatrain_home.layer is None]
+            if resident:
+                self._bindings.append(DeviceCopies(engine, resident))
+        return self
+
+    def __exit__(self, *exc):
+        for binding in self._bindings:
+            binding.close()
+        self._bindings = []
+        for p, old, status in reversed(self._saved):
+            if self.modifier_rank is not None and exc[0] is None:
+                with _watch(p, "writing back"):
+                    p._megatrain_home.write(p.data)
+            p.data = old
+            p.ds_status = status
+        self._saved.clear()
+        return False
+
+
+def _watch(param, doing: str):
+    """Data parallel: gathering or writing back a streamed layer's parameter is a collective over the engine's gloo
+    group, bounded by ``megatrain.collective_timeout``; its failure names the parameter and the ranks that did not
+    arrive (dp.py's ``CollectiveError``)."""
+    home = param._megatrain_home
+    dp = getattr(home.engine, "dp", None)
+    if dp is None or not dp.active:
+        return contextlib.nullcontext()
+    what = (f"layer {home.layer}'s {home.name}" if home.layer is not None else
+            f"resident parameter {home.resident_index} (shape {tuple(param.ds_shape)})")
+    return dp.watch(f"GatheredParameters {doing} {what}")

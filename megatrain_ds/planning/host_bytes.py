@@ -1,0 +1,199 @@
+"""Host bytes: what each persistent host buffer of the engine takes, counted from the layer layouts.
+
+This module owns the byte arithmetic of host memory and the NVMe tier, by the same rules as the code that allocates
+the buffers (host_state.py's ``HostLayerStore``, optimizer.py's ``ResidentParams`` and ``HostAdamW`` scratch, nvme.py's
+tier and staging buffers): ``layer_store_bytes``, ``resident_host_bytes``, ``optimizer_scratch_bytes``,
+``nvme_layer_bytes``; the NVMe split rule (``nvme_split``: how many trailing layers must leave RAM to fit a budget);
+the host budget (``host_budget_bytes``, from /proc/meminfo) and the disk's free space. It decides nothing about a
+run: decisions.py applies the split rule to a config, capacity.py sums these parts into a prediction. Pure, but for
+the reads of /proc/meminfo and statvfs.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ConfigError, TrainConfig
+from ..model.model_map import LayerLayout
+from .plan_gpu import _size
+
+GiB = 2 ** 30
+MiB = 2 ** 20
+NVME_ALIGN = 4096  # disk layers' moments are page aligned (O_DIRECT)
+NVME_BUFFER_COUNT = 4  # DeepSpeed's offload_optimizer.buffer_count default
+HOST_RESERVE_FRACTION = 0.05  # host_memory_budget "auto": MemAvailable - 5% of MemTotal
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# ---------------------------------------------------------------------------------------------------- NVMe tier
+def align(n: int, to: int = NVME_ALIGN) -> int:
+    return -(-int(n) // to) * to
+
+
+def nvme_layer_bytes(n_train: int, masters: bool = False) -> int:
+    """Disk bytes of one disk layer: exp_avg and exp_avg_sq (fp32), and with ``masters`` its fp32 master, each page
+    aligned (nvme.layer_disk_bytes)."""
+    return (3 if masters else 2) * align(4 * n_train)
+
+
+def nvme_split(ram_bytes_without_moments: int, moment_bytes: list[int], staging_count: int, budget: int,
+               setting, masters: bool = False) -> int:
+    """How many trailing streamed layers keep their Adam moments on disk.
+
+    ``ram_bytes_without_moments``: host RAM with no layer's moments in it (and no staging); ``moment_bytes[i]``:
+    what layer i's disk placement takes out of RAM (``8 * n_train_i``, ``12 *`` with ``masters``: the fp32 master
+    goes too; 0 for a layer this rank does not hold); ``staging_count``: the
+    staging buffers the tier allocates (``staging_buffers(offload_optimizer.buffer_count)``), each the size of the
+    largest disk layer's region (``nvme_layer_bytes``; none without a disk layer); ``budget``: host bytes allowed
+    (``host_budget_bytes``); ``setting``:
+    ``megatrain.nvme_layers``, an int (that many trailing layers, at most all) or "auto"/None (the fewest trailing
+    layers with which RAM fits the budget; all of them when nothing fits: the caller then refuses). Pure."""
+    n = len(moment_bytes)
+    if setting is None or setting == "auto":
+        kept = sum(moment_bytes)  # moments still in RAM with k trailing disk layers
+        largest = 0  # the largest disk layer's moments on disk
+        for k in range(n + 1):
+            if k:
+                m = moment_bytes[n - k]
+                kept -= m
+                largest = max(largest, nvme_layer_bytes(m // (12 if masters else 8), masters))
+            if ram_bytes_without_moments + kept + staging_count * largest <= budget:
+                return k
+        return n
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
+        raise ConfigError(f"megatrain.nvme_layers must be a layer count >= 0 or \"auto\", got {setting!r}")
+    return min(setting, n)
+
+
+def meminfo() -> tuple[int, int]:
+    """(MemAvailable, MemTotal) in bytes, from /proc/meminfo (sysconf where there is none)."""
+    values = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, rest = line.split(":", 1)
+                values[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    return values.get("MemAvailable", values.get("MemFree", 0)), values.get("MemTotal", 0)
+
+
+def host_budget_bytes(setting, freed_bytes: int = 0) -> int:
+    """Host bytes the engine's state may take. ``setting`` (``megatrain.host_memory_budget``): a number of GiB, or
+    "auto"/None = MemAvailable - 5% of MemTotal, measured now, plus ``freed_bytes`` (what the caller will free
+    before the state fills: the engine passes the bytes of the model's own weights, which ``load_layer`` releases;
+    a fresh process passes 0). Pure but for the read of /proc/meminfo."""
+    if setting is None or setting == "auto":
+        available, total = meminfo()
+        return max(0, int(available + freed_bytes - HOST_RESERVE_FRACTION * total))
+    if isinstance(setting, bool) or not isinstance(setting, (int, float)) or not setting > 0:
+        raise ConfigError(f"megatrain.host_memory_budget must be a number of GiB > 0 or \"auto\", got {setting!r}")
+    return int(setting * GiB)
+
+
+def disk_free_bytes(path: str | None) -> int | None:
+    """Free bytes (for an unprivileged user) of the file system holding ``path`` (its nearest existing parent)."""
+    if not path:
+        return None
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+# ------------------------------------------------------------------------------------------ the NVMe settings
+def nvme_settings(config: TrainConfig) -> tuple[bool, str | None, int]:
+    """(NVMe tier on, nvme_path, buffer_count) from ``zero_optimization.offload_optimizer`` (config.nvme when
+    config.py parses it, else the raw dict)."""
+    parsed = getattr(config, "nvme", None)
+    if parsed is not None:
+        return True, parsed.nvme_path or None, int(parsed.buffer_count)
+    block = ((config.raw.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    on = block.get("device") == "nvme"
+    return on, block.get("nvme_path") or None, int(block.get("buffer_count", NVME_BUFFER_COUNT))
+
+
+def nvme_masters(config: TrainConfig) -> bool:
+    """Whether the NVMe layers' fp32 masters go to disk too (``offload_param.device: nvme`` beside the tier)."""
+    parsed = getattr(config, "nvme", None)
+    return bool(parsed is not None and getattr(parsed, "masters", False))
+
+
+def staging_buffers(buffer_count: int) -> int:
+    """Staging buffers the NVMe tier allocates for ``offload_optimizer.buffer_count`` (nvme.NvmeMoments: one being
+    updated, one being read or written, at least)."""
+    return max(2, int(buffer_count))
+
+
+# ---------------------------------------------------------------------------------------------- host state
+def layer_store_bytes(layouts: list[LayerLayout], owned: list[bool], wire: str, grad: str, ga: int,
+                      disk: frozenset[int] = frozenset(), master: str = "fp32", staging_count: int = 0,
+                      disk_masters: bool = False, moments: str = "fp32", hold: bool = False) -> dict[str, int]:
+    """Bytes of one rank's ``HostLayerStore`` buffers, as host_state.py allocates them (its ``nbytes()``): the moments
+    of the ``disk`` layers (NVMe tier, a suffix) are not in RAM, nor their masters with ``disk_masters``;
+    ``staging_count`` staging buffers of the largest of this rank's disk layers are (nvme.NvmeMoments, counted by
+    ``fixed_nbytes``). ``hold``: the gradients wait for the norm on the device, read through three slabs
+    (grad_hold.py)."""
+    full = sum(lay.numel for lay, mine in zip(layouts, owned) if mine)
+    train = sum(lay.n_train for lay, mine in zip(layouts, owned) if mine)
+    moments_dtype = moments  # "fp32", or "bf16" ([Note: compact moments])
+    moments = sum(lay.n_train for i, (lay, mine) in enumerate(zip(layouts, owned)) if mine and i not in disk)
+    wire_is_master = wire == master  # the master is the wire copy: whole layers, one copy
+    ram_train = moments if disk_masters else train  # an NVMe layer's master is on disk too
+    parts = {f"{master} master": _size(master) * (full if wire_is_master else ram_train),  # else trainable only
+             "exp_avg + exp_avg_sq": 2 * _size(moments_dtype) * moments,
+             f"{wire} wire copy": 0 if wire_is_master else _size(wire) * full,
+             f"{grad} gradients": 0 if hold else _size(grad) * train}
+    if hold:
+        max_train = max((lay.n_train for lay, mine in zip(layouts, owned) if mine), default=0)
+        parts[f"{grad} gradient slabs (gradients held on the GPU)"] = 3 * max_train * _size(grad)
+    if ga > 1:  # landing ring: 4 slabs of the largest layer (wire dtype) + an fp32 scratch (fixed_nbytes)
+        max_train = max((lay.n_train for lay, mine in zip(layouts, owned) if mine), default=0)
+        parts["landing ring (GA > 1)"] = 4 * max_train * _size(wire) + 4 * max_train
+    on_disk = [lay.n_train for i, (lay, mine) in enumerate(zip(layouts, owned)) if mine and i in disk and lay.n_train]
+    parts["NVMe staging buffers"] = staging_count * max((nvme_layer_bytes(n, disk_masters) for n in on_disk),
+                                                        default=0)
+    return parts
+
+
+def _resident_items(resident) -> list[tuple[int, bool]]:
+    """(elements, trainable) per resident parameter: tensors (trainable = requires_grad), ints (trainable) or
+    pairs."""
+    out = []
+    for item in resident:
+        if isinstance(item, torch.Tensor):
+            out.append((item.numel(), bool(item.requires_grad)))
+        elif isinstance(item, (tuple, list)):
+            out.append((int(item[0]), bool(item[1])))
+        else:
+            out.append((int(item), True))
+    return out
+
+
+def resident_host_bytes(resident: list[tuple[int, bool]], compute: str, device_type: str,
+                        state_on_device: bool) -> int:
+    """Bytes of one rank's ``ResidentParams`` on the host (counted by ``host_memory()``). Trainable: fp32 master,
+    exp_avg, exp_avg_sq, grad (16) + compute-dtype wire and landing copies (pinned in mappings of their own: no 2^k
+    rounding), on the host unless the state is on the device; frozen: their one compute-dtype copy is on the device
+    (host memory only when the device is the CPU)."""
+    c, exact = _size(compute), 0
+    for n, trainable in resident:
+        if not trainable:
+            exact += c * n if device_type == "cpu" else 0
+        elif state_on_device:
+            exact += 16 * n if device_type == "cpu" else 0
+        else:
+            exact += (16 + 2 * c) * n
+    return exact
+
+
+def optimizer_scratch_bytes(layouts: list[LayerLayout], owned: list[bool], master: str) -> int:
+    """HostAdamW's fp32 scratch of the largest layer (bf16 gradients converted for the fused kernel), and in
+    bf16-master mode its fp32 copy of that layer's master: host memory beside ``host_memory()``."""
+    max_train = max((lay.n_train for lay, mine in zip(layouts, owned) if mine), default=0)
+    return 4 * max_train * (1 if master == "fp32" else 2)
+
+

@@ -1,0 +1,152 @@
+"""The "auto" placements made after the second step, from what the first two steps measured.
+
+This module owns the decisions decisions.py leaves to the first steps (``Decisions.auto_device_state`` for
+``gpu_optimizer_layers: "auto"``, ``Decisions.auto_keep`` for ``keep_activations: "auto"``): the GPU memory the steps
+left free above their peak (``auto_budget_bytes``), less the reserve, goes to the resident parameters' optimizer state,
+then to kept layers and the optimizer state of leading layers, in the order the measured exposure of the host update
+says ([Note: auto placement order]; ``place_auto``, which the engine's ``_place_auto`` calls after each of the first
+two steps). Off CUDA nothing is measured, so nothing is placed.
+
+[Note: auto placement order] A kept layer (no recompute) saves its recompute, at most a quarter of its compute, and
+takes its largest activation graph (about 2 GB per 3B layer at 16K tokens/step). A layer whose optimizer state is on
+the GPU takes 16 bytes per parameter (1.2 GB per 3B layer) and leaves the host update: when the next forward waits for
+the host update (exact clipping: every update follows the norm), each such layer takes its update's time off the
+step. The second step's forward is the first that waits for a host update, so the placement is made after it:
+``exposure`` is the time that forward waited for the host AdamW, ``update`` a layer's host update time at the rate the
+AdamW thread measured meanwhile, and ``recompute`` an upper bound on a layer's recompute (the second step's wall time
+over 4 layers' worth of compute per layer). Optimizer state goes first when the host update was exposed (at least 5%
+of the step) and saves more per byte than a kept layer could (``update / state bytes > recompute / keep bytes``), and
+then only for as many layers as the exposure pays for; kept layers take what is left. Otherwise kept layers go first
+(the host update is hidden: long sequences). Measured on one H100, 3B at 16K tokens/step, clip 1.0:
+benchmarks/results/2026-11-27_h100_host_timeline.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..host.device_state import DeviceOptimizerState
+from ..log import ALL_RANKS, log
+
+
+def auto_budget_bytes(device: torch.device, reserve: float) -> int | None:
+    """GPU bytes free for optimizer state after the first step: what the driver reports free now (other
+    processes and non-PyTorch memory accounted for), less the step's transient peak above what the caching
+    allocator holds now, less the ``reserve`` fraction of the GPU. None off CUDA (nothing to place)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    transient = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
+    return int(free - max(transient, 0) - total * reserve)
+
+
+def place_auto(engine) -> None:
+    """After each of the first two steps; places after the second (``_place``). After the first it only notes the
+    host spans and the time, so the second step's exposure of the host update can be measured."""
+    host = dict(engine.timer.host)  # host spans are kept with or without wall_clock_breakdown (cumulative then)
+    if engine._auto_marks is None:  # the first step of this engine (a resumed run's too)
+        engine._auto_marks = (time.perf_counter(), host)
+        return
+    t0, before = engine._auto_marks
+    wall = time.perf_counter() - t0
+    if engine.timer.enabled:  # the breakdown resets the host spans at each step's start: the second step's are whole
+        before = {}
+    delta = {k: v - before.get(k, 0.0) for k, v in host.items()}
+    _place(engine, wall, delta)
+
+
+def host_update_exposure(wall: float, delta: dict, layer_params: list[int]) -> tuple[float, float, float]:
+    """(exposure s, one layer's host update s, an upper bound on one layer's recompute s) from the second step's wall
+    time and its host spans ``delta`` ([Note: auto placement order])."""
+    busy = delta.get("optimizer_s", 0.0) + delta.get("speculative_s", 0.0)
+    params = delta.get("updated_params", 0.0)
+    per_layer = max(layer_params) if layer_params else 0
+    update = per_layer * busy / params if params > 0 and busy > 0 else 0.0
+    recompute = wall / (4 * len(layer_params)) if layer_params else 0.0
+    return delta.get("wait_for_optimizer_s", 0.0), update, recompute
+
+
+def _place(engine, wall: float, delta: dict) -> None:
+    """The "auto" placements, once the first steps have shown the working set (its measured peak) and the host
+    update's exposure: GPU memory the steps left free goes to (1) the resident parameters' optimizer state
+    (embeddings, head: their update otherwise sits between the backward and the next forward), then (2) kept layers
+    (no recompute) and (3) the optimizer state of leading layers, or (3) before (2) when the host update was exposed
+    ([Note: auto placement order]). Later batches are assumed no larger than the first (a longer one may run out of
+    memory: the error then names the keys). The reserve (``gpu_memory_reserve``) stays free. The budget is
+    ``engine._auto_budget_bytes()``."""
+    auto_state, auto_keep = engine._auto_device_state, engine._auto_keep
+    engine._auto_device_state = engine._auto_keep = False
+    budget = engine._auto_budget_bytes()
+    if budget is None:
+        return
+    budget = engine.dp.min_int(budget)  # every rank keeps the same layers (the collectives' order: dp.py)
+    start, placed = budget, []
+    if auto_state and engine.optimizer is not None and not engine.resident.on_device:
+        need = engine.resident.device_bytes()
+        if 0 < need <= budget:
+            engine.synchronize()
+            engine.resident.move_state_to_device()
+            budget -= need
+            placed.append(f"resident optimizer state {need / 2**30:.1f} GiB")
+    store = engine.store
+    # layers' state: fp32 masters only (a GPU-held layer keeps an fp32 master; bf16-master mode has none)
+    state_ok = auto_state and engine.optimizer is not None and engine.layer_states.gpu_layers() is None and \
+        store.master_dtype == torch.float32
+    n_layers = min(len(store.layouts), store.disk_from)  # not the NVMe tier's (they trail)
+    exposure, update, recompute = host_update_exposure(wall, delta, [lay.n_train for lay in store.layouts])
+    cap = n_layers
+    state_first = False
+    if state_ok and auto_keep and n_layers and exposure >= 0.05 * wall and update > 0:
+        state_bytes = DeviceOptimizerState.nbytes(store, 1)
+        keep_bytes = _keep_bytes_per_layer(engine)
+        state_first = keep_bytes == 0 or update / state_bytes > recompute / keep_bytes
+        cap = min(n_layers, math.ceil(exposure / update))
+    state_first = bool(engine.dp.min_int(int(state_first)))  # every rank the same order, and the same cap
+    cap = engine.dp.min_int(cap)
+    if state_first:
+        placed.append(f"the host update held the forward {exposure:.2f} s of a {wall:.2f} s step: optimizer state "
+                      f"first")
+        budget -= _state_layers(engine, budget, min(cap, n_layers), placed)
+    if auto_keep:
+        budget -= _keep_layers(engine, budget, placed)
+    if state_ok and not state_first:
+        budget -= _state_layers(engine, budget, n_layers, placed)
+    engine._auto_placed = "; ".join(p for p in placed if not p.startswith("0 of"))
+    log(f"placed from the first steps' peak ({max(start, 0) / 2**30:.1f} GiB free above it "
+        f"and the reserve): {'; '.join(placed) or 'nothing'}", ranks=ALL_RANKS)
+
+
+def _state_layers(engine, budget: int, limit: int, placed: list[str]) -> int:
+    """Move the optimizer state of as many leading layers (up to ``limit``) as ``budget`` holds; returns the bytes."""
+    store, n = engine.store, 0
+    n_layers = min(len(store.layouts), store.disk_from)
+    while n < limit and DeviceOptimizerState.nbytes(store, n + 1) <= budget:
+        n += 1
+    if n > 0:
+        engine.move_layer_state_to_device(n)
+    placed.append(f"{n} of {n_layers} layers' optimizer state on the GPU "
+                  f"({DeviceOptimizerState.nbytes(store, n) / 2**30:.1f} GiB)")
+    return DeviceOptimizerState.nbytes(store, n) if n else 0
+
+
+def _keep_bytes_per_layer(engine) -> int:
+    """What keeping one more layer would take: its largest graph + 10% and its own weight buffer (0 when the
+    recompute's graph was not measured)."""
+    ex, layouts = engine.executor, engine.store.layouts
+    if not ex.graph_bytes:
+        return 0
+    weights = max(l.numel for l in layouts) * ex.slots[0].buf.element_size()  # noqa: E741
+    return int(ex.graph_bytes * 1.1) + weights
+
+
+def _keep_layers(engine, budget: int, placed: list[str]) -> int:
+    """Keep as many trailing layers (no recompute) as ``budget`` holds, each its largest graph + 10% and its own
+    weight buffer; every rank the same number. Returns the bytes they take."""
+    per_layer = _keep_bytes_per_layer(engine)
+    n = min(len(engine.store.layouts), max(0, budget) // per_layer) if per_layer else 0
+    n = engine.dp.min_int(n)
+    engine.executor.set_keep(n)
+    placed.append(f"{n} of {len(engine.store.layouts)} layers kept without recompute ({n * per_layer / 2**30:.1f} GiB)")
+    return n * per_layer
