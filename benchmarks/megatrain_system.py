@@ -155,8 +155,8 @@ def _engine_facts(engine) -> dict:
     placement = getattr(engine, "placement", None)  # the host optimizer's threads and cores (per rank under DP)
     if placement is not None and hasattr(placement, "describe"):
         facts["host_placement"] = placement.describe()
-    if getattr(engine, "_auto_placed", ""):  # what "auto" placed after the second step (engine_auto.py)
-        facts["auto_placed"] = engine._auto_placed
+    if engine.auto_placer.placed:  # what "auto" placed after the second step (training/engine_auto.py)
+        facts["auto_placed"] = engine.auto_placer.placed
     owned = getattr(getattr(engine, "store", None), "owned", None)  # data parallel: the layers this rank holds
     if owned is not None:
         facts["owned_layers"] = f"{sum(bool(o) for o in owned)}/{len(owned)}"

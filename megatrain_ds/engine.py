@@ -24,7 +24,7 @@ from .checkpoints.adapters import save_adapter
 from .checkpoints.checkpoint import load_checkpoint, save_checkpoint
 from .planning.config import TrainConfig
 from .parallel.dp import DataParallel
-from .training.engine_auto import auto_budget_bytes, place_auto
+from .training.engine_auto import AutoPlacer
 from .training.engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states,
                                     build_optimizer, build_store, build_workers, check_capacity_for, count, decide,
                                     host_share, host_view, log_tier, param_groups, step_counters,
@@ -105,8 +105,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         self.store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
         # "auto" placements are decided after the second step, from its measured peak (engine_auto.py)
-        self._auto_device_state, self._auto_keep, self._auto_placed = dec.auto_device_state, dec.auto_keep, ""
-        self._auto_marks = None  # engine_auto.place_auto: the host spans and time after the second step
+        self.auto_placer = AutoPlacer(dec.auto_device_state, dec.auto_keep, config.megatrain.gpu_memory_reserve)
         self.layer_states = build_layer_states(self.store, self.executor, device, dec.n_device_layers)
         if not dec.auto_keep:
             self.executor.set_keep(dec.keep)
@@ -121,7 +120,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self._fused = fused_loss_parts(model)
         self._fused_refusals: set[str] = set()  # why labels= calls ran the model's own forward (each logged once)
         self._mark_params(layers)
-        if (self._auto_device_state or self._auto_keep) and device.type == "cuda":
+        if self.auto_placer.pending and device.type == "cuda":
             torch.cuda.empty_cache()  # the model's GPU copy, if it was built there, is gone: so is its peak
             torch.cuda.reset_peak_memory_stats(device)
         self.optimizer = None if config.optimizer is None else build_optimizer(
@@ -189,11 +188,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     def _explain_oom(self, exc: BaseException) -> None:
         """A device OOM after "auto" used the memory the first step left free: say which keys give it back."""
-        if self._auto_placed:
-            exc.args = (f"{exc.args[0] if exc.args else exc}\n[megatrain_ds] after the second step, \"auto\" "
-                        f"placed {self._auto_placed} in the GPU memory that step left free; this batch needs more: "
-                        "set megatrain.keep_activations and/or megatrain.gpu_optimizer_layers to 0 (or a smaller "
-                        "count), or raise megatrain.gpu_memory_reserve", *exc.args[1:])
+        hint = self.auto_placer.oom_hint()
+        if hint:
+            exc.args = (f"{exc.args[0] if exc.args else exc}\n[megatrain_ds] {hint}", *exc.args[1:])
 
     def _fused_loss_call(self, args, kwargs) -> dict | None:
         return fused_loss_call(self, args, kwargs)  # engine_forward.py: the call as keywords, or None
@@ -346,8 +343,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             if self.lr_scheduler is not None and not skipped:  # DeepSpeed does not advance it on overflow
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.timer.end_step()
-            if self._auto_device_state or self._auto_keep:
-                self._place_auto()
+            if self.auto_placer.pending:  # "auto" placements after the second step (training/engine_auto.py)
+                self.auto_placer.after_step(self)
             if self.monitor is not None:
                 self.monitor.write_step(self, previous_samples)
             spp = self.config_settings.steps_per_print
@@ -365,15 +362,6 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         log(nonfinite_gradients_message(self.global_steps + 1, layers, len(self.store.layouts),
                                         [names.get(id(self.resident.params[k]), f"resident {k}") for k in resident]),
             level=logging.WARNING)
-
-    def _auto_budget_bytes(self) -> int | None:
-        """GPU bytes free for "auto" placements after the second step (engine_auto.py); None off CUDA."""
-        return auto_budget_bytes(self.device, self.config_settings.megatrain.gpu_memory_reserve)
-
-    def _place_auto(self) -> None:
-        """The "auto" placements, once, after the second step, from the measured peak and the host update's exposure
-        (engine_auto.place_auto)."""
-        place_auto(self)
 
     def move_layer_state_to_device(self, n: int) -> None:
         """Keep the fp32 master, Adam moments and gradient of the leading ``n`` layers on the device from now on

@@ -157,7 +157,7 @@ def test_auto_optimizer_state_placement_after_the_first_step_matches_pytorch(ga,
     memory is set to what the resident state and 2 of 4 layers take; the same code runs on CPU); the run
     stays plain PyTorch's."""
     from megatrain_ds.host.device_state import DeviceOptimizerState
-    from megatrain_ds.engine import MegaTrainEngine
+    from megatrain_ds.training.engine_auto import AutoPlacer
 
     placed = []
 
@@ -165,7 +165,7 @@ def test_auto_optimizer_state_placement_after_the_first_step_matches_pytorch(ga,
         placed.append(engine.global_steps)  # asked once, after the second step
         return engine.resident.device_bytes() + DeviceOptimizerState.nbytes(engine.store, 2) + 1
 
-    monkeypatch.setattr(MegaTrainEngine, "_auto_budget_bytes", budget)
+    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, engine: budget(engine))
     monkeypatch.setattr(sys.modules[__name__], "_ds_config", _with_auto)
     engine = _compare(lambda: tiny_hf("qwen2", tied=False, layers=4), ga=ga)
     assert placed == [2]

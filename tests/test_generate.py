@@ -164,7 +164,7 @@ def test_rollouts_before_every_step_leave_training_equal_to_pytorch():
     def prepare(engine):
         engine.executor.inference.setting = True  # _compare's config has no megatrain block
         # no "auto" placement (CUDA): kept layers have buffers of their own, the cache would hold none of them
-        engine._auto_keep = engine._auto_device_state = False
+        engine.auto_placer.keep = engine.auto_placer.device_state = False
 
     def loss_fn(m, ids):
         with torch.no_grad():

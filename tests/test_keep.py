@@ -128,7 +128,7 @@ def test_dropout_masks_drawn_once():
 def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
     """"auto": after the second step, as many trailing layers as the memory left free holds at (largest layer
     graph + 10%, + the layer's weights) each; the run after the change stays exact (test_paths' comparison)."""
-    from megatrain_ds.engine import MegaTrainEngine
+    from megatrain_ds.training.engine_auto import AutoPlacer
 
     graph = 1000  # bytes per layer graph, as a recompute on CUDA would have measured it
 
@@ -137,7 +137,7 @@ def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
         per_layer = int(graph * 1.1) + max(l.numel for l in engine.store.layouts) * 4
         return 2 * per_layer + per_layer // 2  # room for 2 layers, not 3
 
-    monkeypatch.setattr(MegaTrainEngine, "_auto_budget_bytes", budget)
+    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, engine: budget(engine))
     plain = test_paths._config
     monkeypatch.setattr(test_paths, "_config", lambda optimizer=True: {
         **plain(optimizer), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": 0}})
@@ -180,10 +180,8 @@ def test_gpu_keep_activations_auto_keeps_layers_and_matches_recompute():
 
 def test_out_of_memory_after_auto_placement_names_the_keys(monkeypatch):
     """A device OOM in a later, larger step after "auto" used the free memory says which keys give it back."""
-    from megatrain_ds.engine import MegaTrainEngine
-
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=test_paths._config())
-    engine._auto_placed = "3 of 3 layers kept without recompute (1.0 GiB)"  # as _place_auto records it
+    engine.auto_placer.placed = "3 of 3 layers kept without recompute (1.0 GiB)"  # as after_step records it
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -200,9 +198,10 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(monk
     """engine_auto's [Note: auto placement order]: with the second step's forward held 0.15 s of a 1 s step by the host
     update (0.1 s a layer), GPU-held state saves more per byte than a kept layer could: as many leading layers' state
     as the exposure pays for (2), then kept layers in what is left; held 0.01 s (hidden), kept layers first. (The
-    engine calls ``_place`` after its second step with what it measured; here the measurements are given.)"""
+    engine's ``AutoPlacer`` calls ``_place`` after its second step with what it measured; here the measurements are
+    given.)"""
     from megatrain_ds.host.device_state import DeviceOptimizerState
-    from megatrain_ds.engine import MegaTrainEngine
+    from megatrain_ds.training.engine_auto import AutoPlacer
     from megatrain_ds.training.engine_auto import _keep_bytes_per_layer, _place, host_update_exposure
 
     cfg = {**test_paths._config(), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": "auto"}}
@@ -212,21 +211,21 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(monk
     engine.executor.graph_bytes = int(state / 1.1)  # a kept layer takes about a layer's state (and its weights)
     keep = _keep_bytes_per_layer(engine)
     budget = engine.resident.device_bytes() + DeviceOptimizerState.nbytes(store, 2) + keep + 1
-    monkeypatch.setattr(MegaTrainEngine, "_auto_budget_bytes", lambda self: budget)
+    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, engine: budget)
     params = [lay.n_train for lay in store.layouts]
     delta = {"wait_for_optimizer_s": exposure, "optimizer_s": 0.1 * sum(params) / max(params),
              "updated_params": float(sum(params))}
     assert abs(host_update_exposure(1.0, delta, params)[1] - 0.1) < 1e-9
-    _place(engine, 1.0, delta)
+    placed = _place(engine, True, True, budget, 1.0, delta)
     ds = engine.executor.device_state
     n_state = 0 if ds is None else ds.hi
     assert engine.resident.on_device
     if expect == "state first":
-        assert n_state == 2 and engine.executor.keep == frozenset({3}) and "optimizer state first" in engine._auto_placed
+        assert n_state == 2 and engine.executor.keep == frozenset({3}) and "optimizer state first" in placed
     else:  # the kept layers take what they can of the budget first (2: a kept layer also holds its weights)
         n_keep = (budget - engine.resident.device_bytes()) // keep
         assert n_keep == 2 and engine.executor.keep == frozenset({2, 3}) and n_state < 2
-        assert "optimizer state first" not in engine._auto_placed
+        assert "optimizer state first" not in placed
     ids = test_paths._batches(n=1)[0]  # and it trains on
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)

@@ -33,8 +33,8 @@ class Decisions:
     """Every init-time decision of a run (see the module docstring). Dtypes are named "fp32" / "bf16" / "fp16"; the
     ``*_dtype`` properties give torch's.
 
-    Left "auto" here, flagged, and decided after step 2 by engine._place_auto (engine_auto.py) from the first steps'
-    measured GPU peak: the optimizer state of the resident parameters and of leading layers on the GPU
+    Left "auto" here, flagged, and decided after step 2 by engine.auto_placer (training/engine_auto.py) from the
+    first steps' measured GPU peak: the optimizer state of the resident parameters and of leading layers on the GPU
     (``auto_device_state``: ``gpu_optimizer_layers`` "auto"; ``n_device_layers`` is then 0 until that step), the
     kept layers (``auto_keep``: ``keep_activations`` "auto"; ``keep`` is then 0). Decided by the part that needs
     them, from the machine or the call rather than from the config and the layouts: ``tiled_mlp`` "auto" (per layer
@@ -62,8 +62,8 @@ class Decisions:
     n_device_layers: int  # leading layers whose optimizer state is on the GPU from initialize (before the NVMe ones)
     resident_on_device: bool  # the resident parameters' fp32 optimizer state is on the GPU from initialize
     keep: int  # trailing layers kept without recompute from initialize
-    auto_device_state: bool  # gpu_optimizer_layers "auto": decided after step 2 by engine._place_auto
-    auto_keep: bool  # keep_activations "auto": decided after step 2 by engine._place_auto
+    auto_device_state: bool  # gpu_optimizer_layers "auto": decided after step 2 by engine.auto_placer
+    auto_keep: bool  # keep_activations "auto": decided after step 2 by engine.auto_placer
     check_recompute_steps: int | None  # optimizer steps whose recomputes are checked (None: every step)
     check_recompute_tolerance: float  # the relative error a recompute may differ by ("auto": by compute dtype)
     notes: tuple[str, ...] = ()  # what the planner says about the decisions left to the first step

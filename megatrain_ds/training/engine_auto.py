@@ -4,7 +4,7 @@ This module owns the decisions decisions.py leaves to the first steps (``Decisio
 ``gpu_optimizer_layers: "auto"``, ``Decisions.auto_keep`` for ``keep_activations: "auto"``): the GPU memory the steps
 left free above their peak (``auto_budget_bytes``), less the reserve, goes to the resident parameters' optimizer state,
 then to kept layers and the optimizer state of leading layers, in the order the measured exposure of the host update
-says ([Note: auto placement order]; ``place_auto``, which the engine's ``_place_auto`` calls after each of the first
+says ([Note: auto placement order]; ``AutoPlacer.after_step``, which the engine calls after each of the first
 two steps). Off CUDA nothing is measured, so nothing is placed.
 
 [Note: auto placement order] A kept layer (no recompute) saves its recompute, at most a quarter of its compute, and
@@ -42,19 +42,52 @@ def auto_budget_bytes(device: torch.device, reserve: float) -> int | None:
     return int(free - max(transient, 0) - total * reserve)
 
 
-def place_auto(engine) -> None:
-    """After each of the first two steps; places after the second (``_place``). After the first it only notes the
-    host spans and the time, so the second step's exposure of the host update can be measured."""
-    host = dict(engine.timer.host)  # host spans are kept with or without wall_clock_breakdown (cumulative then)
-    if engine._auto_marks is None:  # the first step of this engine (a resumed run's too)
-        engine._auto_marks = (time.perf_counter(), host)
-        return
-    t0, before = engine._auto_marks
-    wall = time.perf_counter() - t0
-    if engine.timer.enabled:  # the breakdown resets the host spans at each step's start: the second step's are whole
-        before = {}
-    delta = {k: v - before.get(k, 0.0) for k, v in host.items()}
-    _place(engine, wall, delta)
+class AutoPlacer:
+    """The "auto" placements of one engine, as a value the engine holds (``engine.auto_placer``): what is still to place
+    (given by the resolver's ``Decisions``), the marks of the first step, and what was placed (for the out-of-memory
+    message and the harness). ``after_step`` is called after each step while ``pending``; it places after the
+    second."""
+
+    def __init__(self, device_state: bool, keep: bool, reserve: float) -> None:
+        self.device_state = device_state  # gpu_optimizer_layers "auto", not yet placed
+        self.keep = keep  # keep_activations "auto", not yet placed
+        self.reserve = reserve  # the fraction of the GPU left free (gpu_memory_reserve)
+        self.placed = ""  # what the placement put on the GPU ("" before it, or when it placed nothing)
+        self.marks: tuple[float, dict] | None = None  # (time, host spans) after the first step
+
+    @property
+    def pending(self) -> bool:
+        return self.device_state or self.keep
+
+    def budget_bytes(self, engine) -> int | None:
+        """GPU bytes free for the placements now on the engine's device (``auto_budget_bytes``); None off CUDA."""
+        return auto_budget_bytes(engine.device, self.reserve)
+
+    def after_step(self, engine) -> None:
+        """After each of the first two steps; places after the second (``_place``). After the first it only notes
+        the host spans and the time, so the second step's exposure of the host update can be measured."""
+        host = dict(engine.timer.host)  # host spans are kept with or without wall_clock_breakdown (cumulative then)
+        if self.marks is None:  # the first step of this engine (a resumed run's too)
+            self.marks = (time.perf_counter(), host)
+            return
+        t0, before = self.marks
+        wall = time.perf_counter() - t0
+        if engine.timer.enabled:  # the breakdown resets the host spans at each step's start: the second's are whole
+            before = {}
+        delta = {k: v - before.get(k, 0.0) for k, v in host.items()}
+        auto_state, auto_keep = self.device_state, self.keep
+        self.device_state = self.keep = False  # placed once
+        budget = self.budget_bytes(engine)
+        if budget is not None:
+            self.placed = _place(engine, auto_state, auto_keep, budget, wall, delta)
+
+    def oom_hint(self) -> str | None:
+        """What to tell a device OOM after the placement used the memory the first steps left free; None before."""
+        if not self.placed:
+            return None
+        return (f"after the second step, \"auto\" placed {self.placed} in the GPU memory that step left free; this "
+                "batch needs more: set megatrain.keep_activations and/or megatrain.gpu_optimizer_layers to 0 (or a "
+                "smaller count), or raise megatrain.gpu_memory_reserve")
 
 
 def host_update_exposure(wall: float, delta: dict, layer_params: list[int]) -> tuple[float, float, float]:
@@ -68,19 +101,14 @@ def host_update_exposure(wall: float, delta: dict, layer_params: list[int]) -> t
     return delta.get("wait_for_optimizer_s", 0.0), update, recompute
 
 
-def _place(engine, wall: float, delta: dict) -> None:
+def _place(engine, auto_state: bool, auto_keep: bool, budget: int, wall: float, delta: dict) -> str:
     """The "auto" placements, once the first steps have shown the working set (its measured peak) and the host
-    update's exposure: GPU memory the steps left free goes to (1) the resident parameters' optimizer state
-    (embeddings, head: their update otherwise sits between the backward and the next forward), then (2) kept layers
-    (no recompute) and (3) the optimizer state of leading layers, or (3) before (2) when the host update was exposed
-    ([Note: auto placement order]). Later batches are assumed no larger than the first (a longer one may run out of
-    memory: the error then names the keys). The reserve (``gpu_memory_reserve``) stays free. The budget is
-    ``engine._auto_budget_bytes()``."""
-    auto_state, auto_keep = engine._auto_device_state, engine._auto_keep
-    engine._auto_device_state = engine._auto_keep = False
-    budget = engine._auto_budget_bytes()
-    if budget is None:
-        return
+    update's exposure: GPU memory the steps left free (``budget``) goes to (1) the resident parameters' optimizer
+    state (embeddings, head: their update otherwise sits between the backward and the next forward), then (2) kept
+    layers (no recompute) and (3) the optimizer state of leading layers, or (3) before (2) when the host update was
+    exposed ([Note: auto placement order]). Later batches are assumed no larger than the first (a longer one may run
+    out of memory: the error then names the keys). The reserve (``gpu_memory_reserve``) stays free. Returns what was
+    placed."""
     budget = engine.dp.min_int(budget)  # every rank keeps the same layers (the collectives' order: dp.py)
     start, placed = budget, []
     if auto_state and engine.optimizer is not None and not engine.resident.on_device:
@@ -113,9 +141,9 @@ def _place(engine, wall: float, delta: dict) -> None:
         budget -= _keep_layers(engine, budget, placed)
     if state_ok and not state_first:
         budget -= _state_layers(engine, budget, n_layers, placed)
-    engine._auto_placed = "; ".join(p for p in placed if not p.startswith("0 of"))
     log(f"placed from the first steps' peak ({max(start, 0) / 2**30:.1f} GiB free above it "
         f"and the reserve): {'; '.join(placed) or 'nothing'}", ranks=ALL_RANKS)
+    return "; ".join(p for p in placed if not p.startswith("0 of"))
 
 
 def _state_layers(engine, budget: int, limit: int, placed: list[str]) -> int:
