@@ -337,8 +337,8 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
         positions = resident_positions(resident, len(owned))
         resident_owned = tuple(tuple(p is None or p == r for p in positions) for r in range(len(owned)))
 
-    def tally(dec: Decisions) -> _Tally:
-        return _Tally(layouts, resident, config, dec, device, gpu_memory, world, acts, owned, resident_owned)
+    def tally(dec: Decisions) -> _Counting:
+        return _Counting(layouts, resident, config, dec, device, gpu_memory, world, acts, owned, resident_owned)
 
     def beside(before_split: Decisions) -> int:  # what the budget holds beside the state: the step's host memory
         counted = tally(before_split)
@@ -348,11 +348,12 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
         decisions = resolve(config, layouts, "cuda" if device.type == "cuda" else "cpu",
                             HostShare(tuple(resident), tuple(owned), budget, beside, tuple(resident_owned)))
     t = tally(decisions)
-    t.count_host(nvme_path, budget, budget_setting, freed_bytes)
-    t.count_gpu(gpu_memory)
-    t.largest_micro_batch()
-    refuse, problems, advice = t.verdicts()
-    pred = t.prediction(model_name, seq, refuse, problems, advice)
+    host = t.count_host(nvme_path, budget, budget_setting, freed_bytes)
+    gpu = t.count_gpu(gpu_memory)
+    largest = t.largest_micro_batch(host, gpu)
+    verdict = t.verdicts(host, gpu, largest[0])
+    pred = t.prediction(model_name, seq, host, gpu, largest, verdict)
+    refuse, advice = verdict.refuse, verdict.advice
     if raise_error and refuse:
         raise CapacityError(f"megatrain_ds: this run does not fit (binding limit: {pred.binding}): "
                             + "; ".join(refuse) + (". Change: " + "; ".join(advice) if advice else "") + "\n"
@@ -360,11 +361,54 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     return pred
 
 
-class _Tally:
-    """The sums of one plan, for decisions ``dec``: what the GPU holds (persistent, then per micro-batch: ``gpu``),
-    what the host holds (the engine's state for a set of disk layers: ``host_for``; beside it), then the verdicts.
-    ``count_host``, ``count_gpu`` and ``largest_micro_batch`` fill in the numbers ``verdicts`` and ``prediction``
-    read, in that order."""
+@dataclass(frozen=True)
+class HostCount:
+    """Host RAM and the NVMe tier's disk of one plan (``_Counting.count_host``)."""
+    nvme: bool  # the NVMe tier is configured
+    nvme_path: str | None
+    buffer_count: int  # the tier's staging buffers (aio.buffer_count)
+    budget: int  # bytes the host state and what is beside it may take
+    budget_setting: object  # megatrain.host_memory_budget as given (GiB, "auto" or None)
+    budget_source: str  # where the budget comes from, in words
+    available: int | None  # MemAvailable, MemTotal
+    total: int | None
+    scratch: int  # the host optimizer's scratch (every rank's)
+    disk: frozenset  # the layers on the NVMe tier
+    parts: dict  # the host bytes by part, as the prediction's table shows them
+    state: int  # the engine's host state (= host_memory())
+    disk_bytes: int  # the NVMe tier's file(s)
+    need_now: int  # host bytes at the configured micro-batch
+    disk_free: int | None  # free bytes on the NVMe path (None: no path)
+
+
+@dataclass(frozen=True)
+class GpuCount:
+    """The device of one plan (``_Counting.count_gpu``)."""
+    total: int | None  # the device's bytes (None: not known, or a CPU run)
+    source: str  # where ``total`` comes from
+    usable: float | None  # what allocations may take: less the context and the fragmentation headroom
+    allocated: int  # the step's peak at the configured micro-batch
+    parts: dict  # its parts
+    phase: str  # the phase of the step the peak is in
+    need: int | None  # allocated + context (None: no sequence length, the activations are not counted)
+    notes: tuple = ()
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    """What clearly does not fit (CapacityError), other problems, what to change, and the binding tier."""
+    refuse: list
+    problems: list
+    advice: list
+    binding: str
+    notes: tuple = ()
+
+
+class _Counting:
+    """The counting of one plan, for decisions ``dec``: what the GPU holds (persistent, then per micro-batch:
+    ``gpu``), what the host holds (the engine's state for a set of disk layers: ``host_for``; beside it). Its fields
+    are the plan's inputs, set in ``__init__``; each counting step returns its numbers as a value (``HostCount``,
+    ``GpuCount``, the largest micro-batch, ``Verdicts``) that the next ones and ``prediction`` are given."""
 
     def __init__(self, layouts: list[LayerLayout], resident: list[tuple[int, bool]], config: TrainConfig,
                  dec: Decisions, device: torch.device, gpu_memory: int | None, world: int,
@@ -375,7 +419,6 @@ class _Tally:
         self.owned = [list(mask) for mask in owned]  # the layers each rank of the host holds (dp.owned_mask)
         self.resident_owned = [list(mask) for mask in resident_owned]  # the resident state each holds
         self.mb, self.offload = config.micro_batch_size, bool(config.megatrain.offload_activations)
-        self.notes = list(dec.notes)
         self.persistent = self._persistent(device, gpu_memory)
         self.gpu_min = sum(self.persistent.values())
         self.overhead = (CUDA_CONTEXT_BYTES + (NCCL_BYTES if world > 1 else 0)) if self.dev == "cuda" else 0
@@ -431,116 +474,115 @@ class _Tally:
             for mask in self.resident_owned)
         return parts
 
-    def host_need(self, b: int) -> int:
-        return self.state + self.scratch + self.offloaded(b) + self.compute_on_host(b)
+    def host_need(self, state: int, scratch: int, b: int) -> int:
+        return state + scratch + self.offloaded(b) + self.compute_on_host(b)
 
-    def count_host(self, nvme_path: str | None, budget: int, budget_setting, freed_bytes: int) -> None:
+    def count_host(self, nvme_path: str | None, budget: int, budget_setting, freed_bytes: int) -> HostCount:
         """Host RAM (the state, beside it what is not in it) and the NVMe tier's disk, against the budget."""
         dec, layouts, n = self.dec, self.layouts, self.n
-        self.nvme, nvme_path_config, self.buffer_count = nvme_settings(self.config)
-        self.nvme_path = nvme_path or nvme_path_config
-        self.budget, self.budget_setting = budget, budget_setting
-        self.available, self.total = meminfo()
-        self.budget_source = (
+        nvme, nvme_path_config, buffer_count = nvme_settings(self.config)
+        nvme_path = nvme_path or nvme_path_config
+        available, total = meminfo()
+        budget_source = (
             f"megatrain.host_memory_budget {budget_setting} GiB" if budget_setting not in (None, "auto")
-            else f"MemAvailable {_fmt(self.available)}" + (f" + {_fmt(freed_bytes)} freed" if freed_bytes else "")
-            + f" - 5% of MemTotal {_fmt(self.total)}")
-        self.scratch = sum(optimizer_scratch_bytes(layouts, mask, dec.master) for mask in self.owned) \
+            else f"MemAvailable {_fmt(available)}" + (f" + {_fmt(freed_bytes)} freed" if freed_bytes else "")
+            + f" - 5% of MemTotal {_fmt(total)}")
+        scratch = sum(optimizer_scratch_bytes(layouts, mask, dec.master) for mask in self.owned) \
             if self.config.optimizer is not None else 0
-        self.disk = frozenset(range(n - dec.disk_layers, n))
-        self.host_parts = self.host_for(self.disk, staging_buffers(self.buffer_count) if self.nvme else 0)
-        self.state = sum(self.host_parts.values())
-        self.disk_bytes = sum(nvme_layer_bytes(layouts[i].n_train, dec.nvme_masters) for i in self.disk
-                              if layouts[i].n_train)
-        self.host_need_now = self.host_need(self.mb)
-        self.host_parts["host optimizer scratch (one layer, fp32)"] = self.scratch
-        self.host_parts["offloaded layer inputs (pinned, per step)"] = self.offloaded(self.mb)
+        disk = frozenset(range(n - dec.disk_layers, n))
+        parts = self.host_for(disk, staging_buffers(buffer_count) if nvme else 0)
+        state = sum(parts.values())
+        disk_bytes = sum(nvme_layer_bytes(layouts[i].n_train, dec.nvme_masters) for i in disk if layouts[i].n_train)
+        need_now = self.host_need(state, scratch, self.mb)
+        parts["host optimizer scratch (one layer, fp32)"] = scratch
+        parts["offloaded layer inputs (pinned, per step)"] = self.offloaded(self.mb)
         if self.dev == "cpu" and self.acts is not None:
-            self.host_parts["compute working set (the CPU is the device)"] = self.gpu(self.mb)[0]
-        self.disk_free = disk_free_bytes(self.nvme_path) if (self.nvme or self.nvme_path) else None
+            parts["compute working set (the CPU is the device)"] = self.gpu(self.mb)[0]
+        disk_free = disk_free_bytes(nvme_path) if (nvme or nvme_path) else None
+        return HostCount(nvme, nvme_path, buffer_count, budget, budget_setting, budget_source, available, total,
+                         scratch, disk, parts, state, disk_bytes, need_now, disk_free)
 
-    def count_gpu(self, gpu_memory: int | None) -> None:
+    def count_gpu(self, gpu_memory: int | None) -> GpuCount:
         """The device: its memory (given, this machine's, or unknown), what is usable, the step's peak."""
-        self.gpu_total, self.gpu_source = None, "CPU"
+        total, source = None, "CPU"
         if self.dev == "cuda":
-            self.gpu_total, self.gpu_source = _device_memory(self.device, gpu_memory)
-        self.usable = None if self.gpu_total is None else (self.gpu_total - self.overhead) * (1 - GPU_HEADROOM)
-        self.allocated, self.gpu_parts, self.phase = self.gpu(self.mb)
-        self.gpu_need = self.allocated + self.overhead if self.acts is not None else None
-        if self.acts is None:
-            self.notes.append("no sequence length: the GPU's activations are not counted")
+            total, source = _device_memory(self.device, gpu_memory)
+        usable = None if total is None else (total - self.overhead) * (1 - GPU_HEADROOM)
+        allocated, parts, phase = self.gpu(self.mb)
+        need = allocated + self.overhead if self.acts is not None else None
+        notes = () if self.acts is not None else ("no sequence length: the GPU's activations are not counted",)
+        return GpuCount(total, source, usable, allocated, parts, phase, need, notes)
 
-    def largest_micro_batch(self) -> None:
-        """The largest b with host(b) <= budget and GPU(b) <= usable. When host RAM does not fit whatever the
-        micro-batch (its state alone), the GPU alone decides (and the plan does not fit anyway)."""
-        host_fixed = self.state + self.scratch
-        host_counts = host_fixed <= self.budget or self.dev == "cpu"
+    def largest_micro_batch(self, host: HostCount, gpu: GpuCount) -> tuple[int | None, str]:
+        """(the largest b with host(b) <= budget and GPU(b) <= usable, what stops b + 1). When host RAM does not fit
+        whatever the micro-batch (its state alone), the GPU alone decides (and the plan does not fit anyway)."""
+        host_fixed = host.state + host.scratch
+        host_counts = host_fixed <= host.budget or self.dev == "cpu"
 
         def stops(b: int) -> str | None:
-            if host_counts and self.host_need(b) > self.budget:
+            if host_counts and self.host_need(host.state, host.scratch, b) > host.budget:
                 return "host RAM"
-            if self.usable is not None and self.gpu(b)[0] > self.usable:
+            if gpu.usable is not None and self.gpu(b)[0] > gpu.usable:
                 return "GPU"
             return None
 
-        self.max_mb, self.limit = None, "no sequence length"
-        if self.acts is not None and self.dev == "cuda" and self.usable is None and not self.offload:
-            self.limit = "the GPU's memory is not known: " + self.gpu_source
-        elif self.acts is not None:
-            lo, hi = 0, 1
-            while hi <= 1 << 24 and stops(hi) is None:
-                lo, hi = hi, hi * 2
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if stops(mid) is None else (lo, mid)
-            self.max_mb, self.limit = lo, (stops(hi) or "nothing below 16M sequences")
-            if self.dev == "cuda" and self.usable is None:
-                self.limit += " (the GPU's memory is not known: " + self.gpu_source + ")"
-            if not host_counts:
-                self.limit += f"; host RAM does not fit at any micro-batch (the state alone needs {_fmt(host_fixed)})"
+        if self.acts is not None and self.dev == "cuda" and gpu.usable is None and not self.offload:
+            return None, "the GPU's memory is not known: " + gpu.source
+        if self.acts is None:
+            return None, "no sequence length"
+        lo, hi = 0, 1
+        while hi <= 1 << 24 and stops(hi) is None:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if stops(mid) is None else (lo, mid)
+        limit = stops(hi) or "nothing below 16M sequences"
+        if self.dev == "cuda" and gpu.usable is None:
+            limit += " (the GPU's memory is not known: " + gpu.source + ")"
+        if not host_counts:
+            limit += f"; host RAM does not fit at any micro-batch (the state alone needs {_fmt(host_fixed)})"
+        return lo, limit
 
-    def verdicts(self) -> tuple[list[str], list[str], list[str]]:
-        """(what clearly does not fit: CapacityError, other problems, what to change); sets the binding tier."""
-        use = {"host RAM": self.host_need_now / max(self.budget, 1)}
-        if self.nvme:
-            use["disk"] = self.disk_bytes / self.disk_free if self.disk_free else \
-                (math.inf if self.disk_bytes else 0.0)
-        if self.gpu_total is not None:
-            use["GPU"] = (self.gpu_need if self.gpu_need is not None else self.gpu_min + self.overhead) / \
-                self.gpu_total
-        self.binding = max(use, key=use.get)
+    def verdicts(self, host: HostCount, gpu: GpuCount, max_mb: int | None) -> Verdicts:
+        """What clearly does not fit (CapacityError), other problems, what to change, and the binding tier."""
+        use = {"host RAM": host.need_now / max(host.budget, 1)}
+        if host.nvme:
+            use["disk"] = host.disk_bytes / host.disk_free if host.disk_free else \
+                (math.inf if host.disk_bytes else 0.0)
+        if gpu.total is not None:
+            use["GPU"] = (gpu.need if gpu.need is not None else self.gpu_min + self.overhead) / gpu.total
         refuse, problems, advice = [], [], []
-        if self.host_need_now > self.budget:
-            self._host_verdict(refuse, advice)
-        if self.nvme and self.disk_free is not None and self.disk_bytes > self.disk_free:
-            refuse.append(f"disk: needs {_fmt(self.disk_bytes)} on {self.nvme_path}, {_fmt(self.disk_free)} free")
+        if host.need_now > host.budget:
+            self._host_verdict(host, refuse, advice)
+        if host.nvme and host.disk_free is not None and host.disk_bytes > host.disk_free:
+            refuse.append(f"disk: needs {_fmt(host.disk_bytes)} on {host.nvme_path}, {_fmt(host.disk_free)} free")
             advice.append("free space on the NVMe path, or set megatrain.nvme_layers lower")
-        if self.nvme and not self.nvme_path and self.dec.disk_layers:
+        if host.nvme and not host.nvme_path and self.dec.disk_layers:
             refuse.append("disk: zero_optimization.offload_optimizer.device is nvme but no nvme_path is given")
             advice.append("set zero_optimization.offload_optimizer.nvme_path")
-        self._gpu_verdict(refuse, problems, advice)
-        if self.dev == "cuda" and self.gpu_total is None:
-            self.notes.append("no GPU here: GPU bytes are predicted, not checked (--gpu-memory GiB plans for one)")
-        return refuse, problems, advice
+        self._gpu_verdict(gpu, max_mb, refuse, problems, advice)
+        notes = ("no GPU here: GPU bytes are predicted, not checked (--gpu-memory GiB plans for one)",) \
+            if self.dev == "cuda" and gpu.total is None else ()
+        return Verdicts(refuse, problems, advice, max(use, key=use.get), notes)
 
-    def _host_verdict(self, refuse: list[str], advice: list[str]) -> None:
-        dec, layouts, masters, nvme = self.dec, self.layouts, self.dec.nvme_masters, self.nvme
-        refuse.append(f"host RAM: needs {_fmt(self.host_need_now)}, budget {_fmt(self.budget)} "
-                      f"({self.budget_source})")
-        lean = self.host_need_now - (12 if masters else 8) * sum(
-            layouts[i].n_train for i in range(self.n) if i not in self.disk) + \
-            self.world * staging_buffers(self.buffer_count if nvme else NVME_BUFFER_COUNT) * max(
+    def _host_verdict(self, host: HostCount, refuse: list[str], advice: list[str]) -> None:
+        dec, layouts, masters, nvme = self.dec, self.layouts, self.dec.nvme_masters, host.nvme
+        refuse.append(f"host RAM: needs {_fmt(host.need_now)}, budget {_fmt(host.budget)} "
+                      f"({host.budget_source})")
+        lean = host.need_now - (12 if masters else 8) * sum(
+            layouts[i].n_train for i in range(self.n) if i not in host.disk) + \
+            self.world * staging_buffers(host.buffer_count if nvme else NVME_BUFFER_COUNT) * max(
                 (nvme_layer_bytes(lay.n_train, masters) for lay in layouts), default=0) - \
-            sum(v for k, v in self.host_parts.items() if k.endswith("NVMe staging buffers"))
+            sum(v for k, v in host.parts.items() if k.endswith("NVMe staging buffers"))
         optimizer = self.config.optimizer is not None
         if optimizer and not nvme and dec.master != "fp32" and dec.moments == "fp32":  # [Note: compact moments]
-            compact = self.host_need_now - 4 * sum(layouts[i].n_train for i in range(self.n))
+            compact = host.need_now - 4 * sum(layouts[i].n_train for i in range(self.n))
             advice.append(f"bf16.bf16_optimizer_states: true (bf16 Adam moments beside the bf16 masters, rounded "
                           f"each step; host RAM then {_fmt(compact)})")
-        if not nvme and optimizer and lean <= self.budget:
+        if not nvme and optimizer and lean <= host.budget:
             advice.append(f"set zero_optimization.offload_optimizer.device=nvme (and nvme_path): the Adam moments of "
                           f"trailing layers go to disk (host RAM with every layer's moments on disk: {_fmt(lean)})")
-        elif optimizer and lean > self.budget:
+        elif optimizer and lean > host.budget:
             advice.append(f"even with every layer's Adam moments{' and masters' if masters else ''} on NVMe host RAM "
                           f"needs {_fmt(lean)}: a host with more memory"
                           + ("" if masters or dec.master != "fp32" or dec.compute == "fp32" else
@@ -554,25 +596,26 @@ class _Tally:
             advice.append(f"megatrain.nvme_layers: \"auto\" (or more than {dec.disk_layers})")
         if self.offload:
             advice.append("megatrain.offload_activations: false (the saved layer inputs then stay on the GPU)")
-        if self.budget_setting not in (None, "auto"):
-            advice.append(f"raise megatrain.host_memory_budget (MemAvailable here: {_fmt(self.available)})")
+        if host.budget_setting not in (None, "auto"):
+            advice.append(f"raise megatrain.host_memory_budget (MemAvailable here: {_fmt(host.available)})")
 
-    def _gpu_verdict(self, refuse: list[str], problems: list[str], advice: list[str]) -> None:
+    def _gpu_verdict(self, gpu: GpuCount, max_mb: int | None, refuse: list[str], problems: list[str],
+                     advice: list[str]) -> None:
         gpu_over, mb, acts = False, self.mb, self.acts
-        if self.gpu_total is not None:
-            need_now = self.gpu_need if self.gpu_need is not None else self.gpu_min + self.overhead
-            if need_now > self.gpu_total:
+        if gpu.total is not None:
+            need_now = gpu.need if gpu.need is not None else self.gpu_min + self.overhead
+            if need_now > gpu.total:
                 gpu_over = True
                 refuse.append(f"GPU: needs {_fmt(need_now)} at micro-batch {mb}"
                               f"{'' if acts is not None else ' before any activation'}, the device has "
-                              f"{_fmt(self.gpu_total)}")
-            elif self.gpu_need is not None and self.allocated > self.usable:
-                problems.append(f"GPU: needs {_fmt(self.gpu_need)} at micro-batch {mb}: less than {GPU_HEADROOM:.0%} "
-                                f"of the device's {_fmt(self.gpu_total)} stays free for fragmentation")
+                              f"{_fmt(gpu.total)}")
+            elif gpu.need is not None and gpu.allocated > gpu.usable:
+                problems.append(f"GPU: needs {_fmt(gpu.need)} at micro-batch {mb}: less than {GPU_HEADROOM:.0%} "
+                                f"of the device's {_fmt(gpu.total)} stays free for fragmentation")
                 gpu_over = True
         if gpu_over and acts is not None:
-            if self.max_mb:
-                advice.append(f"lower the micro-batch to {self.max_mb} (train_micro_batch_size_per_gpu; raise "
+            if max_mb:
+                advice.append(f"lower the micro-batch to {max_mb} (train_micro_batch_size_per_gpu; raise "
                               "gradient_accumulation_steps to keep the batch)")
             if not self.offload:
                 advice.append(f"megatrain.offload_activations: true (the saved layer inputs, "
@@ -584,24 +627,27 @@ class _Tally:
         elif gpu_over:
             advice.append("megatrain.num_slots: 2, gpu_optimizer_layers: 0, keep_activations: 0; or a larger GPU")
 
-    def prediction(self, model_name: str, seq: int | None, refuse: list[str], problems: list[str],
-                   advice: list[str]) -> Prediction:
+    def prediction(self, model_name: str, seq: int | None, host: HostCount, gpu: GpuCount,
+                   largest: tuple[int | None, str], verdict: Verdicts) -> Prediction:
         dec, resident, acts = self.dec, self.resident, self.acts
+        max_mb, limit = largest
         return Prediction(
             model=model_name, n_layers=self.n, params=sum(lay.numel for lay in self.layouts) + sum(
                 m for m, _ in resident), trainable=sum(lay.n_train for lay in self.layouts) + sum(
                 m for m, t in resident if t), compute=dec.compute, wire=dec.wire, grad=dec.grad, ga=dec.ga,
             micro_batch=self.mb, seq=seq if acts is not None else None, world=self.world, device=self.dev,
-            host_parts=self.host_parts, host_state_bytes=self.state, host_need_bytes=self.host_need_now,
-            host_budget_bytes=self.budget, host_budget_source=self.budget_source,
-            host_available_bytes=self.available, host_total_bytes=self.total, nvme=self.nvme,
-            nvme_path=self.nvme_path, disk_layers=dec.disk_layers, nvme_masters=dec.nvme_masters,
-            disk_bytes=self.disk_bytes, disk_free_bytes=self.disk_free,
-            gpu_parts=self.gpu_parts if self.dev == "cuda" else {}, gpu_phase=self.phase,
-            gpu_allocated_bytes=self.allocated if acts is not None else None, gpu_min_bytes=self.gpu_min,
-            gpu_overhead_bytes=self.overhead, gpu_total_bytes=self.gpu_total, gpu_source=self.gpu_source,
-            max_micro_batch=self.max_mb, max_micro_batch_limit=self.limit, binding=self.binding, fits=not refuse,
-            problems=refuse + problems, advice=advice, notes=self.notes, decisions=dec)
+            host_parts=host.parts, host_state_bytes=host.state, host_need_bytes=host.need_now,
+            host_budget_bytes=host.budget, host_budget_source=host.budget_source,
+            host_available_bytes=host.available, host_total_bytes=host.total, nvme=host.nvme,
+            nvme_path=host.nvme_path, disk_layers=dec.disk_layers, nvme_masters=dec.nvme_masters,
+            disk_bytes=host.disk_bytes, disk_free_bytes=host.disk_free,
+            gpu_parts=gpu.parts if self.dev == "cuda" else {}, gpu_phase=gpu.phase,
+            gpu_allocated_bytes=gpu.allocated if acts is not None else None, gpu_min_bytes=self.gpu_min,
+            gpu_overhead_bytes=self.overhead, gpu_total_bytes=gpu.total, gpu_source=gpu.source,
+            max_micro_batch=max_mb, max_micro_batch_limit=limit, binding=verdict.binding, fits=not verdict.refuse,
+            problems=verdict.refuse + verdict.problems, advice=verdict.advice,
+            notes=[*dec.notes, *gpu.notes, *verdict.notes], decisions=dec)
+
 
 
 def _device_memory(device: torch.device, gpu_memory: int | None) -> tuple[int | None, str]:
