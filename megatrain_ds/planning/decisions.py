@@ -171,7 +171,7 @@ def resolve(config: TrainConfig, layouts: list[LayerLayout], device_type: str = 
         ratio = config.offload_optimizer_ratio
         n_device = "auto" if ratio is None else round((1.0 - ratio) * n)
     # bf16-master mode: the resident parameters' state only (their masters are fp32; the layers' bf16 masters have
-    # no GPU-held form): engine_auto.place_auto
+    # no GPU-held form): engine_auto.AutoPlacer
     auto_state = n_device == "auto" and config.optimizer is not None
     if auto_state:
         notes.append("gpu_optimizer_layers \"auto\": after the second step the engine moves optimizer state to "
