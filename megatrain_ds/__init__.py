@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import importlib
 import os
 import weakref
 
@@ -16,7 +17,7 @@ _moved.install()  # the flat layout's import paths (megatrain_ds.config, ...) re
 
 from . import ops, runtime
 from .api import checkpointing, utils, zero  # deepspeed.zero, deepspeed.utils, deepspeed.checkpointing
-from .api.surface import module_getattr as __getattr__  # other deepspeed.<name>: DeepSpeed's, or an error naming it
+from .api.surface import module_getattr
 from .parallel import comm  # deepspeed.comm
 from .parallel.comm import init_distributed
 from .planning.config import (ConfigError, OptimizerSettings, TrainConfig, collective_timeout_of, parse_config,
@@ -27,6 +28,15 @@ from .model.recompute_check import RecomputeMismatch
 from ._version import MEGATRAIN_VERSION, __version__  # (in a module of their own: no import circle)
 
 DeepSpeedEngine = MegaTrainEngine
+
+
+def __getattr__(name: str):
+    """``megatrain_ds.<name>`` not defined here: a module of the flat layout (``megatrain_ds.config``, ...: the same
+    module in its room, _moved.py), else DeepSpeed's top-level name (``deepspeed.<name>``: DeepSpeed's own, or an
+    error naming it; api/surface.py)."""
+    if f"{__name__}.{name}" in _moved.MOVED:
+        return importlib.import_module(f"{__name__}.{name}")
+    return module_getattr(name)
 
 
 def _build_scheduler(spec: dict | None, optimizer):

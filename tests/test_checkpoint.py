@@ -99,7 +99,7 @@ KILLED_SAVER = """
 import os, sys, time, torch
 sys.path.insert(0, {repo!r})
 import megatrain_ds
-from megatrain_ds import checkpoint, checkpoint_stream
+from megatrain_ds.checkpoints import checkpoint, checkpoint_stream
 from tests.models import tiny_hf
 
 stage, save_dir, tag = sys.argv[1:4]

@@ -314,7 +314,7 @@ TWO_RANKS = """
 import errno, json, os, sys, torch
 sys.path.insert(0, {repo!r})
 import megatrain_ds
-from megatrain_ds import checkpoint_stream
+from megatrain_ds.checkpoints import checkpoint_stream
 from tests.test_checkpoint_disk import CFG, _model, _train
 
 save_dir, out = sys.argv[1:3]

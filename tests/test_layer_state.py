@@ -59,8 +59,8 @@ def test_where_and_reads_match_the_master_state_dict(tmp_path):
         engine.destroy()
 
 
-CALLERS = ("checkpoint.py", "checkpoint_partition.py", "checkpoint_folder.py", "checkpoint_files.py", "export.py",
-           "surface.py", "zero.py", "utils.py")
+CALLERS = ("checkpoints/checkpoint.py", "checkpoints/checkpoint_partition.py", "checkpoints/checkpoint_folder.py",
+           "checkpoints/checkpoint_files.py", "checkpoints/export.py", "api/surface.py", "api/zero.py", "api/utils.py")
 
 
 def test_callers_ask_the_owner():

@@ -555,3 +555,18 @@ def test_the_field_checker_sees_late_assignments():
            "        def inner():\n            self.e: int = 0\n        self.p = 3\n")
     found = [(m, n) for m, n, _ in _assigned_outside_init(ast.parse(src), "C")]
     assert sorted(found) == [("f", "b"), ("f", "c"), ("f", "d"), ("f", "e"), ("p", "_p")]
+
+
+def test_the_flat_layout_names_are_attributes_of_the_package_too():
+    """``from megatrain_ds import checkpoint`` (a name DeepSpeed's top level also has: ``deepspeed.checkpoint``) and
+    ``megatrain_ds.config`` as an attribute give megatrain_ds's module, as they did before the rooms, in a fresh
+    process where nothing imported them under the old name first."""
+    code = ("import megatrain_ds\n"
+            "from megatrain_ds import checkpoint\n"
+            "assert checkpoint is megatrain_ds.checkpoints.checkpoint, checkpoint\n"
+            "assert megatrain_ds.config is megatrain_ds.planning.config\n"
+            "import megatrain_ds.executor as ex\n"
+            "assert ex is megatrain_ds.streaming.executor\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
