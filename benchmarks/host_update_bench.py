@@ -167,9 +167,9 @@ def _phases(n: int, counts: list[int], args) -> int:
             if stop is not None:
                 print(f"  (H2D load: {stop():.1f} GB/s while it ran)")
         # unpinned before the next layout's buffers (a new mapping may reuse a registered address: CUDA error 712)
-        from megatrain_ds.host.host_memory import _release_all
+        from megatrain_ds.host.host_memory import release_all
         del t
-        _release_all(regions)
+        release_all(regions)
     return 0
 
 

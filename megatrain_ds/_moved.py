@@ -33,12 +33,17 @@ MOVED = {f"megatrain_ds.{m}": f"megatrain_ds.{room}.{m}" for room, modules in RO
 class _Alias(importlib.abc.Loader):
     def __init__(self, target: str) -> None:
         self.target = target
+        self.spec = None
 
     def create_module(self, spec):
-        return importlib.import_module(self.target)  # the module itself: one object under both names
+        module = importlib.import_module(self.target)  # the module itself: one object under both names
+        self.spec = module.__spec__
+        return module
 
     def exec_module(self, module) -> None:
-        pass  # already executed under its own name
+        # already executed under its own name; the import system has just set ``__spec__`` to the alias's spec:
+        # the module keeps its own (its relative imports, reload and pickling go by where it lives)
+        module.__spec__ = self.spec
 
 
 class _OldPaths(importlib.abc.MetaPathFinder):

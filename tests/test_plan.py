@@ -216,7 +216,7 @@ def test_layer_costs_extrapolate_exactly():
     block, layers = find_block_list(model)
     layouts = [build_layout(i, layer, {id(p): 0 for p in model.parameters()}) for i, layer in enumerate(layers)]
     loss, parts = plan._loss_kind(model, config, gpu=True)
-    acts = plan.ActivationModel(plan._meta_twin(model), block, layouts, 48, "bf16", gpu=True, liger_kernels=False,
+    acts = plan.ActivationModel(plan.meta_twin(model), block, layouts, 48, "bf16", gpu=True, liger_kernels=False,
                                 loss=loss, fused_parts=None, trainable_ids=set())
     for b in (3, 7):
         measured = acts._timeline(0, b).costs()
@@ -238,11 +238,11 @@ def test_liger_kernels_emulated_on_meta(monkeypatch):
     layouts = [build_layout(i, layer, {id(p): 0 for p in model.parameters()}) for i, layer in enumerate(layers)]
     costs = {}
     for liger in (False, True):
-        acts = plan.ActivationModel(plan._meta_twin(model), block, layouts, 64, "bf16", gpu=True, liger_kernels=liger,
+        acts = plan.ActivationModel(plan.meta_twin(model), block, layouts, 64, "bf16", gpu=True, liger_kernels=liger,
                                     loss="torch", fused_parts=None, trainable_ids=set())
         costs[liger] = acts.layer_costs(4)[0]
     assert costs[True].graph < costs[False].graph and costs[True].backward < costs[False].backward
-    monkeypatch.setattr(plan, "_liger_installed", lambda: True)
+    monkeypatch.setattr(plan, "liger_installed", lambda: True)
     monkeypatch.setattr(plan, "_liger_kernels_apply", lambda *args: True)
     pred = plan.plan_model(model, config, seq=64, device="cuda", gpu_memory=2**30)
     assert any("liger-kernel's RMSNorm/SwiGLU" in n and "loss: liger" in n for n in pred.notes), pred.notes

@@ -408,6 +408,7 @@ def test_the_flat_layout_paths_are_the_same_modules():
     for old, new in MOVED.items():
         assert old not in modules, f"{old} is both a file and an alias"
         assert importlib.import_module(old) is importlib.import_module(new)
+        assert importlib.import_module(old).__spec__.name == new  # its own spec kept (relative imports, reload)
     assert megatrain_ds.zero is importlib.import_module("megatrain_ds.api.zero")
     assert megatrain_ds.comm is importlib.import_module("megatrain_ds.parallel.comm")
 
@@ -570,3 +571,24 @@ def test_the_flat_layout_names_are_attributes_of_the_package_too():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def _private_imports(package_dir: str) -> list[str]:
+    """Every ``from <a module of the package> import _name`` (a private name taken across modules)."""
+    out = []
+    for rel, path in ((os.path.relpath(p, package_dir), p) for p in _module_names(package_dir).values()):
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("megatrain_ds")):
+                out += [f"{rel}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                        and (node.module or "").rpartition(".")[2] != a.name  # a module named _x (_version)
+                        and a.name not in ("_version", "_moved")]
+    return out
+
+
+def test_no_private_name_is_imported_across_modules():
+    """What another module needs is its module's public name (issue 41: 34 private imports before the rooms)."""
+    found = _private_imports(PACKAGE)
+    assert not found, found

@@ -115,7 +115,7 @@ class ZeroOptimizerView:
             "safe_set_full_optimizer_state; the local-partition and gradient-writing functions are not provided")
 
 
-_Z3_VIEW = ZeroOptimizerView()
+Z3_VIEW = ZeroOptimizerView()
 
 
 def mark_partitioned(param: torch.nn.Parameter, home: ParamHome, shape: tuple[int, ...]) -> None:
@@ -126,7 +126,7 @@ def mark_partitioned(param: torch.nn.Parameter, home: ParamHome, shape: tuple[in
     param.ds_status = status.NOT_AVAILABLE if home.layer is not None else status.AVAILABLE
     param.ds_active_sub_modules = set()  # empty outside a forward: [Note: generation under ZeRO-3] (zero_offload.py)
     param._megatrain_home = home
-    param._z3_optimizer = _Z3_VIEW  # see ZeroOptimizerView: DeepSpeed's safe_get_full_* reach the engine
+    param._z3_optimizer = Z3_VIEW  # see ZeroOptimizerView: DeepSpeed's safe_get_full_* reach the engine
 
 
 class Init:
@@ -206,13 +206,13 @@ def _parameter_new_in(dtype: torch.dtype, original_new):
 def _config_dtype(cfg: dict) -> torch.dtype:
     """DeepSpeed's ``Init._set_dtype`` from a config: bf16, else fp16, else fp32 (values as its models read them:
     ``"true"`` is true)."""
-    from ..planning.config import ConfigError, _precision_blocks
+    from ..planning.config import ConfigError, precision_blocks
 
     # An "auto" not resolved yet (transformers builds the model before accelerate / the Trainer fill the rest):
     # read as DeepSpeed's models read it, the default; initialize() still refuses a config that keeps it.
     cfg = {k: ({kk: vv for kk, vv in v.items() if vv != "auto"} if k in ("fp16", "bf16", "bfloat16")
                and isinstance(v, dict) else v) for k, v in cfg.items()}
-    fp16, bf16 = _precision_blocks(cfg)
+    fp16, bf16 = precision_blocks(cfg)
     if fp16["enabled"] and bf16["enabled"]:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one")
     return torch.bfloat16 if bf16["enabled"] else torch.float16 if fp16["enabled"] else torch.float32

@@ -22,7 +22,7 @@ files (one set serves both), as does DeepSpeed's ``zero_to_fp32``. Frozen parame
 their values), and ``deepspeed_resume`` why DeepSpeed could not resume it (empty: it can).
 
 Each rank plans its two files first (checkpoint_stream.py: the objects pickled, every record laid out), so their
-exact sizes are known before anything is written; rank 0 checks the free space against them (``_prepare_folder``:
+exact sizes are known before anything is written; rank 0 checks the free space against them (``prepare_folder``:
 an OSError naming the bytes needed and free, nothing written, where the disk cannot hold the checkpoint). Then each
 rank streams its files: the big tensors (fp32 sub-groups, moments, frozen fragments) are produced chunk by chunk
 from the host state while their records are written (views of it with one rank: nothing is copied, in memory or on
@@ -42,7 +42,7 @@ moment leaves the previous checkpoint and ``latest`` intact; what it leaves behi
 (``clean_stale``) or put back when the kill landed between the two renames (``_restore_moved_aside``): the folder's
 life across the ranks is checkpoint_folder.py.
 
-Reading. ``load_checkpoint`` reads every rank's files into a ``_Checkpoint`` (checkpoint_files.py: it reads
+Reading. ``load_checkpoint`` reads every rank's files into a ``CheckpointFiles`` (checkpoint_files.py: it reads
 ours and real DeepSpeed ZeRO-3's, saved by any number of ranks), checks it against the engine (names and shapes of
 every parameter and buffer, the optimizer state's parameters and group count, the scheduler's and scaler's keys),
 the ranks agree that it fits everywhere, and only then does each rank write what it holds (its own layers' masters
@@ -66,11 +66,11 @@ from . import wayback
 from .adapters import is_peft_model, save_adapter
 from .checksums import write_manifest
 from .checksums import verify as verify_checksums
-from .checkpoint_files import CheckpointMismatchError, _Checkpoint, _read, model_file, optim_file
+from .checkpoint_files import CheckpointMismatchError, CheckpointFiles, read_states, model_file, optim_file
 from .checkpoint_files import BF16_OPTIM_FILE, MODEL_FILE, OPTIM_FILE, fp32_state_dict  # noqa: F401 (re-exported)
 from .checkpoint_folder import RECOVERY_SCRIPTS, clean_stale  # noqa: F401 (re-exported)
-from .checkpoint_folder import _checkpoint_path, _commit, _fsync_dir, _prepare_folder, _World
-from .checkpoint_partition import _Param, _plan, _RankState
+from .checkpoint_folder import checkpoint_path_of, commit_folder, fsync_dir, prepare_folder, CheckpointWorld
+from .checkpoint_partition import PartitionParam, partition_plan, RankState
 from .checkpoint_stream import StreamedFile, write_files
 
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
@@ -122,7 +122,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     # megatrain_ds.__version__ is that, _version.py); megatrain_version: who wrote it
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
-    world = _World(engine)
+    world = CheckpointWorld(engine)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     tags = world.gather(tag)
     if len(set(tags)) > 1:
@@ -147,7 +147,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     tmp, error = None, None
     if world.rank == 0:
         try:
-            tmp = _prepare_folder(save_dir, tag, sizes)
+            tmp = prepare_folder(save_dir, tag, sizes)
         except Exception as exc:  # noqa: BLE001
             error = exc
     world.agree(error, "create the checkpoint's temporary folder")
@@ -157,7 +157,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         try:  # streamed from the host state; with N ranks a failed rank drains its exchanges so no rank waits
             digests = write_files(files, tmp, drain=world.size > 1)
             write_manifest(tmp, world.rank, digests)  # verified by load_checkpoint before it reads
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
         except Exception as exc:  # noqa: BLE001
             error = exc
         world.agree(error, "write its checkpoint files")
@@ -176,20 +176,20 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     error = None
     if world.rank == 0:
         try:
-            _commit(save_dir, tmp, tag, save_latest)
+            commit_folder(save_dir, tmp, tag, save_latest)
         except Exception as exc:  # noqa: BLE001
             error = exc
     world.agree(error, "put the checkpoint in place")  # no rank returns before the checkpoint is complete
     return True
 
 
-def _untrained(engine, frozen: list[_Param]) -> list[str]:
+def _untrained(engine, frozen: list[PartitionParam]) -> list[str]:
     """Frozen here (in no optimizer group) although they require grad: DeepSpeed ZeRO-3 would not restore them."""
     params = dict(engine.module.named_parameters())
     return [p.name for p in frozen if p.numel and p.name in params and params[p.name].requires_grad]
 
 
-def _deepspeed_resume(engine, world: _World, frozen: list[_Param], zero) -> list[str]:
+def _deepspeed_resume(engine, world: CheckpointWorld, frozen: list[PartitionParam], zero) -> list[str]:
     """Why real DeepSpeed could not resume this checkpoint (wayback.py); said once per engine, on rank 0, when the
     config is a ZeRO-3 one (a run that could go back to DeepSpeed as it is)."""
     problems = wayback.resume_problems(engine.config, _untrained(engine, frozen), zero)
@@ -202,14 +202,14 @@ def _deepspeed_resume(engine, world: _World, frozen: list[_Param], zero) -> list
     return problems
 
 
-def _rank_files(engine, world: _World, client_state, exclude_frozen: bool, megatrain_version: str,
+def _rank_files(engine, world: CheckpointWorld, client_state, exclude_frozen: bool, megatrain_version: str,
                 ds_version: str) -> list[StreamedFile]:
     """This rank's model-states and optimizer-states files, planned (checkpoint_stream.py): what they hold, their
     exact sizes; their big tensors are streamed from the host state when they are written."""
     zero = wayback.zero_config(engine.config)  # DeepSpeed's reading of it: the layout its ZeRO-3 would have
-    groups, group_of, frozen = _plan(engine, world.size, wayback.sub_group_size(zero))
+    groups, group_of, frozen = partition_plan(engine, world.size, wayback.sub_group_size(zero))
     problems = _deepspeed_resume(engine, world, frozen, zero)
-    state = _RankState(engine, world, groups, [] if exclude_frozen else frozen, moments=engine.optimizer is not None)
+    state = RankState(engine, world, groups, [] if exclude_frozen else frozen, moments=engine.optimizer is not None)
     buffers = {n: b.detach().cpu() for n, b in _persistent_buffers(engine.module).items()}
     scaler = engine.config_settings.loss_scaler
     model_states = {
@@ -269,7 +269,7 @@ def _name_problems(what: str, saved: dict, expected: dict[str, tuple], strict: b
     return problems
 
 
-def _validate(engine, ckpt: _Checkpoint, strict: bool, load_optimizer: bool, load_scheduler: bool,
+def _validate(engine, ckpt: CheckpointFiles, strict: bool, load_optimizer: bool, load_scheduler: bool,
               module_only: bool) -> None:
     params = _engine_params(engine)
     frozen = {n for n, (_, trained) in params.items() if not trained}
@@ -370,8 +370,8 @@ def _write_moments(engine, moments: dict) -> None:
     states.push_moments_to_device()
 
 
-def _apply(engine, ckpt: _Checkpoint, load_optimizer: bool, load_scheduler: bool, module_only: bool,
-           world: _World) -> None:
+def _apply(engine, ckpt: CheckpointFiles, load_optimizer: bool, load_scheduler: bool, module_only: bool,
+           world: CheckpointWorld) -> None:
     engine.synchronize()  # no queued optimizer task may write the masters after this
     # strictness was checked by _validate (it knows which names a frozen-excluded checkpoint may lack)
     engine.load_master_state_dict(_held(engine, ckpt.masters), strict=False)
@@ -420,11 +420,11 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = 
     ``FileNotFoundError``; a checkpoint that does not fit raises ``CheckpointMismatchError`` before any write.
     With data parallel every rank calls it: rank 0 resolves the folder, every rank reads and checks it, and
     nothing is written on any rank unless it fits on every rank."""
-    world = _World(engine)
+    world = CheckpointWorld(engine)
     path, error = None, None
     if world.rank == 0:
         try:
-            path = _checkpoint_path(load_dir, tag)  # may put back a moved-aside folder: one rank does
+            path = checkpoint_path_of(load_dir, tag)  # may put back a moved-aside folder: one rank does
         except Exception as exc:  # noqa: BLE001
             error = exc
     world.agree(error, "find the checkpoint")
@@ -434,7 +434,7 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_module_strict: bool = 
     ckpt, error = None, None
     try:
         verify_checksums(path, world.rank, world.size)  # a corrupted file is refused before anything is read
-        ckpt = _read(path, world.rank, world.size)
+        ckpt = read_states(path, world.rank, world.size)
         _validate(engine, ckpt, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                   load_module_only)
     except Exception as exc:  # noqa: BLE001

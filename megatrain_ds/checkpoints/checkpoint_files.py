@@ -2,8 +2,8 @@
 every rank's files of one checkpoint folder (``save_dir/<tag>``), saved by one rank or N, by megatrain_ds or by
 real DeepSpeed.
 
-``_read`` reads every rank's files (``torch.load(mmap=True)``: pages are read as they are used) into a
-``_Checkpoint`` (every tensor by parameter name: with N > 1, a parameter's N partitions, joined when it is used);
+``read_states`` reads every rank's files (``torch.load(mmap=True)``: pages are read as they are used) into a
+``CheckpointFiles`` (every tensor by parameter name: with N > 1, a parameter's N partitions, joined when it is used);
 checkpoint.py's ``load_checkpoint`` checks it against the engine, then writes it. Two sources are read, told apart
 by their optimizer state:
 
@@ -49,7 +49,7 @@ class CheckpointMismatchError(RuntimeError):
     was written: the engine is as it was."""
 
 
-def _partition(numel: int, world: int) -> int:
+def partition_of(numel: int, world: int) -> int:
     """ZeRO-3's partition of a parameter of ``numel`` elements over ``world`` ranks: ``ceil(numel / world)``."""
     return -(-numel // world)
 
@@ -93,7 +93,7 @@ def _whole(t):
 
 
 @dataclass(slots=True)
-class _Checkpoint:
+class CheckpointFiles:
     """A checkpoint read into memory, every tensor by parameter or buffer name (views of the loaded files; with
     N > 1 saving ranks, ``_Gathered`` partitions)."""
 
@@ -119,14 +119,14 @@ def _split(flat: torch.Tensor, shapes: dict, what: str, world: int = 1) -> dict:
     ignored (DeepSpeed may pad a group for alignment). Detached: DeepSpeed saves its fp32 partitions as tensors
     that require grad, and a master ``copy_``-ed from one would join autograd."""
     flat = flat.detach().reshape(-1)
-    need = sum(_partition(torch.Size(s).numel(), world) for s in shapes.values())
+    need = sum(partition_of(torch.Size(s).numel(), world) for s in shapes.values())
     if flat.numel() < need:
         raise CheckpointMismatchError(f"{what} holds {flat.numel()} elements but its param_shapes entry needs "
                                       f"{need} ({world} rank(s)): a truncated file, or not a ZeRO-3 checkpoint of "
                                       f"{world} rank(s)")
     out, offset = {}, 0
     for name, shape in shapes.items():
-        n = _partition(torch.Size(shape).numel(), world)
+        n = partition_of(torch.Size(shape).numel(), world)
         out[name] = flat[offset:offset + n].view(shape) if world == 1 else flat[offset:offset + n]
         offset += n
     return out
@@ -158,7 +158,7 @@ def _frozen(states: list[dict]) -> dict:
         numel, fragments = torch.Size(shape).numel(), []
         for r, state in enumerate(states):
             fragment = (state.get("frozen_param_fragments") or {}).get(name)
-            want = numel if world == 1 else _partition(numel, world)
+            want = numel if world == 1 else partition_of(numel, world)
             if fragment is None or fragment.numel() != want:
                 raise CheckpointMismatchError(
                     f"frozen parameter {name}: {'no' if fragment is None else fragment.numel()} elements saved by "
@@ -194,7 +194,7 @@ def _moment_groups_ours(state: dict, shapes: list[dict], world: int) -> tuple[li
     flat_m, flat_v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
     ms, vs, offset, k = [], [], 0, 0
     while offset < flat_m.numel() and k < len(shapes):
-        n = sum(_partition(torch.Size(s).numel(), world) for s in shapes[k].values())
+        n = sum(partition_of(torch.Size(s).numel(), world) for s in shapes[k].values())
         ms.append(flat_m[offset:offset + n])
         vs.append(flat_v[offset:offset + n])
         offset, k = offset + n, k + 1
@@ -283,7 +283,7 @@ def _rank_files(path: str) -> tuple[dict[int, str], dict[int, str]]:
     return models, optims
 
 
-def _read(path: str, rank: int = 0, world: int = 1) -> _Checkpoint:
+def read_states(path: str, rank: int = 0, world: int = 1) -> CheckpointFiles:
     """Every saving rank's files of ``path``, for this ``rank`` of an engine of ``world`` ranks."""
     models, optims = _rank_files(path)
     for needed, found in ((os.path.join(path, MODEL_FILE), models.get(0)), (os.path.join(path, OPTIM_FILE),
@@ -331,7 +331,7 @@ def _read(path: str, rank: int = 0, world: int = 1) -> _Checkpoint:
     buffer_names = own.get("buffer_names") or []
     module = own.get("module") or {}
     saved_rng = [o.get("rng") for o in optim_states]
-    return _Checkpoint(
+    return CheckpointFiles(
         path=path, world=ranks, masters=masters, trainable=[name for group in shapes for name in group],
         frozen_excluded=states[0].get("frozen_param_shapes") is None, moments=moments, step=step,
         param_groups=groups, group_keys_shared_only=deepspeed_groups,
@@ -347,7 +347,7 @@ def fp32_state_dict(path: str, tied: bool = True) -> dict[str, torch.Tensor]:
     DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``: tied names (``shared_params``) map to the tensor of
     the name they are tied to (``tied=False`` leaves them out: safetensors refuses shared tensors). One rank's
     tensors are views of the memory-mapped file; N ranks' are joined, one parameter at a time."""
-    ckpt = _read(path)
+    ckpt = read_states(path)
     out = {name: _whole(t) for name, t in ckpt.masters.items()}
     for name, kept in (ckpt.model_states.get("shared_params") or {}).items() if tied else ():
         if kept in out:

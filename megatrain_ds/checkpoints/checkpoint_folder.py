@@ -1,21 +1,22 @@
 """A checkpoint folder's life across the ranks that write or read it (checkpoint.py says what is in it).
 
-The ranks agree (``_World``: the engine's data-parallel group over gloo, or one process): every collective runs on
-the main thread in the same order on every rank, and a rank that fails makes every rank raise (``agree``).
+The ranks agree (``CheckpointWorld``: the engine's data-parallel group over gloo, or one process): every collective
+runs on the main thread in the same order on every rank, and a rank that fails makes every rank raise
+(``agree``).
 
 Writing. Rank 0 first cleans the leftovers of killed saves and checks the free space against the bytes the new
-checkpoint needs (``_prepare_folder``: each rank's files, sized exactly before they are written, and a margin for the
+checkpoint needs (``prepare_folder``: each rank's files, sized exactly before they are written, and a margin for the
 small files). A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
 file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
 previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``) and only then replaces ``latest``
-(through ``.latest.tmp-<pid>`` and ``os.replace``): ``_commit``. DeepSpeed's recovery scripts are copied beside
+(through ``.latest.tmp-<pid>`` and ``os.replace``): ``commit_folder``. DeepSpeed's recovery scripts are copied beside
 it. A process killed at any moment leaves the previous checkpoint and ``latest`` intact; what it leaves behind is
 cleaned by the next save (``clean_stale``) or put back when the kill landed between the two renames
 (``_restore_moved_aside``). The one exception is a tag saved again on a disk that holds one copy of it but not
 two: the previous one is removed before the new one is written (``_drop_previous``, with a warning), as DeepSpeed
 overwrites a tag in place.
 
-Reading. ``_checkpoint_path``: the folder a tag, or ``latest``, names (putting back a moved-aside one).
+Reading. ``checkpoint_path_of``: the folder a tag, or ``latest``, names (putting back a moved-aside one).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<pid>\d+)$") 
 SMALL_FILES_BYTES = 1 << 20
 
 
-class _World:
+class CheckpointWorld:
     """The ranks a checkpoint is written or read by: the engine's data-parallel group (dp.py), or one process.
 
     Every collective here runs on the main thread over ``dp.cpu_group`` (gloo), in the same order on every rank."""
@@ -89,7 +90,7 @@ class _World:
             raise cls(f"rank {r} failed to {what} ({kind}): {message}")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -121,7 +122,7 @@ def _restore_moved_aside(save_dir: str, tag: str) -> str | None:
                 os.rename(os.path.join(save_dir, name), final)  # fails if another process restored it first
             except OSError:
                 continue
-            _fsync_dir(save_dir)
+            fsync_dir(save_dir)
             warnings.warn(f"{final} was missing (a save of tag {tag!r} was killed between its renames): put back "
                           f"the previous checkpoint from {name}", stacklevel=3)
             return final
@@ -199,11 +200,11 @@ def _folder_bytes(path: str) -> int:
     return total
 
 
-def _prepare_folder(save_dir: str, tag: str, sizes: list[int]) -> str:
+def prepare_folder(save_dir: str, tag: str, sizes: list[int]) -> str:
     """Rank 0, before any checkpoint file is written: the leftovers of killed saves removed, the free space checked
     against what the new checkpoint needs (``sizes``: each rank's files, exact), the temporary folder made. Returns
     it. A disk that cannot hold the checkpoint is an OSError naming the bytes needed and free, with nothing written.
-    A previous checkpoint of the same tag is kept until the new one is complete (``_commit``) where the disk holds
+    A previous checkpoint of the same tag is kept until the new one is complete (``commit_folder``) where the disk holds
     both; where it holds only one, the previous one is removed first (``_drop_previous``)."""
     needed = sum(sizes) + SMALL_FILES_BYTES
     if os.path.isdir(save_dir):
@@ -248,21 +249,21 @@ def _drop_previous(save_dir: str, tag: str, needed: int, free: int, previous: in
                   stacklevel=5)  # the caller of engine.save_checkpoint
     dropped = os.path.join(save_dir, f".{tag}.del-{os.getpid()}")
     os.replace(os.path.join(save_dir, tag), dropped)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     shutil.rmtree(dropped)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
 
 
-def _commit(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
+def commit_folder(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
     """Rank 0, once every file is written: the folder into place, the recovery scripts, then ``latest``."""
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     final = os.path.join(save_dir, tag)
     old = None
     if os.path.exists(final):  # replacing a checkpoint of the same tag: keep it until the new one is in place
         old = os.path.join(save_dir, f".{tag}.old-{os.getpid()}")
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     try:
@@ -279,10 +280,10 @@ def _commit(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
         raise OSError(exc.errno, f"save_checkpoint: writing {name} failed ({exc.strerror or exc}); the checkpoint "
                       f"folder {final} is complete, but {os.path.join(save_dir, 'latest')} may still name the "
                       "previous checkpoint (load it with tag=)") from exc
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
 
 
-def _checkpoint_path(load_dir: str, tag) -> str | None:
+def checkpoint_path_of(load_dir: str, tag) -> str | None:
     """The folder to load, or None where DeepSpeed loads nothing (no tag and no ``latest``: it warns)."""
     if tag is None:
         latest = os.path.join(load_dir, "latest")

@@ -1,8 +1,8 @@
 """What one rank writes into its checkpoint files, in DeepSpeed ZeRO-3's layout (checkpoint.py describes the files;
 wayback.py computes the layout).
 
-``_plan`` lists the parameters as ZeRO-3 does: the trained ones in real DeepSpeed's sub-groups for N ranks (its
-optimizer groups' order, cut at ``zero_optimization.sub_group_size``), the frozen ones after. ``_RankState`` gives
+``partition_plan`` lists the parameters as ZeRO-3 does: the trained ones in real DeepSpeed's sub-groups for N ranks (its
+optimizer groups' order, cut at ``zero_optimization.sub_group_size``), the frozen ones after. ``RankState`` gives
 this rank's ``fp32_flat_groups``, Adam moments and frozen fragments as streamed tensors (checkpoint_stream.py): for
 each parameter, rank r's ZeRO-3 partition (``ceil(numel / N)`` elements, zero-padded past the end), produced while
 its file is written, straight from the host state: nothing is collected first, in memory or on disk. With N ranks a
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from . import wayback
-from .checkpoint_files import _partition
-from .checkpoint_folder import _World
+from .checkpoint_files import partition_of
+from .checkpoint_folder import CheckpointWorld
 from .checkpoint_stream import StreamedStorage
 
 _CHUNK_ELEMENTS = 8 << 20  # a converted (or zero-padded) piece: 32 MiB of fp32 at most
@@ -51,7 +51,7 @@ def _zeros(n: int, dtype: torch.dtype):
 
 
 @dataclass(slots=True)
-class _Param:
+class PartitionParam:
     """One parameter as a checkpoint lists it, and where its fp32 master (and moments) are."""
 
     name: str
@@ -65,7 +65,8 @@ class _Param:
         return self.shape.numel()
 
 
-def _plan(engine, world: int, sub_group_size: int) -> tuple[list[list[_Param]], list[int], list[_Param]]:
+def partition_plan(engine, world: int, sub_group_size: int) -> tuple[list[list[PartitionParam]], list[int],
+                                                                     list[PartitionParam]]:
     """(trained sub-groups, each one's optimizer param group, frozen parameters) as ZeRO-3 lists them in
     ``param_shapes`` and ``frozen_param_shapes``: the trained parameters in real DeepSpeed's sub-groups for
     ``world`` ranks (wayback.py: its parameter order and ``sub_group_size``), which its ``load_checkpoint`` copies
@@ -75,14 +76,14 @@ def _plan(engine, world: int, sub_group_size: int) -> tuple[list[list[_Param]], 
     for i, layout in enumerate(engine.layer_states.layouts):
         for slot in layout.slots:
             start = slot.offset if slot.trainable else layout.n_train + slot.offset
-            param = _Param(f"{engine.block_name}.{i}.{slot.name}", torch.Size(slot.shape), i, start)
+            param = PartitionParam(f"{engine.block_name}.{i}.{slot.name}", torch.Size(slot.shape), i, start)
             if slot.trainable:
                 trained[param.name] = param
             else:
                 frozen.append(param)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     for k, (p, is_trained) in enumerate(zip(engine.resident.params, engine.resident.trained)):
-        param = _Param(names[id(p)], torch.Size(p.shape), None, k)
+        param = PartitionParam(names[id(p)], torch.Size(p.shape), None, k)
         if not is_trained:
             frozen.append(param)
         else:
@@ -93,7 +94,7 @@ def _plan(engine, world: int, sub_group_size: int) -> tuple[list[list[_Param]], 
     return [params for _, params in subs], [g for g, _ in subs], frozen
 
 
-def _source(engine, param: _Param, kind: str) -> torch.Tensor:
+def _source(engine, param: PartitionParam, kind: str) -> torch.Tensor:
     """``param``'s fp32 ``kind`` ("master", "exp_avg", "exp_avg_sq"), flat: a view of the host state (a
     streamed layer this rank holds) or of the resident tensor (on the host or the device)."""
     if param.layer is None:
@@ -110,7 +111,7 @@ def _source(engine, param: _Param, kind: str) -> torch.Tensor:
     return flat[param.start:param.start + param.numel]
 
 
-class _RankState:
+class RankState:
     """What this rank writes: its ``fp32_flat_groups`` and moments (one ``StreamedStorage`` per sub-group and kind)
     and its frozen fragments (one ``StreamedStorage``, a view per parameter), produced while the files are written.
 
@@ -120,9 +121,9 @@ class _RankState:
     sub-group's parameters of one streamed layer, the layer's owner scatters every rank its partitions of that run
     (``_exchange``, a collective), and a trained resident parameter's owner likewise; frozen resident parameters
     are cut locally. The sub-groups are DeepSpeed's
-    (``_plan``), not the layers: a sub-group spans layers, its record is the concatenation."""
+    (``partition_plan``), not the layers: a sub-group spans layers, its record is the concatenation."""
 
-    def __init__(self, engine, world: _World, groups: list[list[_Param]], frozen: list[_Param],
+    def __init__(self, engine, world: CheckpointWorld, groups: list[list[PartitionParam]], frozen: list[PartitionParam],
                  moments: bool) -> None:
         self.engine, self.world, self.groups, self.frozen = engine, world, groups, frozen
         self.kinds = ("master", "exp_avg", "exp_avg_sq") if moments else ("master",)
@@ -140,10 +141,10 @@ class _RankState:
             self.fragments[p.name] = storage.tensor(offset, self._size(p))
             offset += self._size(p)
 
-    def _size(self, p: _Param) -> int:
-        return _partition(p.numel, self.world.size)
+    def _size(self, p: PartitionParam) -> int:
+        return partition_of(p.numel, self.world.size)
 
-    def _producer(self, kind: str, params: list[_Param], dtype: torch.dtype, trained: bool = True):
+    def _producer(self, kind: str, params: list[PartitionParam], dtype: torch.dtype, trained: bool = True):
         """The chunks of one record: ``params``' partitions of ``kind``, in order. With N ranks a streamed layer's
         run comes from its owner, and so does a trained resident parameter's state (one host copy: dp.py's
         ``resident_owner``); a frozen resident parameter is every rank's copy, cut locally."""
@@ -160,7 +161,7 @@ class _RankState:
                         yield from self._local(p, kind, dtype)
         return chunks
 
-    def _local(self, p: _Param, kind: str, dtype: torch.dtype):
+    def _local(self, p: PartitionParam, kind: str, dtype: torch.dtype):
         """This rank's partition of ``p`` from the state it holds (one rank: the whole parameter, a view)."""
         flat, rank, n = _source(self.engine, p, kind), self.world.rank, self.world.size
         size = self._size(p)
@@ -169,7 +170,7 @@ class _RankState:
         yield from _pieces(flat[lo:hi], dtype)
         yield from _zeros(size - (hi - lo), dtype)
 
-    def _exchange(self, owner: int, params: list[_Param], kind: str, dtype: torch.dtype) -> torch.Tensor:
+    def _exchange(self, owner: int, params: list[PartitionParam], kind: str, dtype: torch.dtype) -> torch.Tensor:
         """The ``owner`` of ``params``' state (a layer's, or a resident parameter's) scatters every rank its
         partitions of them (a collective of every rank); returns this rank's."""
         world = self.world

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .checkpoint_folder import _World, clean_stale
+from .checkpoint_folder import CheckpointWorld, clean_stale
 from .checksums import save_file as _save
 
 
@@ -33,7 +33,7 @@ def gather_full_masters(engine, dst: int | None = None, dtype: torch.dtype | Non
     rank), one at a time, over the gloo group. Ranks other than ``dst`` get None. What a rank
     receives is its own copy (4 bytes per parameter; ``dtype`` casts each layer as it arrives)."""
     engine.sync_masters_to_host()
-    world, states = _World(engine), engine.layer_states
+    world, states = CheckpointWorld(engine), engine.layer_states
     if dst is not None and world.rank != dst and world.size > 1:
         out = None
     else:
@@ -106,7 +106,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
     """Consolidated weights in the compute dtype, written atomically; ``*.safetensors`` names use safetensors.
     Data parallel: every rank calls it (the weights are gathered to rank 0, which writes the file; every rank
     returns once it is in place), as DeepSpeed's."""
-    world = _World(engine)
+    world = CheckpointWorld(engine)
     state = consolidated_state_dict(engine, exclude_frozen_parameters=exclude_frozen_parameters)
     error = None
     if world.rank == 0:

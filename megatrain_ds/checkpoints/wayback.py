@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint_files import _partition
+from .checkpoint_files import partition_of
 
 # DeepSpeed's default sub_group_size (0.19.8: zero/config.py), for a config its model refuses
 _SUB_GROUP_SIZE = 1_000_000_000
@@ -58,7 +58,7 @@ def sub_groups(param_groups: list[list], numel, world: int, size: int) -> list[t
             if params:  # only zero-element parameters (DeepSpeed would have no sub-group for them)
                 out.append((g, list(params)))
             continue
-        parts = {id(p): _partition(numel(p), world) for p in sized}
+        parts = {id(p): partition_of(numel(p), world) for p in sized}
         if size is None or size >= sum(parts.values()):
             out.append((g, list(params)))
             continue

@@ -86,7 +86,7 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool, regions: list, defer:
     return region.tensor
 
 
-def _release_all(regions: list) -> None:
+def release_all(regions: list) -> None:
     for region in regions:
         region.release()
     regions.clear()

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .grad_hold import GradientHold
-from .host_memory import HostRegion, _release_all, host_buffer  # noqa: F401 (importable from here too)
+from .host_memory import HostRegion, release_all, host_buffer  # noqa: F401 (importable from here too)
 from ..model.model_map import LayerLayout
 
 
@@ -132,7 +132,7 @@ class HostLayerStore:
             for k in range(4):
                 self.ring.put(slabs[k * self.max_train:(k + 1) * self.max_train])
             self.scratch = torch.empty(self.max_train, dtype=torch.float32)  # fp32 view of a landed slab
-        weakref.finalize(self, _release_all, self.regions)
+        weakref.finalize(self, release_all, self.regions)
         if self.tier is not None:
             weakref.finalize(self, self.tier.close)
 
@@ -342,7 +342,7 @@ class HostLayerStore:
             self.scratch.numel() * 4
 
     def close(self) -> None:
-        _release_all(self.regions)
+        release_all(self.regions)
         if self.tier is not None:
             self.tier.close()
 

@@ -109,14 +109,14 @@ def apply_tiling(templates: list[nn.Module], setting) -> list[str]:
             kind = _kind(path, module)
             if kind is None:
                 continue
-            module.forward = _TiledForward(module, module.forward, kind, setting, _width(module, kind))
+            module.forward = TiledForward(module, module.forward, kind, setting, _width(module, kind))
             done.append(path)
             tiled.append(f"{t}:{path}")
     return tiled
 
 
 def _kind(path: str, module: nn.Module) -> str | None:
-    if isinstance(module.forward, _TiledForward) or _has_dropout(module):
+    if isinstance(module.forward, TiledForward) or _has_dropout(module):
         return None
     if "." not in path and path in MLP_NAMES and not _is_moe(module):
         return "mlp"
@@ -158,7 +158,7 @@ def _width(module: nn.Module, kind: str) -> int | None:
     return max(dims) if dims else None
 
 
-class _TiledForward:
+class TiledForward:
     """The tiled module's ``forward`` (set on the instance, so ``module.__call__`` and its hooks are unchanged)."""
 
     def __init__(self, module: nn.Module, inner, kind: str, setting, width: int | None) -> None:

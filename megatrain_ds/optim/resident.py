@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..parallel.dp import done as _done
-from ..host.host_memory import _release_all, host_buffer
+from ..host.host_memory import release_all, host_buffer
 from ..streaming.landing import LandingListener
 from .speculation import adamw_undo
 from ..streaming.timing import traced
@@ -64,7 +64,7 @@ class ResidentParams:
             landing = trainable and not state_on_device
             self.landing.append(pinned(torch.empty_like(master, dtype=compute_dtype)) if landing else None)
             p.data = master.to(device, compute_dtype, copy=True)
-        weakref.finalize(self, _release_all, self.regions)
+        weakref.finalize(self, release_all, self.regions)
         self.norm_dev = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(params), dtype=torch.float32)
         if device.type == "cuda":
@@ -136,7 +136,7 @@ class ResidentParams:
         self.wire = [None] * len(self.params)
         self.landing = [None] * len(self.params)
         self.direct = [False] * len(self.params)  # (between steps: the last window's update has read its landing)
-        _release_all(self.regions)  # their pinned host copies (unregistered; freed with the last view)
+        release_all(self.regions)  # their pinned host copies (unregistered; freed with the last view)
         self.wire_read = None
         self.on_device = True
 

@@ -79,11 +79,11 @@ import torch
 from .config import TrainConfig
 from .decisions import Decisions, HostShare, resolve
 from ..parallel.dp import Topology, resident_positions
-from .host_bytes import (NVME_BUFFER_COUNT, GiB, MiB, _resident_items, disk_free_bytes, host_budget_bytes,
+from .host_bytes import (NVME_BUFFER_COUNT, GiB, MiB, resident_items, disk_free_bytes, host_budget_bytes,
                          layer_store_bytes, meminfo, nvme_layer_bytes, nvme_settings, optimizer_scratch_bytes,
                          resident_host_bytes, staging_buffers)
 from ..model.model_map import LayerLayout
-from .plan_gpu import ActivationModel, _size
+from .plan_gpu import ActivationModel, dtype_size
 
 CUDA_CONTEXT_BYTES = 768 * MiB  # CUDA context, loaded kernels, cuDNN/cuBLAS handles (an estimate; not torch's)
 NCCL_BYTES = 512 * MiB  # NCCL's own buffers per rank with several ranks (an estimate; not torch's)
@@ -250,7 +250,7 @@ def _gpu_at(b: int, layouts, dec: Decisions, acts: ActivationModel | None, persi
     base = sum(persistent.values())
     if acts is None:
         return base, dict(persistent), "initialize (no sequence length: activations not counted)"
-    c = _size(dec.compute)
+    c = dtype_size(dec.compute)
     costs = acts.layer_costs(b)
     s = acts.input_bytes(b)
     n = len(layouts)
@@ -260,7 +260,7 @@ def _gpu_at(b: int, layouts, dec: Decisions, acts: ActivationModel | None, persi
     land = 4 if (dec.ga == 1 and dec.grad == "fp32") else c  # the flat gradient in flight on d2h
     # executor._land_local: the flat gradient (compute dtype) converted on the GPU before its D2H when it lands in
     # another dtype: the fp32 home (GA 1), the wire-dtype ring slab (GA > 1: copy_ converts on the source device)
-    convert = _size(dec.grad if dec.ga == 1 else dec.wire)
+    convert = dtype_size(dec.grad if dec.ga == 1 else dec.wire)
     convert = 0 if convert == c else convert
 
     def saved(j: int) -> int:  # saved inputs of layers 0..j on the device
@@ -325,7 +325,7 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     the budget). Refuses only when host RAM > budget, disk > free space, or the GPU bytes at the configured
     micro-batch > the device's whole memory (``raise_error=False``: never)."""
     device = torch.device(device) if not isinstance(device, torch.device) else device
-    resident = _resident_items(resident_numels)
+    resident = resident_items(resident_numels)
     acts = activations if seq else None
     budget_setting = host_budget if host_budget is not None else config.megatrain.host_memory_budget
     budget = host_budget_bytes(budget_setting, freed_bytes)
@@ -426,12 +426,13 @@ class _Counting:
     def _persistent(self, device: torch.device, gpu_memory: int | None) -> dict[str, int]:
         """GPU bytes initialize allocates: weight slots (and their fp32 staging), kept layers' buffers, resident
         copies (and their state when GPU-held), the GPU-held layers' state, the cuBLAS workspace."""
-        dec, layouts, n, c = self.dec, self.layouts, self.n, _size(self.dec.compute)
+        dec, layouts, n, c = self.dec, self.layouts, self.n, dtype_size(self.dec.compute)
         max_numel = max((lay.numel for lay in layouts), default=0)
         slots = min(self.config.megatrain.num_slots, n)
         persistent = {f"weight slots ({slots} x largest layer, {dec.compute})": slots * max_numel * c}
         if dec.wire != dec.compute:
-            persistent[f"{dec.wire} staging of the slots (stream_fp32_master)"] = slots * max_numel * _size(dec.wire)
+            persistent[f"{dec.wire} staging of the slots (stream_fp32_master)"] = \
+                slots * max_numel * dtype_size(dec.wire)
         persistent["kept layers' weight buffers"] = sum(layouts[i].numel for i in range(n - dec.keep, n)) * c
         persistent["resident parameters (compute copies)"] = sum(m for m, _ in self.resident) * c
         if dec.resident_on_device:  # rank 0's (data parallel: the resident parameters it holds)
@@ -441,7 +442,7 @@ class _Counting:
             4 * (layouts[i].numel if dec.wire == "fp32" else layouts[i].n_train) + 12 * layouts[i].n_train
             for i in range(dec.n_device_layers) if self.owned[0][i])
         if dec.grad_hold:  # grad_hold.py: every streamed layer's gradient rank 0 holds, until its update fetches it
-            persistent[f"{dec.grad} gradients held until the norm (gradient_hold)"] = _size(dec.grad) * sum(
+            persistent[f"{dec.grad} gradients held until the norm (gradient_hold)"] = dtype_size(dec.grad) * sum(
                 lay.n_train for lay, mine in zip(layouts, self.owned[0]) if mine)
         if self.dev == "cuda":
             persistent["cuBLAS workspace"] = _cublas_workspace_bytes(device, gpu_memory)

@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_values import _bool, _check_keys, _ds_model, _num, _reject_auto, ds_default, monitor_config  # noqa: F401
+from .config_values import as_bool, check_keys, ds_model, as_num, reject_auto, ds_default, monitor_config  # noqa: F401
 from ..errors import ConfigError, validation_error_parts  # noqa: F401 (importable from here too)
 from ..optim.loss_scale import LossScaler
 
@@ -291,7 +291,7 @@ def _batch(cfg: dict, world: int) -> tuple[int, int, int]:
     """DeepSpeed's batch rule (``DeepSpeedConfig._set_batch_related_parameters``): the missing ones of
     train = micro x GA x world are derived, then all three must be >= 1 and the product must hold."""
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    tb, mb, ga = (None if cfg.get(k) is None else _num(cfg[k], k, int, minimum=1) for k in keys)
+    tb, mb, ga = (None if cfg.get(k) is None else as_num(cfg[k], k, int, minimum=1) for k in keys)
     if tb is not None and mb is not None and ga is None:
         ga = tb // (mb * world)
     elif tb is not None and ga is not None and mb is None:
@@ -318,12 +318,12 @@ def _optimizer(cfg: dict, notes: list[str]) -> OptimizerSettings | None:
     block = cfg.get("optimizer")
     if block is None:
         return None
-    _check_keys(block, {"type", "params"}, "optimizer")
+    check_keys(block, {"type", "params"}, "optimizer")
     params = dict(block.get("params") or {})
     if "max_grad_norm" in params:  # DeepSpeed's own error
         raise ConfigError("optimizer.params.max_grad_norm is not supported: use the top-level 'gradient_clipping'")
-    _check_keys(params, OPTIMIZER_PARAMS, "optimizer.params")
-    flags = {k: _bool(params.pop(k), f"optimizer.params.{k}") for k in
+    check_keys(params, OPTIMIZER_PARAMS, "optimizer.params")
+    flags = {k: as_bool(params.pop(k), f"optimizer.params.{k}") for k in
              ("adam_w_mode", "bias_correction", "torch_adam", "amsgrad", "fused", "fp32_optimizer_states")
              if k in params}
     params.pop("foreach", None)  # torch_adam's foreach: a kernel choice, same numbers
@@ -331,13 +331,13 @@ def _optimizer(cfg: dict, notes: list[str]) -> OptimizerSettings | None:
         raise ConfigError("optimizer.params.amsgrad=true is not supported by the host optimizer")
     if not flags.get("bias_correction", True):
         raise ConfigError("optimizer.params.bias_correction=false is not supported by the host optimizer")
-    kwargs = {k: _num(v, f"optimizer.params.{k}") for k, v in params.items() if k in ("lr", "eps", "weight_decay")}
+    kwargs = {k: as_num(v, f"optimizer.params.{k}") for k, v in params.items() if k in ("lr", "eps", "weight_decay")}
     if "betas" in params:
         betas = params["betas"]
-        _reject_auto(betas, "optimizer.params.betas")
+        reject_auto(betas, "optimizer.params.betas")
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
             raise ConfigError(f"optimizer.params.betas must be a list of two numbers, got {betas!r}")
-        kwargs["betas"] = tuple(_num(b, "optimizer.params.betas") for b in betas)
+        kwargs["betas"] = tuple(as_num(b, "optimizer.params.betas") for b in betas)
     typ = _name(block.get("type", "AdamW"), "optimizer.type")
     if "adam_w_mode" in flags:
         kwargs["adam_w_mode"] = flags["adam_w_mode"]
@@ -352,22 +352,22 @@ def _optimizer(cfg: dict, notes: list[str]) -> OptimizerSettings | None:
 
 
 def _name(value: Any, key: str) -> str:
-    _reject_auto(value, key)
+    reject_auto(value, key)
     if not isinstance(value, str):
         raise ConfigError(f"'{key}' must be a name, got {value!r}")
     return value
 
 
-def _precision_blocks(cfg: dict) -> tuple[dict, dict]:
+def precision_blocks(cfg: dict) -> tuple[dict, dict]:
     """The fp16 and bf16 blocks' values after DeepSpeed's own models (its defaults, its coercions)."""
     fp16 = cfg.get("fp16") or {}
     bf16 = cfg["bf16"] if cfg.get("bf16") is not None else (cfg.get("bfloat16") or {})  # DeepSpeed's order
     for block, where in ((fp16, "fp16"), (bf16, "bf16")):
         if not isinstance(block, dict):
             raise ConfigError(f"'{where}' must be a block like {{\"enabled\": true}}, got {block!r}")
-        _reject_auto(block, where)
-    fp16_model = _ds_model("deepspeed.runtime.precision_config", "DeepSpeedFP16Config", fp16, "fp16")
-    bf16_model = _ds_model("deepspeed.runtime.precision_config", "DeepSpeedBF16Config", bf16, "bf16")
+        reject_auto(block, where)
+    fp16_model = ds_model("deepspeed.runtime.precision_config", "DeepSpeedFP16Config", fp16, "fp16")
+    bf16_model = ds_model("deepspeed.runtime.precision_config", "DeepSpeedBF16Config", bf16, "bf16")
     if fp16_model is not None and bf16_model is not None:
         return ({k: getattr(fp16_model, k) for k in type(fp16_model).model_fields},
                 {k: getattr(bf16_model, k) for k in type(bf16_model).model_fields})
@@ -375,17 +375,17 @@ def _precision_blocks(cfg: dict) -> tuple[dict, dict]:
     defaults = {k: ds_default(f"FP16_{k.upper()}_DEFAULT") for k in
                 ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                  "consecutive_hysteresis", "min_loss_scale")}
-    _check_keys(fp16, set(defaults) | {"fp16_master_weights_and_grads"}, "fp16")
-    _check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
+    check_keys(fp16, set(defaults) | {"fp16_master_weights_and_grads"}, "fp16")
+    check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
     fp16_values = {**defaults, "fp16_master_weights_and_grads": False, **fp16}
     for k in ("enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"):
-        _bool(fp16_values[k], f"fp16.{k}")
-    return fp16_values, {"enabled": _bool(bf16.get("enabled", False), "bf16.enabled"), **bf16}
+        as_bool(fp16_values[k], f"fp16.{k}")
+    return fp16_values, {"enabled": as_bool(bf16.get("enabled", False), "bf16.enabled"), **bf16}
 
 
 def _precision(cfg: dict, notes: list[str]) -> tuple[str, LossScaler | None, bool]:
     """(compute dtype, fp16 loss scaler, fp16 auto_cast)."""
-    fp16, bf16 = _precision_blocks(cfg)
+    fp16, bf16 = precision_blocks(cfg)
     if fp16["enabled"] and bf16["enabled"]:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one")
     if fp16["auto_cast"] and not fp16["enabled"]:
@@ -400,15 +400,15 @@ def _precision(cfg: dict, notes: list[str]) -> tuple[str, LossScaler | None, boo
         return "fp32", None, False
     if fp16.get("fp16_master_weights_and_grads"):
         notes.append("fp16.fp16_master_weights_and_grads: master weights and gradients stay fp32 on the host")
-    static = _num(fp16["loss_scale"], "fp16.loss_scale", minimum=0.0)
-    hysteresis = _num(fp16["hysteresis"], "fp16.hysteresis", int)
+    static = as_num(fp16["loss_scale"], "fp16.loss_scale", minimum=0.0)
+    hysteresis = as_num(fp16["hysteresis"], "fp16.hysteresis", int)
     if hysteresis < 1:  # DeepSpeed's rule never halves the scale with hysteresis < 1: it would skip forever
         raise ConfigError(f"fp16.hysteresis must be >= 1 (overflows tolerated before the scale halves), got "
                           f"{hysteresis}")
-    power = _num(fp16["initial_scale_power"], "fp16.initial_scale_power", int)
+    power = as_num(fp16["initial_scale_power"], "fp16.initial_scale_power", int)
     scaler = LossScaler(scale=static if static > 0 else 2.0 ** power, dynamic=static == 0,
-                        window=_num(fp16["loss_scale_window"], "fp16.loss_scale_window", int, minimum=1),
-                        min_scale=_num(fp16["min_loss_scale"], "fp16.min_loss_scale", minimum=0.0),
+                        window=as_num(fp16["loss_scale_window"], "fp16.loss_scale_window", int, minimum=1),
+                        min_scale=as_num(fp16["min_loss_scale"], "fp16.min_loss_scale", minimum=0.0),
                         hysteresis=hysteresis, consecutive_hysteresis=bool(fp16["consecutive_hysteresis"]))
     return "fp16", scaler, bool(fp16["auto_cast"])
 
@@ -465,10 +465,10 @@ def _nvme(cfg: dict, block: dict, notes: list[str]):
 def _zero(cfg: dict, notes: list[str]) -> tuple[int, float]:
     block = cfg.get("zero_optimization", {}) or {}
     # DeepSpeed's own config model: unknown keys and bad types are rejected as DeepSpeed rejects them
-    _ds_model("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig", block, "zero_optimization")
-    stage = _num(block.get("stage", 0), "zero_optimization.stage", int)
+    ds_model("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig", block, "zero_optimization")
+    stage = as_num(block.get("stage", 0), "zero_optimization.stage", int)
     ratio = (block.get("offload_optimizer") or {}).get("ratio")  # None: not set (gpu_optimizer_layers decides)
-    ratio = None if ratio is None else _num(ratio, "zero_optimization.offload_optimizer.ratio")
+    ratio = None if ratio is None else as_num(ratio, "zero_optimization.offload_optimizer.ratio")
     if ratio is not None and not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"zero_optimization.offload_optimizer.ratio must be in [0, 1], got {ratio}")
     unused = sorted(set(block) - ZERO_KEYS_USED)
@@ -537,7 +537,7 @@ def _features(cfg: dict, notes: list[str]) -> None:
     notes.extend(f"{k}: {FEATURES_NOT_IMPLEMENTED[k]}" for k in ignored)
     _parallelism(cfg, notes)
     compile_block = cfg.get("compile") or {}
-    model = _ds_model("deepspeed.compile.config", "CompileConfig", compile_block, "compile")
+    model = ds_model("deepspeed.compile.config", "CompileConfig", compile_block, "compile")
     if model is not None:
         changed = [k for k in compile_block if getattr(model, k) != type(model).model_fields[k].default]
         if changed:
@@ -550,11 +550,11 @@ def _features(cfg: dict, notes: list[str]) -> None:
 def _parallelism(cfg: dict, notes: list[str]) -> None:
     """Model / sequence / pipeline parallelism: one process trains the whole model, so sizes > 1 are errors."""
     for key in ("sequence_parallel_size", "data_parallel_size"):
-        if key in cfg and _num(cfg[key], key, int) > 1:
+        if key in cfg and as_num(cfg[key], key, int) > 1:
             raise ConfigError(f"'{key}': {cfg[key]} needs several processes; megatrain_ds trains in one process "
                               "(data/sequence parallelism is not implemented): remove the key")
     autotp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 0)
-    if autotp and _num(autotp, "tensor_parallel.autotp_size", int) > 1:
+    if autotp and as_num(autotp, "tensor_parallel.autotp_size", int) > 1:
         raise ConfigError(f"tensor_parallel.autotp_size={autotp}: tensor parallelism is not implemented; "
                           "megatrain_ds trains the whole model in one process (remove the block)")
     pipeline = cfg.get("pipeline") or {}
@@ -578,7 +578,7 @@ def _steps_per_print(cfg: dict) -> float:
     spp = cfg.get("steps_per_print", ds_default("STEPS_PER_PRINT_DEFAULT"))
     if spp is None or spp in ("inf", math.inf):  # DeepSpeed: None = no progress lines (its 0.19 default)
         return math.inf
-    return _num(spp, "steps_per_print", int, minimum=1)
+    return as_num(spp, "steps_per_print", int, minimum=1)
 
 
 def _compact_moments(cfg: dict, dtype: str, bf16_masters: bool, notes: list[str]) -> bool:
@@ -587,7 +587,7 @@ def _compact_moments(cfg: dict, dtype: str, bf16_masters: bool, notes: list[str]
     ``optimizer.params.fp32_optimizer_states: false`` (DeepSpeedCPUAdam's moments then take the parameters' dtype:
     bf16 beside bf16 masters, fp32 beside fp32 ones)."""
     bf16 = cfg.get("bf16") or {}
-    asked = dtype == "bf16" and _bool(bf16.get("bf16_optimizer_states", False), "bf16.bf16_optimizer_states")
+    asked = dtype == "bf16" and as_bool(bf16.get("bf16_optimizer_states", False), "bf16.bf16_optimizer_states")
     if asked and not bf16_masters:
         raise ConfigError("bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads: true (as "
                           "DeepSpeed requires it): bf16 Adam moments beside bf16 master weights")
@@ -631,22 +631,22 @@ def parse_config(config, world_size: int = 1, *, warn: bool = True) -> TrainConf
     tb, mb, ga = _batch(cfg, world_size)
     sched = cfg.get("scheduler")
     if sched is not None:
-        _check_keys(sched, {"type", "params"}, "scheduler")
+        check_keys(sched, {"type", "params"}, "scheduler")
     mt = dict(cfg.get("megatrain", {}) or {})
-    _check_keys(mt, set(MegatrainSettings.__dataclass_fields__), "megatrain")
-    clip = _num(cfg.get("gradient_clipping", ds_default("GRADIENT_CLIPPING_DEFAULT")), "gradient_clipping")
+    check_keys(mt, set(MegatrainSettings.__dataclass_fields__), "megatrain")
+    clip = as_num(cfg.get("gradient_clipping", ds_default("GRADIENT_CLIPPING_DEFAULT")), "gradient_clipping")
     zero_stage, ratio = _zero(cfg, notes)
     nvme = _nvme(cfg, cfg.get("zero_optimization", {}) or {}, notes)
     dtype, scaler, auto_cast = _precision(cfg, notes)
-    bf16_masters = dtype == "bf16" and _bool((cfg.get("bf16") or {}).get("bf16_master_weights_and_grads", False),
+    bf16_masters = dtype == "bf16" and as_bool((cfg.get("bf16") or {}).get("bf16_master_weights_and_grads", False),
                                              "bf16.bf16_master_weights_and_grads")
     settings = TrainConfig(
         train_batch_size=tb, micro_batch_size=mb, gradient_accumulation_steps=ga, optimizer=_optimizer(cfg, notes),
         scheduler=sched, compute_dtype=dtype, loss_scaler=scaler, fp16_auto_cast=auto_cast,
         gradient_clipping=clip, steps_per_print=_steps_per_print(cfg),
-        wall_clock_breakdown=_bool(cfg.get("wall_clock_breakdown", ds_default("WALL_CLOCK_BREAKDOWN_DEFAULT")),
+        wall_clock_breakdown=as_bool(cfg.get("wall_clock_breakdown", ds_default("WALL_CLOCK_BREAKDOWN_DEFAULT")),
                                    "wall_clock_breakdown"),
-        dataloader_drop_last=_bool(cfg.get("dataloader_drop_last", ds_default("DATALOADER_DROP_LAST_DEFAULT")),
+        dataloader_drop_last=as_bool(cfg.get("dataloader_drop_last", ds_default("DATALOADER_DROP_LAST_DEFAULT")),
                                    "dataloader_drop_last"),
         zero_stage=zero_stage, offload_optimizer_ratio=ratio, nvme=nvme, bf16_masters=bf16_masters,
         bf16_moments=_compact_moments(cfg, dtype, bf16_masters, notes), megatrain=MegatrainSettings(**mt),

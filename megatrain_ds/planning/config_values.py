@@ -1,4 +1,4 @@
-"""The value checks of config parsing: DeepSpeed's defaults (``ds_default``), its pydantic models (``_ds_model``),
+"""The value checks of config parsing: DeepSpeed's defaults (``ds_default``), its pydantic models (``ds_model``),
 and the key, number and bool checks every block of config.py goes through, each error naming its key."""
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ def ds_default(name: str):
     return getattr(constants, name, _FALLBACK_DEFAULTS[name])
 
 
-def _check_keys(block: dict, allowed: set[str], where: str) -> None:
+def check_keys(block: dict, allowed: set[str], where: str) -> None:
     for key in block:
         if key not in allowed:
             raise ConfigError(f"unknown key '{where}.{key}' (allowed: {', '.join(sorted(allowed))})")
 
 
-def _ds_model(module: str, name: str, block: dict, where: str):
+def ds_model(module: str, name: str, block: dict, where: str):
     """``block`` validated (and coerced) by DeepSpeed's own pydantic model ``module.name``; None when the installed
     DeepSpeed has no such model (the caller then checks what it needs itself)."""
     try:
@@ -47,18 +47,18 @@ def _ds_model(module: str, name: str, block: dict, where: str):
         raise ConfigError(f"{where}.{key}: {why}" if key else f"{where}: {why}") from None
 
 
-def _reject_auto(value: Any, key: str) -> None:
+def reject_auto(value: Any, key: str) -> None:
     if value == "auto":
         raise ConfigError(f"'{key}' is \"auto\": resolve it before initialize() (accelerate and the HF "
                           "Trainer fill it in; a plain script must give a value)")
     if isinstance(value, dict):
         for k, v in value.items():
-            _reject_auto(v, f"{key}.{k}")
+            reject_auto(v, f"{key}.{k}")
 
 
-def _num(value: Any, key: str, cast=float, minimum: float | None = None):
+def as_num(value: Any, key: str, cast=float, minimum: float | None = None):
     """A number (bools are not numbers); ``cast=int`` also rejects fractions (``2.5`` micro-batches)."""
-    _reject_auto(value, key)
+    reject_auto(value, key)
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -74,9 +74,9 @@ def _num(value: Any, key: str, cast=float, minimum: float | None = None):
     return number
 
 
-def _bool(value: Any, key: str) -> bool:
+def as_bool(value: Any, key: str) -> bool:
     """true/false only: ``bool("false")`` is True, so a string here would silently flip the setting."""
-    _reject_auto(value, key)
+    reject_auto(value, key)
     if not isinstance(value, bool):
         raise ConfigError(f"'{key}' must be true or false, got {value!r}")
     return value

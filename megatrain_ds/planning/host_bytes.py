@@ -16,7 +16,7 @@ import torch
 
 from .config import ConfigError, TrainConfig
 from ..model.model_map import LayerLayout
-from .plan_gpu import _size
+from .plan_gpu import dtype_size
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -143,23 +143,23 @@ def layer_store_bytes(layouts: list[LayerLayout], owned: list[bool], wire: str, 
     moments = sum(lay.n_train for i, (lay, mine) in enumerate(zip(layouts, owned)) if mine and i not in disk)
     wire_is_master = wire == master  # the master is the wire copy: whole layers, one copy
     ram_train = moments if disk_masters else train  # an NVMe layer's master is on disk too
-    parts = {f"{master} master": _size(master) * (full if wire_is_master else ram_train),  # else trainable only
-             "exp_avg + exp_avg_sq": 2 * _size(moments_dtype) * moments,
-             f"{wire} wire copy": 0 if wire_is_master else _size(wire) * full,
-             f"{grad} gradients": 0 if hold else _size(grad) * train}
+    parts = {f"{master} master": dtype_size(master) * (full if wire_is_master else ram_train),  # else trainable only
+             "exp_avg + exp_avg_sq": 2 * dtype_size(moments_dtype) * moments,
+             f"{wire} wire copy": 0 if wire_is_master else dtype_size(wire) * full,
+             f"{grad} gradients": 0 if hold else dtype_size(grad) * train}
     if hold:
         max_train = max((lay.n_train for lay, mine in zip(layouts, owned) if mine), default=0)
-        parts[f"{grad} gradient slabs (gradients held on the GPU)"] = 3 * max_train * _size(grad)
+        parts[f"{grad} gradient slabs (gradients held on the GPU)"] = 3 * max_train * dtype_size(grad)
     if ga > 1:  # landing ring: 4 slabs of the largest layer (wire dtype) + an fp32 scratch (fixed_nbytes)
         max_train = max((lay.n_train for lay, mine in zip(layouts, owned) if mine), default=0)
-        parts["landing ring (GA > 1)"] = 4 * max_train * _size(wire) + 4 * max_train
+        parts["landing ring (GA > 1)"] = 4 * max_train * dtype_size(wire) + 4 * max_train
     on_disk = [lay.n_train for i, (lay, mine) in enumerate(zip(layouts, owned)) if mine and i in disk and lay.n_train]
     parts["NVMe staging buffers"] = staging_count * max((nvme_layer_bytes(n, disk_masters) for n in on_disk),
                                                         default=0)
     return parts
 
 
-def _resident_items(resident) -> list[tuple[int, bool]]:
+def resident_items(resident) -> list[tuple[int, bool]]:
     """(elements, trainable) per resident parameter: tensors (trainable = requires_grad), ints (trainable) or
     pairs."""
     out = []
@@ -179,7 +179,7 @@ def resident_host_bytes(resident: list[tuple[int, bool]], compute: str, device_t
     exp_avg, exp_avg_sq, grad (16) + compute-dtype wire and landing copies (pinned in mappings of their own: no 2^k
     rounding), on the host unless the state is on the device; frozen: their one compute-dtype copy is on the device
     (host memory only when the device is the CPU)."""
-    c, exact = _size(compute), 0
+    c, exact = dtype_size(compute), 0
     for n, trainable in resident:
         if not trainable:
             exact += c * n if device_type == "cpu" else 0

@@ -31,7 +31,7 @@ from .host_bytes import (HOST_RESERVE_FRACTION, NVME_ALIGN, NVME_BUFFER_COUNT, G
                          staging_buffers)
 from ..model.loss import fused_loss_parts
 from ..model.model_map import build_layout, find_block_list, shared_parameter_ids
-from .plan_gpu import _DTYPES, ActivationModel, _liger_installed, _meta_twin, _size  # noqa: F401 (re-exported)
+from .plan_gpu import DTYPES, ActivationModel, liger_installed, meta_twin, dtype_size  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------------------------------------------ MODEL and the config
@@ -118,7 +118,7 @@ def _loss_kind(model: nn.Module, config: TrainConfig, gpu: bool) -> tuple[str, t
         not getattr(getattr(base, "config", None), "output_router_logits", False)
     if not fused:
         return "model's own", (head, embedding)
-    if gpu and config.megatrain.use_liger and _liger_installed():
+    if gpu and config.megatrain.use_liger and liger_installed():
         return "liger", (head, embedding)
     return "torch", (head, embedding)
 
@@ -126,7 +126,7 @@ def _loss_kind(model: nn.Module, config: TrainConfig, gpu: bool) -> tuple[str, t
 def _liger_kernels_apply(model: nn.Module, config: TrainConfig, gpu: bool) -> bool:
     """engine_build.apply_liger_kernels' decision, on this machine."""
     setting = liger_setting(config)  # the resolver's rule ("auto" in fp32 compute: off)
-    if not gpu or setting is False or not _liger_installed():
+    if not gpu or setting is False or not liger_installed():
         return False
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
@@ -158,7 +158,7 @@ def plan_model(model: nn.Module, config: TrainConfig, *, seq: int | None = None,
     if seq:
         loss, parts = _loss_kind(model, config, gpu)
         liger = _liger_kernels_apply(model, config, gpu)
-        twin = _meta_twin(model)
+        twin = meta_twin(model)
         twin_parts = None
         if parts is not None:  # the same modules in the twin, by name
             names = {id(m): n for n, m in model.named_modules()}

@@ -5,9 +5,9 @@
 
 This module owns the command line of the planner (``megatrain-ds plan``, cli.py's subcommand, and
 ``python -m megatrain_ds.planning.plan_cli``): its arguments, MODEL (a shape name of shapes.py, a folder or file
-with config.json, a hub id in the local cache) built on the meta device and the DeepSpeed config parsed as ``initialize`` parses it (plan.py's
-``load_model_config``, ``meta_model``, ``load_train_config``), and ``plan.plan_model``'s prediction printed as a table
-or JSON. docs/plan.md.
+with config.json, a hub id in the local cache) built on the meta device and the DeepSpeed config parsed as
+``initialize`` parses it (plan.py's ``load_model_config``, ``meta_model``, ``load_train_config``), and
+``plan.plan_model``'s prediction printed as a table or JSON. docs/plan.md.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 from .config import ConfigError
 from ..model.model_map import UnsupportedModelError
 from .plan import GiB, Prediction, load_model_config, load_train_config, meta_model, plan_model
-from .plan_gpu import _DTYPES
+from .plan_gpu import DTYPES
 
 
 def default_ds_config(micro_batch: int, dtype: str) -> dict:
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-step", type=int, default=None,
                         help="without --config: tokens per optimizer step over every GPU (default 16384)")
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="without --config (default bf16)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="without --config (default bf16)")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs on this host (default 1)")
     parser.add_argument("--nodes", type=int, default=1, help="hosts of --gpus GPUs each (default 1): the plan is one "
                                                              "host's")

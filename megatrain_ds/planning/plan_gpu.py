@@ -24,10 +24,10 @@ from torch import nn
 from ..model.model_map import LayerLayout
 
 MiB = 2 ** 20
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _size(name: str) -> int:
+def dtype_size(name: str) -> int:
     return 4 if name == "fp32" else 2
 
 
@@ -184,7 +184,7 @@ def _meta_kernels(flash: bool):
                         scale=scale, enable_gqa=enable_gqa)
 
     rope_module = None
-    if _liger_installed():
+    if liger_installed():
         try:
             import liger_kernel.transformers.rope as rope_module
         except Exception:
@@ -263,7 +263,7 @@ def _as_engine_runs_it(layer: nn.Module, liger: bool, tiled_mlp) -> nn.Module:
     return template
 
 
-def _meta_twin(model: nn.Module) -> nn.Module:
+def meta_twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` on the meta device (weights are never copied: each parameter is pre-seeded in the memo
     with a meta tensor, as model_map.make_template does); the same parameter order, the same ties."""
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
@@ -418,14 +418,14 @@ def liger_loss_bytes(tokens: int, hidden: int, vocab: int, c: int, head_trainabl
     return forward, saved, backward
 
 
-def _liger_installed() -> bool:
+def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
 class ActivationModel:
     """The step's device working set as a function of the micro-batch, for one model at one sequence length.
 
-    ``model``: a copy on the meta device (``_meta_twin``), which this changes (dtype, liger's forwards). The streamed
+    ``model``: a copy on the meta device (``meta_twin``), which this changes (dtype, liger's forwards). The streamed
     layers' call arguments are captured from a meta forward, and each distinct layer (type + layout) is measured as
     the executor runs it. Every tensor has the batch as a dimension or none, so the live total at each moment of a
     layer call is linear in the micro-batch (within one tiling regime: tiling.py's chunk count): the timelines at the
@@ -439,8 +439,8 @@ class ActivationModel:
                  *, gpu: bool, liger_kernels: bool, loss: str, fused_parts, trainable_ids: set[int],
                  tiled_mlp=False) -> None:
         self.seq, self.compute = seq, compute
-        self.dtype = _DTYPES[compute]
-        self.c = _size(compute)
+        self.dtype = DTYPES[compute]
+        self.c = dtype_size(compute)
         self.gpu, self.liger_kernels, self.loss, self.tiled_mlp = gpu, liger_kernels, loss, tiled_mlp
         self.layouts = layouts
         meta = model.to(self.dtype).train()  # the engine trains the model in train mode
@@ -479,14 +479,14 @@ class ActivationModel:
         """How tiling.py splits group ``g``'s calls at micro-batch ``b``: each tiled module's (rows per chunk, chunks)
         (None: whole). Within one regime every live total is linear in the micro-batch (the last chunk grows)."""
         try:
-            from ..model.tiling import _TiledForward, chunk_rows
+            from ..model.tiling import TiledForward, chunk_rows
         except ImportError:
             return ()
         rows = b * self.hidden_numel // self.hidden_size
         out = []
         for module in self.templates[g].modules():
             tf = module.__dict__.get("forward")
-            if isinstance(tf, _TiledForward):
+            if isinstance(tf, TiledForward):
                 row_bytes = self.hidden_size * 4 if tf.kind == "norm" else (tf.width or self.hidden_size) * self.c
                 chunk = chunk_rows(tf.setting, rows, row_bytes)
                 out.append(None if chunk is None else (chunk, -(-rows // chunk)))

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from ..host.host_memory import _release_all, host_buffer
+from ..host.host_memory import release_all, host_buffer
 
 
 class HostActivations:
@@ -39,7 +39,7 @@ class HostActivations:
         self.pool: list[tuple[tuple, object]] = []
         self.regions: list = []  # the buffers' mappings (unpinned when the engine goes)
         self.nbytes = 0  # host bytes of the buffers held (in use or pooled)
-        weakref.finalize(self, _release_all, self.regions)
+        weakref.finalize(self, release_all, self.regions)
 
     def _take(self, nbytes: int) -> tuple[tuple, object]:
         """A buffer of at least ``nbytes`` and the event its next write must wait for (None: none)."""

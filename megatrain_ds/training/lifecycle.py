@@ -99,14 +99,14 @@ def _close_live_tiers() -> None:
 def refuse_a_model_in_use(model: nn.Module) -> None:
     """A second initialize() on a model an engine streams (its layers route into that engine, their weights live in
     its host buffers), or streamed until destroy(): say so, and what to do, instead of failing to find its layers."""
-    from ..api.zero import _Z3_VIEW  # (zero.py imports nothing of this module)
+    from ..api.zero import Z3_VIEW  # (zero.py imports nothing of this module)
     if any(getattr(m.__dict__.get("forward"), "_megatrain_executor", False) for m in model.modules()):
         raise RuntimeError(
             f"initialize(): this {type(model).__name__} is already trained by a megatrain_ds engine (its layers' "
             "weights live in that engine's host memory). For evaluation use that engine itself (engine.eval() under "
             "torch.no_grad(), or engine.module.generate); for a second engine, build it from another instance of the "
             "model (from_pretrained again, or a copy.deepcopy made before the first initialize)")
-    if any(getattr(p, "_z3_optimizer", None) is _Z3_VIEW for p in model.parameters()):
+    if any(getattr(p, "_z3_optimizer", None) is Z3_VIEW for p in model.parameters()):
         raise RuntimeError(
             f"initialize(): this {type(model).__name__} was trained by a megatrain_ds engine that was destroyed: its "
             "parameters hold no weights (they lived in that engine's host memory). Build the new engine from a "
