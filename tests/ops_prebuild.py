@@ -23,8 +23,12 @@ STALE_S = 15 * 60
 OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
 
 
-def _extensions_root() -> Path:
-    from torch.utils.cpp_extension import _get_build_directory  # the folder torch builds every JIT op under
+def _extensions_root() -> Path | None:
+    """The folder torch builds every JIT op under (None if this torch no longer has the private helper)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return None
     return Path(_get_build_directory("x", verbose=False)).parent
 
 
@@ -33,7 +37,7 @@ def clear_stale_locks(now: float | None = None) -> list[Path]:
     now = time.time() if now is None else now
     removed = []
     root = _extensions_root()
-    for lock in root.glob("*/lock") if root.is_dir() else ():
+    for lock in root.glob("*/lock") if root is not None and root.is_dir() else ():
         try:
             if now - lock.stat().st_mtime > STALE_S:
                 lock.unlink()
@@ -55,7 +59,11 @@ def prebuild(log=sys.stderr) -> dict[str, str]:
             outcomes[name] = "not compatible here (skipped, as DeepSpeed skips it)"
             continue
         t = time.time()
-        builder.load(verbose=False)
+        try:
+            builder.load(verbose=False)
+        except Exception as exc:  # the tests that load it fail with this error themselves; the rest still run
+            outcomes[name] = f"FAILED to build ({type(exc).__name__}: {str(exc)[:300]})"
+            continue
         outcomes[name] = f"ready ({time.time() - t:.1f} s)"
     print("[tests/ops_prebuild.py] DeepSpeed ops: " + ", ".join(f"{k} {v}" for k, v in outcomes.items()),
           file=log, flush=True)
