@@ -40,6 +40,11 @@ class _Alias(importlib.abc.Loader):
         self.spec = module.__spec__
         return module
 
+    def get_code(self, fullname):
+        """``python -m megatrain_ds.<old name>`` (runpy asks the loader for the code): its relative imports would
+        resolve against the old package, so the command names the module's own path instead."""
+        raise ImportError(f"{fullname} moved to {self.target}: run python -m {self.target}")
+
     def exec_module(self, module) -> None:
         # already executed under its own name; the import system has just set ``__spec__`` to the alias's spec:
         # the module keeps its own (its relative imports, reload and pickling go by where it lives)

@@ -571,6 +571,11 @@ def test_the_flat_layout_names_are_attributes_of_the_package_too():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    # as a command (python -m <the old name>), it says where the module is now
+    out = subprocess.run([sys.executable, "-m", "megatrain_ds.plan_cli", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0 and "run python -m megatrain_ds.planning.plan_cli" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
 
 
 def _private_imports(package_dir: str) -> list[str]:
