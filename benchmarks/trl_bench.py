@@ -191,7 +191,7 @@ def table(outdir: str, phase: str, tokens_per_step: int | None = None) -> str:
         med[system] = m
         tps = f"{tokens_per_step / m:,.0f}" if (m and tokens_per_step) else "–"
         last = d["records"][-1] if d["records"] else {}
-        fmt = lambda v, f="{:.2f}": "–" if v is None else f.format(v)  # noqa: E731
+        fmt = lambda v, f="{:.2f}": "–" if v is None else f.format(float(v))  # noqa: E731  (the Trainer logs strings)
         rows.append(f"| {system} | {d['rc']} | {d['steps_logged']} | {fmt(m, '{:.3f}')} | {tps} | "
                     f"{fmt(d['train_runtime'])} | {fmt(d['save_s'], '{:.1f}')} | {d['peak_host_rss_gb']:.1f} | "
                     f"{last.get('loss', '–')} |")
