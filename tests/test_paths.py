@@ -296,6 +296,39 @@ def test_parameter_shared_across_layers_and_batchnorm_statistics():
     assert [int(b.norm.num_batches_tracked) for b in model.blocks] == [STEPS] * 3
 
 
+class _TiedInsideBlock(nn.Module):
+    """A block whose two projections are one Parameter under two names (tied inside the layer, shared with no
+    other layer): only functional_call's tie search binds the second name."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, width), nn.Linear(width, width, bias=False)
+        self.down.weight = self.up.weight
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _TiedInsideLM(PlainLM):
+    def __init__(self, vocab=32, width=32, depth=3):
+        super().__init__(vocab, width, depth)
+        self.blocks = nn.ModuleList(_TiedInsideBlock(width) for _ in range(depth))
+
+
+def test_parameter_tied_inside_a_layer_and_the_tie_search_only_where_needed():
+    """A weight registered twice inside one layer trains as in PyTorch (its gradient sums both uses): the executor
+    keeps functional_call's tie search for that template. A decoder layer has no such tie, so its calls skip the
+    search (a decode step's Python time): the flag is per template (model_map.has_tied_tensors)."""
+    def loss_fn(m, ids):
+        logits = m(ids)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 32), ids.to(logits.device)[:, 1:].reshape(-1))
+
+    engine = _compare(_TiedInsideLM(), loss_fn, _batches(vocab=32))
+    assert engine.executor.tie_weights == [True]
+    hf, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=_config())
+    assert hf.executor.tie_weights == [False]
+
+
 def test_fused_loss_logits_say_why_they_are_missing():
     """labels= on a causal LM: the loss is the model's, the logits were never formed, and using them raises an
     error that says so and how to get them (config fused_loss=false gives the model's own logits)."""

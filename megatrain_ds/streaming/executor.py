@@ -36,7 +36,7 @@ from .landing import GradientLanding, LandingListener
 from ..model.recompute_check import RecomputeCheck
 from ..model.replay import autocast_as, autocast_state, get_rng_state, replay_rng
 from .schedule import LayerSchedule
-from ..model.model_map import LayerLayout, make_template, per_layer_attributes
+from ..model.model_map import LayerLayout, has_tied_tensors, make_template, per_layer_attributes
 from .timing import StepTimer
 from .timing import layer_range as _range  # a profiler range naming the phase and layer
 
@@ -52,6 +52,7 @@ class Slot:
     ready: object = None  # recorded on h2d after the copy into buf
     free: object = None  # recorded on compute after the last kernel reading buf
     last_use: int = 0
+    views: tuple | None = None  # (layer, {name: view of buf}): _bind's views, built once per layer held
 
 
 @dataclass(slots=True, eq=False)  # identity: a call is a key of the saved-activation maps
@@ -99,6 +100,8 @@ class StreamedLayers(GradientLanding):
                 by_signature[key] = len(self.templates)
                 self.templates.append(make_template(layer, device))
             self.template_of.append(by_signature[key])
+        # functional_call's tie search only where a template shares a tensor between two names (model_map.py)
+        self.tie_weights = [has_tied_tensors(t) for t in self.templates]
         self.layers = list(layers)  # the model's own modules: their train/eval flag drives the templates
         self.overlays: list[list] = [[] for _ in layers]  # per-layer scalar attributes set on the template
         for t, template in enumerate(self.templates):
@@ -277,10 +280,15 @@ class StreamedLayers(GradientLanding):
         layer's buffers (``buffers`` overrides some: the recompute's pre-forward copies)."""
         layout = self.layouts[i]
         buf = slot.buf
-        train = trainable_leaf if trainable_leaf is not None else buf[:layout.n_train]
-        frozen = buf[layout.n_train:layout.numel]
-        params = {s.name: (train if s.trainable else frozen)[s.offset:s.offset + s.numel].view(s.shape)
-                  for s in layout.slots}
+        if trainable_leaf is None and slot.views is not None and slot.views[0] == i:
+            params = dict(slot.views[1])  # the same views of the same buffer (a decode step calls each layer once
+        else:  # per token: built once per layer held, not per call)
+            train = trainable_leaf if trainable_leaf is not None else buf[:layout.n_train]
+            frozen = buf[layout.n_train:layout.numel]
+            params = {s.name: (train if s.trainable else frozen)[s.offset:s.offset + s.numel].view(s.shape)
+                      for s in layout.slots}
+            if trainable_leaf is None:
+                slot.views = (i, dict(params))
         params.update(shared if shared is not None else self.shared[i])
         params.update(self.buffers[i])
         if buffers:
@@ -326,7 +334,8 @@ class StreamedLayers(GradientLanding):
             call.buffers = {n: self.buffers[i][n].clone() for n in names}
             versions = {n: b._version for n, b in self.buffers[i].items()}
         with self.timer.span("compute", self.streams.compute()), _range("fwd", i):
-            out = functional_call(template, self._bind(i, slot, None), (hidden, *call.args), call.kwargs)
+            out = functional_call(template, self._bind(i, slot, None), (hidden, *call.args), call.kwargs,
+                                  tie_weights=self.tie_weights[self.template_of[i]])
         if training and self.buffers[i] and self.mutated[i] is None:  # learnt once per layer, from the values:
             # kernels that update running statistics in place (batch_norm) do not bump the version counter
             self.mutated[i] = {n for n, b in self.buffers[i].items()
@@ -383,7 +392,11 @@ class StreamedLayers(GradientLanding):
         that require grad, the input."""
         n_train = self.layouts[i].n_train
         train_leaf = slot.buf[:n_train].detach().requires_grad_(True) if n_train else None
-        shared = {n: p.detach().requires_grad_(True) for n, p in self.shared[i].items() if p.requires_grad}
+        leaves: dict[int, torch.Tensor] = {}  # one leaf per parameter: a name tied to another gets the same leaf
+        for p in self.shared[i].values():  # (functional_call's tie search then binds both; the grad sums both uses)
+            if p.requires_grad and id(p) not in leaves:
+                leaves[id(p)] = p.detach().requires_grad_(True)
+        shared = {n: leaves[id(p)] for n, p in self.shared[i].items() if p.requires_grad}
         x = hidden.detach().requires_grad_(hidden.is_floating_point())
         return train_leaf, shared, x
 
@@ -397,7 +410,8 @@ class StreamedLayers(GradientLanding):
         bind = self._bind(i, slot, train_leaf, call.buffers, {**self.shared[i], **shared})
         with replay_rng(call.rng_state, self.device), _fresh_collector(call.capture_keys) as collector, \
                 autocast_as(call.autocast, self.device):
-            out = functional_call(template, bind, (x, *call.args), call.kwargs)
+            out = functional_call(template, bind, (x, *call.args), call.kwargs,
+                                  tie_weights=self.tie_weights[self.template_of[i]])
         outputs = _function_outputs(call, out, collector, recompute=True)
         self.check.compare(call, outputs)  # queued on the compute stream; read at the step (no sync here)
         if self.device.type == "cuda":  # what keeping this layer's graph would cost (sizes "auto")
@@ -412,7 +426,7 @@ class StreamedLayers(GradientLanding):
         with torch.enable_grad(), self.timer.span("compute", self.streams.compute()), _range("fwd", i):
             train_leaf, shared, x = self._leaves(i, slot, hidden)
             out = functional_call(template, self._bind(i, slot, train_leaf, None, {**self.shared[i], **shared}),
-                                  (x, *call.args), call.kwargs)
+                                  (x, *call.args), call.kwargs, tie_weights=self.tie_weights[self.template_of[i]])
         call.graph = (None, train_leaf, shared, x)  # the outputs: set by the Function (they include captured ones)
         self._release(slot)
         self._log("fwd", i, slot)
