@@ -17,6 +17,7 @@ import copy
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -33,6 +34,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5, help="generates per way and round; the median is printed")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -58,14 +60,18 @@ def main() -> None:
 
     def timed(way, fn):
         loads = {d: sum(v) for d, v in ex.h2d_loads.items()}
-        sync()
-        t = time.perf_counter()
-        out = fn()
-        sync()
-        dt = time.perf_counter() - t
+        times = []
+        for _ in range(args.repeat):  # one generate is too noisy to compare (2026-11-28: ±25% between rounds)
+            sync()
+            t = time.perf_counter()
+            out = fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        dt = statistics.median(times)
         moved = {d: sum(v) - loads[d] for d, v in ex.h2d_loads.items()}
-        print(f"  {way:<22} {dt:7.3f} s  {dt / args.new / n_layers * 1e6:7.0f} us/layer call  "
-              f"H2D layer loads {moved}  {ex.inference.describe()}", flush=True)
+        print(f"  {way:<22} {dt:7.3f} s (median of {args.repeat}: {min(times):.3f}-{max(times):.3f})  "
+              f"{dt / args.new / n_layers * 1e6:7.0f} us/layer call  H2D layer loads {moved}  "
+              f"{ex.inference.describe()}", flush=True)
         return out, dt
 
     prompt = torch.randint(0, vocab, (args.batch, args.prompt), generator=g)
