@@ -66,8 +66,9 @@ class ParamHome:
     def __init__(self, engine, layer: int | None, name: str | None, resident_index: int | None) -> None:
         self.engine, self.layer, self.name, self.resident_index = engine, layer, name, resident_index
 
-    def read(self) -> torch.Tensor:
-        return self.engine._read_master(self)
+    def read(self, settled: bool = False) -> torch.Tensor:
+        """The fp32 master as a copy. ``settled``: the caller ran ``engine._settle_reads`` over these homes."""
+        return self.engine._read_master(self, settled)
 
     def write(self, value: torch.Tensor) -> None:
         self.engine._write_master(self, value)
@@ -236,10 +237,12 @@ class GatheredParameters:
         for engine in engines.values():  # the device copies a forward in the block computes on hold the last step
             if any(p._megatrain_home.layer is None and p._megatrain_home.engine is engine for p in self.params):
                 engine.resident.upload()  # (before p.data is swapped: it writes into the device copies)
+        for engine in engines.values():  # one wait, and each GPU-held layer's master to the host once
+            engine._settle_reads([p._megatrain_home for p in self.params if p._megatrain_home.engine is engine])
         for p in self.params:
             self._saved.append((p, p.data, p.ds_status))
             with _watch(p, "gathering"):
-                p.data = p._megatrain_home.read()
+                p.data = p._megatrain_home.read(settled=True)
             p.ds_status = _status_enum().AVAILABLE
         for engine in engines.values():  # a forward in the block runs on the device copies, not on the host copies
             resident = [p for p in self.params

@@ -113,6 +113,13 @@ class LayerStates:
         if self.on_gpu(i):
             self.store.master_of(i).copy_(self.device_state.master_of(i))
 
+    def refresh_host_masters(self, layers) -> None:
+        """The GPU-held ones among ``layers``: their host masters from the device, each once (a whole-model gather
+        then reads every parameter with ``param_master``; refreshed per parameter, a 1.5B model's gather moved its
+        layers D2H a dozen times over)."""
+        for i in layers:
+            self._refresh_host(i)
+
     def master(self, i: int) -> torch.Tensor:
         """Layer i's master (its trainable region when compact) on the host: a view (RAM) or a copy (NVMe). A GPU-held
         layer's is as of the last ``sync_to_host``."""
