@@ -22,6 +22,7 @@ from torch import nn
 
 from .checkpoints.adapters import save_adapter
 from .checkpoints.checkpoint import load_checkpoint, save_checkpoint
+from .checkpoints.step_counters import StepCounters, counter_view
 from .planning.config import TrainConfig
 from .parallel.dp import DataParallel
 from .training.engine_auto import AutoPlacer
@@ -132,11 +133,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.timer.counters = step_counters(self.optimizer, self.store)
         self._implicit_final: bool | None = None  # a loss.backward() is open: its ``final`` ([Note: loss.backward()])
         self.executor.open_implicit_backward = self._open_implicit_backward
-        self.micro_steps = 0
-        self.window_micro_steps = 0  # micro-steps of the current accumulation window (its partial gradient)
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0  # steps skipped on non-finite gradients (every precision; fp16 overflow)
+        self.counters = StepCounters()  # global_steps, micro_steps, ...: one value (checkpoints/step_counters.py)
         self._boundary_override: bool | None = None
         self._last_norm = None
         # DeepSpeed's monitors (tensorboard / wandb / csv_monitor / comet blocks), when one is enabled
@@ -297,6 +294,13 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.executor.mark_backward_done()
 
     # ------------------------------------------------------------------ step
+    # DeepSpeed's counter names, as scripts read (and set) them: views of ``self.counters``
+    micro_steps = counter_view("micro_steps")
+    window_micro_steps = counter_view("window_micro_steps")
+    global_steps = counter_view("global_steps")
+    global_samples = counter_view("global_samples")
+    skipped_steps = counter_view("skipped_steps")
+
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: queue clip + AdamW (host) and advance counters and scheduler.
 
@@ -312,7 +316,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
 
     def _step(self, lr_kwargs, deferred) -> None:
         boundary = self.is_gradient_accumulation_boundary()
-        self.window_micro_steps = 0 if boundary else self.window_micro_steps + 1
+        self.counters.after_micro_step(boundary)
         if boundary:
             deferred.hold()  # from here the step completes before a Ctrl-C is raised (see step())
             skipped = False
@@ -331,15 +335,12 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                     raise self.optimizer.step_error
                 skipped = self.optimizer.last_step_skipped
                 if skipped:  # masters, moments and Adam's step count are untouched (optimizer._norm_task)
-                    self.skipped_steps += 1
                     log(self.optimizer.skip_message, ranks=ALL_RANKS)
                     if self.config_settings.loss_scaler is None:  # not fp16's routine overflow: say whose
                         self._log_nonfinite_gradients()
             else:
                 self.executor.reset_window()
-            self.global_steps += 1
-            previous_samples = self.global_samples
-            self.global_samples += self.config_settings.train_batch_size
+            previous_samples = self.counters.optimizer_step(self.config_settings.train_batch_size, skipped)
             if self.lr_scheduler is not None and not skipped:  # DeepSpeed does not advance it on overflow
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.timer.end_step()
@@ -354,7 +355,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 if self.config_settings.wall_clock_breakdown:
                     log(f"step {self.global_steps}: {self.timer.format(self.timer.last)}", ranks=ALL_RANKS)
         self._end_step_surface(self.is_gradient_accumulation_boundary())  # tput_timer.stop, was_step_applied
-        self.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
+        self.counters.micro_steps += 1  # a set_gradient_accumulation_boundary() override stays until set again (as DS)
 
     def _log_nonfinite_gradients(self) -> None:
         layers, resident = self.optimizer.nonfinite_gradients

@@ -72,6 +72,7 @@ from .checkpoint_folder import RECOVERY_SCRIPTS, clean_stale  # noqa: F401 (re-e
 from .checkpoint_folder import checkpoint_path_of, commit_folder, fsync_dir, prepare_folder, CheckpointWorld
 from .checkpoint_partition import PartitionParam, partition_plan, RankState
 from .checkpoint_stream import StreamedFile, write_files
+from .step_counters import StepCounters
 
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
 _RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "window_micro_steps", "skipped_steps",
@@ -219,10 +220,8 @@ def _rank_files(engine, world: CheckpointWorld, client_state, exclude_frozen: bo
         "frozen_param_shapes": None if exclude_frozen else {p.name: p.shape for p in frozen},
         "frozen_param_fragments": None if exclude_frozen else state.fragments,
         "shared_params": _shared_params(engine.module),
-        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-        # a save inside an accumulation window: its partial gradient is not saved, the resume restarts it
-        "window_micro_steps": engine.window_micro_steps,
+        # (a save inside an accumulation window: its partial gradient is not saved, the resume restarts it)
+        **engine.counters.state(),
         "dp_world_size": world.size, "mp_world_size": 1,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": None if scaler is None else {k: getattr(scaler, k) for k in scaler.__slots__},
@@ -395,18 +394,14 @@ def _apply(engine, ckpt: CheckpointFiles, load_optimizer: bool, load_scheduler: 
     if load_scheduler and engine.lr_scheduler is not None and states.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
     settings = engine.config_settings
-    engine.global_steps = states["global_steps"]
-    engine.global_samples = states.get("global_samples", engine.global_steps * settings.train_batch_size)
     # DeepSpeed does not save micro_steps: a checkpoint is taken at an accumulation boundary. One saved inside a window
     # holds none of its partial gradient, so the resumed run restarts that window (as DeepSpeed's does)
+    engine.counters = StepCounters.from_state(states, settings.train_batch_size, settings.gradient_accumulation_steps)
     partial = int(states.get("window_micro_steps", 0) or 0)
-    engine.micro_steps = states.get("micro_steps", engine.global_steps * settings.gradient_accumulation_steps) - partial
-    engine.window_micro_steps = 0
     if partial and world.rank == 0:
         warnings.warn(f"{ckpt.path} was saved after {partial} micro-step(s) of an accumulation window, whose partial "
                       "gradient a checkpoint does not hold: the window restarts at its first micro-step (as "
                       "DeepSpeed's resume does)", stacklevel=3)
-    engine.skipped_steps = states.get("skipped_steps", 0)
     if settings.loss_scaler is not None and ckpt.loss_scaler:
         for key, value in ckpt.loss_scaler.items():
             setattr(settings.loss_scaler, key, value)
