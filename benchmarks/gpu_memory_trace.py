@@ -6,7 +6,7 @@ made them; next to it, what ``megatrain-ds plan`` predicts for the same model an
 
 Prints the predicted and measured peaks and the live bytes at the peak by origin (largest first); writes the
 snapshot (``torch.cuda.memory._snapshot()``, loadable at pytorch.org/memory_viz) and the table as JSON to DIR.
-Defaults: the model of tests/test_plan.py's GPU cases (hidden 2048, 6 layers, micro-batch 8 x 2048 tokens).
+Defaults: the model of tests/unit/test_plan.py's GPU cases (hidden 2048, 6 layers, micro-batch 8 x 2048 tokens).
 """
 from __future__ import annotations
 

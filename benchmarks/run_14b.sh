@@ -90,7 +90,7 @@ case $phase in
          h2h_call 240 hold --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 4 \
              --megatrain-options '{"gradient_hold": "gpu"}'
          h2h_call 240 host --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 4
-         timeout 100 python3 -m pytest -q -m gpu tests/test_grad_hold.py 2>&1 | tail -n 4 | tee -a "$log" ;;
+         timeout 100 python3 -m pytest -q -m gpu tests/engine/test_grad_hold.py 2>&1 | tail -n 4 | tee -a "$log" ;;
   # issue 39 (2026-11-28): the paper's comparison with today's engine, clip 1.0, liger for every system, one lease:
   # paperA = ZeRO-3 (all optimizer state offloaded) and megatrain_ds host-only; paperB = megatrain_ds defaults
   paperA) h2h_call 330 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3

@@ -143,7 +143,7 @@ case $phase in
             --steps 4
         h2h_call 100 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         timeout 200 python3 -m pytest -q -m gpu tests 2>&1 | tail -n 8 | tee -a "$log"
-        timeout 150 python3 -m pytest -q tests/test_deferred_moments.py tests/test_native_update.py tests/test_host_update.py 2>&1 \
+        timeout 150 python3 -m pytest -q tests/engine/test_deferred_moments.py tests/unit/test_native_update.py tests/unit/test_host_update.py 2>&1 \
             | tail -n 8 | tee -a "$log" ;;
   defer26d)  # clipping that never fires: ZeRO-3 and megatrain host-only in the same lease
         h2h_call 240 zero3_clip1e9 --systems zero3 --clip 1e9 --tokens-per-step 16384 --warmup 2 --steps 4

@@ -14,10 +14,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-DRIFT_TESTS = ["tests/test_paths.py", "tests/test_families.py", "tests/test_keep.py",
-               "tests/test_recompute_check.py", "tests/test_versions.py",
-               "tests/test_wayback.py",  # DeepSpeed's checkpoint layout, which the way back writes
-               "tests/test_trl.py"]  # TRL's scripts: its patched forward, its ZeRO-3 generation hooks (skipped: oldest)
+DRIFT_TESTS = ["tests/engine/test_paths.py", "tests/engine/test_families.py", "tests/engine/test_keep.py",
+               "tests/engine/test_recompute_check.py", "tests/unit/test_versions.py",
+               "tests/integration/test_wayback.py",  # DeepSpeed's checkpoint layout, which the way back writes
+               "tests/integration/test_trl.py"]  # TRL's scripts: its patched forward, its ZeRO-3 generation hooks (skipped: oldest)
 
 
 def main(argv: list[str]) -> int:

@@ -38,7 +38,7 @@ Kinds (``--kinds``; cases cycle through ``PATTERN``, so the first four cases are
 
 Isolation: the cases run in a child process that reports one line per case; a case that makes no progress within
 its bound is killed with the child (and counted ``lost``), and a new child goes on with the next case. Every
-subprocess has a timeout: the driver (and tests/test_fault_driver.py) cannot hang.
+subprocess has a timeout: the driver (and tests/integration/test_fault_driver.py) cannot hang.
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
 On this CPU box, a rank of a gloo run (torch 2.13; ours and real DeepSpeed's alike) now and then dies of SIGABRT with
 ``terminate called without an active exception`` *after* its script has finished: its records are written, every
-``atexit`` handler has run, the process groups were destroyed (tests/test_dp.py's exit markers say so), and only
+``atexit`` handler has run, the process groups were destroyed (tests/integration/test_dp.py's exit markers say so), and only
 interpreter finalization was left. A C++ thread object is destroyed while still joinable there. That is not
 training behaviour, so a launch that failed with exactly that line is run again, up to three launches in all (said
 on stdout, so it shows in the test log); any other failure, or that one three times in a row, fails the test as
-before. (Twice in a row was seen once under the two-worker suite, 2026-11-27: tests/test_dp.py's bf16-masters run.)
+before. (Twice in a row was seen once under the two-worker suite, 2026-11-27: tests/integration/test_dp.py's bf16-masters run.)
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What TRL's published scripts need, built offline: a tokenizer with a chat template, tiny random Qwen2 models, local
-datasets in TRL's conversational formats, and a reward function for GRPO/RLOO (tests/test_trl.py runs them).
+datasets in TRL's conversational formats, and a reward function for GRPO/RLOO (tests/integration/test_trl.py runs them).
 
     python -m tests.trl_assets OUT_DIR      # writes OUT_DIR/{tokenizer-based models, data/*}, prints the paths
 

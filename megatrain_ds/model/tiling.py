@@ -47,7 +47,7 @@ as are modules with an active dropout (chunking changes which random numbers a r
 tiled module run once per call, as before; hooks on its submodules (the linears) run once per chunk, and again
 for each chunk in the backward's recompute. Results equal the untiled module's up to the order of the weight
 gradient's sum over rows (and the matmul kernels' choice for a different row count): not bit-exact, within fp32
-rounding (tests/test_tiling.py).
+rounding (tests/unit/test_tiling.py).
 """
 from __future__ import annotations
 

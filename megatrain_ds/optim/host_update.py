@@ -10,7 +10,7 @@ what bounds the update.
 Here the same kernel runs on blocks of ``BLOCK_ELEMENTS`` parameters, and each block's conversions happen right
 before and after it: the fp32 scratch of a block stays in the CPU's caches, so the layer's state crosses DRAM about
 once (gradient in its landing dtype, master, moments, wire copy out). The arithmetic is the same kernel on the same
-values, elementwise, so the result is **bit-identical** to the whole-layer passes (tests/test_host_update.py). Where
+values, elementwise, so the result is **bit-identical** to the whole-layer passes (tests/unit/test_host_update.py). Where
 the state is all fp32 and there is no separate wire copy, the kernel runs once on the whole segment, as before.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def fused_adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, hp:
 #       the same bits), and stores them: 2 + 8 + 8 = 18 B/param.
 #
 # 36 B/param in all instead of 26, but only 18 after the norm: the forward waits for about 70% of the bytes it waited
-# for. The result is bit-identical to the whole update (tests/test_host_update.py, tests/test_deferred_moments.py).
+# for. The result is bit-identical to the whole update (tests/unit/test_host_update.py, tests/engine/test_deferred_moments.py).
 # The gradient must stay as the weights pass read it until the moments pass: the next gradient of layer i is not
 # written before that pass of layer i has run (``LayerSchedule.wait_moments``: the D2H into the gradient home, the
 # landing thread's fold, each waiting for the pass that was due when its landing was queued: ``moments_of``), and
@@ -104,7 +104,7 @@ PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 # and the update moves 14 B/param instead of 22. The arithmetic is fp32: each moment is read as fp32, the update
 # computed as torch's fused kernel computes it (the master from the new moments before they are rounded), and the new
 # moments stored rounded to nearest even. So it equals, bit for bit, torch's fused AdamW on fp32 copies of the moments
-# followed by a copy back (tests/test_compact_moments.py), which is what the torch kernel's blocked path does here.
+# followed by a copy back (tests/engine/test_compact_moments.py), which is what the torch kernel's blocked path does here.
 # The cost is the moments' precision: exp_avg_sq keeps 8 bits of mantissa, so small updates to it round away (beta2
 # 0.999 moves it by 0.1% a step, under bf16's 0.4% resolution): the loss curves against exact fp32 state are in
 # benchmarks/results/2026-11-27_h100_compact_moments/README.md ("Loss"). The resident parameters (embeddings, final norm, LM head) keep fp32 masters and moments, as
@@ -185,7 +185,7 @@ def update_segment(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 # csrc/host_adam.c's tail_update matched on every element: 4 of 37.7 M differed by up to 4 ulp); those few elements are
 # done by torch's kernel itself (``_torch_tail``). So: bit-identical to torch._fused_adamw_/_fused_adam_ on every
 # element (AdamW and Adam-L2, with and without a gradient scale, fp32/bf16/fp16 gradients) under every dispatch;
-# tests/test_host_update.py holds it to torch bit for bit, tests/test_native_update.py to torch AdamW +
+# tests/unit/test_host_update.py holds it to torch bit for bit, tests/unit/test_native_update.py to torch AdamW +
 # clip_grad_norm_ over 20 steps. (The C tail forms remain for ``host_update_bench --tail-forms``.)
 #
 # Built at first use with the machine's C compiler (``cc``, or $CC) for this CPU (-march=native), cached per source

@@ -19,7 +19,7 @@ host AdamW of a 3B step, ~0.8 s, outlasts a backward without recompute). When th
   speculated layer is **rolled back** by the algebraic inverse of AdamW below (in float64 from the fp32
   state and the gradient, which is still in its host buffer), then stepped again with the true coefficient
   (or left as it was, for a skipped step). The rollback is not bit-exact: it recovers m, v and the weight to
-  within a few fp32 ulps (tests/test_speculation.py: 20 steps with rollbacks stay within 1e-5 of PyTorch).
+  within a few fp32 ulps (tests/engine/test_speculation.py: 20 steps with rollbacks stay within 1e-5 of PyTorch).
 - a forward, ``zero_grad()``, a checkpoint or any read of the masters between backward() and step() rolls
   the speculated layers back first, so the model seen there is the pre-step one (as in DeepSpeed).
 
@@ -58,7 +58,7 @@ _CHUNK = 1 << 22  # elements per float64 chunk of a rollback (32 MiB per tempora
 # instead: csrc/host_adam.c's ``megatrain_adam_undo``, the same double arithmetic operation for operation, in one
 # threaded, vectorized pass that also writes the wire copy. It equals ``adamw_undo`` except where torch's vectorized
 # double sqrt (Sleef, 0.5001 ulp; C's is correctly rounded) differs in the last bit and that bit survives the
-# rounding to fp32: under 1 element in 1,000, a few ulp, in near-zero moments (tests/test_host_update.py). Neither is
+# rounding to fp32: under 1 element in 1,000, a few ulp, in near-zero moments (tests/unit/test_host_update.py). Neither is
 # an exact inverse of the step: a rolled-back layer carries the undo's rounding either way.
 
 

@@ -13,7 +13,7 @@ The model of memory
 -------------------
 
 **Host RAM** (persistent; ``host_state_bytes`` equals ``engine.host_memory()["total_bytes"]`` summed over ranks,
-to the byte: tests/test_plan.py, tests/test_dp.py with 2 ranks):
+to the byte: tests/unit/test_plan.py, tests/integration/test_dp.py with 2 ranks):
 
 - ``HostLayerStore`` (host_state.py), for the streamed layers a rank owns (data parallel: layer i on position
   i % N of the host's ranks, dp.py's ``Topology``, so the layers are held once per host): the master (fp32; bf16

@@ -34,7 +34,7 @@ from ..optim.loss_scale import LossScaler
 @dataclass(kw_only=True, slots=True)
 class OptimizerSettings:
     """The ``optimizer`` block. Defaults are those of DeepSpeed's own Adam (``FusedAdam`` / ``DeepSpeedCPUAdam``,
-    what it builds for an ``Adam``/``AdamW`` block; tests/test_faults_config.py checks them against its signatures)."""
+    what it builds for an ``Adam``/``AdamW`` block; tests/engine/test_faults_config.py checks them against its signatures)."""
 
     type: str = "AdamW"  # "Adam" (AdamW unless adam_w_mode is false) or "AdamW"
     lr: float = 1e-3

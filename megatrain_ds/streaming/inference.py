@@ -34,7 +34,7 @@ Data parallel (dp.py): every rank runs the same forwards, so every rank's cache 
 point and the upload is ``_load``'s broadcast from i's owner, once per version instead of once per forward. The
 decision must then agree across ranks: ``"auto"`` does not cache under data parallel (free memory differs per
 rank, and a decision taken inside a forward would need a collective); ``true`` caches on every rank (tested on
-CPU/gloo with 2 ranks in tests/test_generate.py).
+CPU/gloo with 2 ranks in tests/engine/test_generate.py).
 """
 from __future__ import annotations
 

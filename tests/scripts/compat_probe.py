@@ -1,4 +1,4 @@
-"""Probes of the MEGATRAIN_DS switch, each run by tests/test_compat.py in a fresh interpreter (the switch acts
+"""Probes of the MEGATRAIN_DS switch, each run by tests/integration/test_compat.py in a fresh interpreter (the switch acts
 at interpreter start). Prints one JSON line.
 
     python compat_probe.py startup               what the interpreter imported at start; what deepspeed is

@@ -1,4 +1,4 @@
-"""An accelerate training script for data-parallel launches (tests/test_dp_launchers.py).
+"""An accelerate training script for data-parallel launches (tests/integration/test_dp_launchers.py).
 
     MEGATRAIN_DS=1 accelerate launch --config_file examples/accelerate_ds.yaml --num_processes 2 \
         dp_accelerate.py --out DIR

@@ -1,4 +1,4 @@
-"""Checkpoints under data parallel (tests/test_dp_checkpoint.py): train, save, resume, with any number of ranks.
+"""Checkpoints under data parallel (tests/integration/test_dp_checkpoint.py): train, save, resume, with any number of ranks.
 
     torchrun --nproc_per_node 2 dp_ckpt_run.py --out run.json --save CKPT           # 2 ranks: train, save at step 2
     python dp_ckpt_run.py --out run.json --ga 2 --no-train --resume CKPT            # 1 process resumes it

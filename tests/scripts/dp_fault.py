@@ -11,7 +11,7 @@ the points: ``before_forward`` (the script's own code before forward(): a data l
 backward(), before step()), ``forward`` / ``backward`` / ``step`` / ``save`` (inside the call: its first layer
 broadcast, its first gradient reduce, the norm all-reduce, the first checkpoint file written).
 Each rank writes ``DIR/rank<r>.json``: the error it raised (type, message, when), the fault's time on the victim, and
-whether it finished. ``launch_pair`` runs both ranks with a bound. Used by tests/test_collective_timeout.py and
+whether it finished. ``launch_pair`` runs both ranks with a bound. Used by tests/integration/test_collective_timeout.py and
 tests/fault_driver.py.
 """
 import argparse

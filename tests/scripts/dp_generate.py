@@ -1,4 +1,4 @@
-"""Greedy generation with the inference cache under data parallel (tests/test_generate.py): 2 ranks, gloo.
+"""Greedy generation with the inference cache under data parallel (tests/engine/test_generate.py): 2 ranks, gloo.
 
 Every rank generates from the same prompt with ``megatrain.inference_cache: true``: each layer comes from its
 owner's upload by broadcast, once per version (not once per token), and the tokens and logits equal a plain

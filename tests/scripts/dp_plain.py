@@ -1,4 +1,4 @@
-"""A DeepSpeed-style training script for data-parallel launches (tests/test_dp_launchers.py).
+"""A DeepSpeed-style training script for data-parallel launches (tests/integration/test_dp_launchers.py).
 
     torchrun --nproc_per_node 2 dp_plain.py --out DIR                 # import megatrain_ds as deepspeed
     deepspeed --num_gpus 2 dp_plain.py --out DIR                      # the deepspeed launcher (adds --local_rank)

@@ -1,4 +1,4 @@
-"""An HF Trainer script for data-parallel launches (tests/test_dp_launchers.py).
+"""An HF Trainer script for data-parallel launches (tests/integration/test_dp_launchers.py).
 
     MEGATRAIN_DS=1 torchrun --nproc_per_node 2 dp_trainer.py --out DIR
 

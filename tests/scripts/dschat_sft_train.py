@@ -18,7 +18,7 @@ anew in one file. What differs, so that it runs in CI with no network and no tok
   training/DeepSpeed-ZenFlow/finetuning/finetune_llama.py and DeepSpeed-SuperOffload/finetune_zero3.py do, and
   reports ``deepspeed.comm.get_rank()`` as DeepSpeed-Chat's step 2 asks it.
 
-tests/test_surface_scripts.py runs it with the import line changed to ``import megatrain_ds as deepspeed``.
+tests/integration/test_surface_scripts.py runs it with the import line changed to ``import megatrain_ds as deepspeed``.
 """
 import argparse
 import math

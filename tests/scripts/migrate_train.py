@@ -6,7 +6,7 @@
 Run under a one-process world (MASTER_ADDR/PORT, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, CUDA_VISIBLE_DEVICES="").
 The batch of micro step k is seeded by k (4 batches in turn), so a resumed run sees the data the uninterrupted
 run would have seen. ``--save`` saves after ``--steps`` optimizer steps (with a client state) and ``--then``
-keeps training in the same process: the uninterrupted reference. tests/test_migration.py drives it.
+keeps training in the same process: the uninterrupted reference. tests/integration/test_migration.py drives it.
 """
 import argparse
 import json

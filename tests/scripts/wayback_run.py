@@ -1,4 +1,4 @@
-"""The way back (tests/test_wayback.py): megatrain_ds saves, real DeepSpeed ZeRO-3 resumes, on any number of ranks.
+"""The way back (tests/integration/test_wayback.py): megatrain_ds saves, real DeepSpeed ZeRO-3 resumes, on any number of ranks.
 
     torchrun --nproc_per_node 2 wayback_run.py --engine megatrain --config ds.json --save CKPT --out run   # 2 ranks
     torchrun --nproc_per_node 2 wayback_run.py --engine deepspeed --config ds.json --resume CKPT --out ds

@@ -1,4 +1,4 @@
-"""Real DeepSpeed's side of tests/test_trl.py with several ranks on a CPU-only machine (on PYTHONPATH for those
+"""Real DeepSpeed's side of tests/integration/test_trl.py with several ranks on a CPU-only machine (on PYTHONPATH for those
 launches only; every process of the launch runs it at start).
 
 accelerate counts the processes of a DeepSpeed run from a backend it picks itself, and on CPU it picks none: each

@@ -1,0 +1,234 @@
+"""Kept layers (``megatrain.keep_activations``, executor.py's [Note: kept layers]): the trailing layers keep
+their forward's graph instead of recomputing it. Every path of test_paths, rerun with some layers kept, must give
+the same per-parameter gradients (1e-5 relative), losses and weights as plain PyTorch; dropout masks are drawn
+once; the kept weights are not reloaded for the backward, and recompute runs only for the other layers.
+"""
+import copy
+
+import pytest
+import torch
+
+import megatrain_ds
+from tests.engine import test_paths
+from tests.models import tiny_hf
+
+
+@pytest.fixture
+def keep_two(monkeypatch):
+    """test_paths' engine config with the last 2 layers kept (of 2-4 in its models)."""
+    plain = test_paths._config
+
+    def config(optimizer: bool = True) -> dict:
+        return {**plain(optimizer), "megatrain": {"keep_activations": 2}}
+    monkeypatch.setattr(test_paths, "_config", config)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_loss_from_logits(keep_two, arch):
+    test_paths.test_loss_from_logits(arch)
+
+
+def test_attention_weights_and_hidden_states(keep_two):
+    test_paths.test_loss_from_attention_weights()
+    test_paths.test_loss_from_hidden_states()
+
+
+def test_dpo_two_forwards_into_one_loss(keep_two):
+    test_paths.test_dpo_policy_and_frozen_reference_in_one_process()
+
+
+def test_peft_lora(keep_two):
+    test_paths.test_peft_lora_qkvo()
+
+
+def test_moe_router_aux_loss(keep_two):
+    test_paths.test_moe_router_aux_loss("mixtral")
+
+
+def test_shared_parameter_and_batchnorm(keep_two):
+    test_paths.test_parameter_shared_across_layers_and_batchnorm_statistics()
+
+
+def test_generate_then_train(keep_two):
+    test_paths.test_generate_before_training()
+
+
+def _counting(engine):
+    """Count the executor's recomputes and H2D loads per layer."""
+    ex = engine.executor
+    counts = {"recompute": [], "load": []}
+    recompute, load = ex._recompute, ex._load
+
+    def _recompute(call, hidden, slot):
+        counts["recompute"].append(call.index)
+        return recompute(call, hidden, slot)
+
+    def _load(i, busy):
+        counts["load"].append(i)
+        return load(i, busy)
+    ex._recompute, ex._load = _recompute, _load
+    return counts
+
+
+def test_kept_layers_skip_recompute_and_reload():
+    """4 layers, 2 slots, last 3 kept: one forward + backward recomputes only layer 0 and loads each layer once;
+    without keeping, every layer recomputes and layers 0-1 load twice."""
+    cfg = {**test_paths._config(), "megatrain": {"keep_activations": 3}}
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for keep in (0, 3):
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4),
+                                             config={**cfg, "megatrain": {"keep_activations": keep}})
+        assert engine.executor.keep == frozenset(range(4 - keep, 4))
+        counts = _counting(engine)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        runs[keep] = (counts, loss.item())
+        engine.destroy()
+    assert runs[3][0]["recompute"] == [0]
+    assert sorted(runs[3][0]["load"]) == [0, 1, 2, 3]
+    assert runs[0][0]["recompute"] == [3, 2, 1, 0]
+    assert sorted(runs[0][0]["load"]) == [0, 0, 1, 1, 2, 3]
+    assert runs[0][1] == runs[3][1]
+
+
+def test_dropout_masks_drawn_once():
+    """GPT-2 with dropout, 2 of 3 layers kept: the same masks as plain PyTorch (one draw per forward), so the
+    losses and weights of 4 steps match."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=256, resid_pdrop=0.2,
+                        embd_pdrop=0.0, attn_pdrop=0.2)
+    ref = tf.GPT2LMHeadModel(cfg).to(test_paths.DEVICE)
+    ours = copy.deepcopy(ref).cpu()
+    batches = test_paths._batches(n=4)
+    config = {**test_paths._config(), "megatrain": {"keep_activations": 2}}
+    opt = torch.optim.AdamW(ref.parameters(), lr=test_paths.LR, weight_decay=0.01, eps=1e-6)
+    engine, *_ = megatrain_ds.initialize(model=ours, config=config)
+    for seed, ids in enumerate(batches):
+        torch.manual_seed(seed)
+        want = ref(input_ids=ids.to(test_paths.DEVICE), labels=ids.to(test_paths.DEVICE)).loss
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), test_paths.CLIP)
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(seed)
+        got = engine(input_ids=ids, labels=ids).loss
+        engine.backward(got)
+        engine.step()
+        assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item()), f"loss at step {seed}"
+    masters = engine.master_state_dict()
+    for name, p in ref.named_parameters():
+        test_paths._close(masters[name], p.detach(), f"{name} after 4 steps")
+    engine.destroy()
+
+
+def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
+    """"auto": after the second step, as many trailing layers as the memory left free holds at (largest layer
+    graph + 10%, + the layer's weights) each; the run after the change stays exact (test_paths' comparison)."""
+    from megatrain_ds.training.engine_auto import AutoPlacer
+
+    graph = 1000  # bytes per layer graph, as a recompute on CUDA would have measured it
+
+    def budget(engine):
+        engine.executor.graph_bytes = graph
+        per_layer = int(graph * 1.1) + max(l.numel for l in engine.store.layouts) * 4
+        return 2 * per_layer + per_layer // 2  # room for 2 layers, not 3
+
+    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, engine: budget(engine))
+    plain = test_paths._config
+    monkeypatch.setattr(test_paths, "_config", lambda optimizer=True: {
+        **plain(optimizer), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": 0}})
+    engine = test_paths._compare(tiny_hf("llama"), lambda m, ids: m(input_ids=ids, labels=ids).loss,
+                                 test_paths._batches())
+    n = len(engine.store.layouts)
+    assert engine.executor.keep == frozenset({n - 2, n - 1})
+
+
+@pytest.mark.parametrize("bad", [-1, "all", True, 1.5])
+def test_keep_activations_rejects_bad_values(bad):
+    with pytest.raises(megatrain_ds.ConfigError, match="megatrain.keep_activations"):
+        megatrain_ds.initialize(model=tiny_hf("llama"), config={**test_paths._config(),
+                                                                "megatrain": {"keep_activations": bad}})
+
+
+@pytest.mark.gpu
+def test_gpu_keep_activations_auto_keeps_layers_and_matches_recompute():
+    """On a real GPU "auto" measures the layer graphs of the first steps and keeps layers after the second (a tiny model:
+    all of them); 5 fp32 steps give the losses of the all-recompute run to 1e-5, and the kept steps run no
+    recompute."""
+    runs = {}
+    for keep in (0, "auto"):
+        torch.manual_seed(0)
+        cfg = {**test_paths._config(), "megatrain": {"keep_activations": keep, "gpu_optimizer_layers": 0}}
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)
+        counts = _counting(engine)
+        losses = []
+        for ids in test_paths._batches(n=5):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[keep] = (losses, engine.executor.keep, counts["recompute"])
+        engine.destroy()
+    assert runs[0][1] == frozenset() and len(runs[0][2]) == 5 * 4
+    assert runs["auto"][1] == frozenset(range(4)) and runs["auto"][2] == [3, 2, 1, 0] * 2  # only the first two steps
+    torch.testing.assert_close(torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0)
+
+
+def test_out_of_memory_after_auto_placement_names_the_keys(monkeypatch):
+    """A device OOM in a later, larger step after "auto" used the free memory says which keys give it back."""
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=test_paths._config())
+    engine.auto_placer.placed = "3 of 3 layers kept without recompute (1.0 GiB)"  # as after_step records it
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(engine, "_forward_fused_loss", oom)
+    ids = torch.randint(0, 256, (2, 8))
+    with pytest.raises(torch.OutOfMemoryError, match="megatrain.keep_activations") as err:
+        engine(input_ids=ids, labels=ids)
+    assert "Tried to allocate 2.00 GiB" in str(err.value) and "3 of 3 layers kept" in str(err.value)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("exposure,expect", [(0.15, "state first"), (0.01, "keep first")])
+def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(monkeypatch, exposure, expect):
+    """engine_auto's [Note: auto placement order]: with the second step's forward held 0.15 s of a 1 s step by the host
+    update (0.1 s a layer), GPU-held state saves more per byte than a kept layer could: as many leading layers' state
+    as the exposure pays for (2), then kept layers in what is left; held 0.01 s (hidden), kept layers first. (The
+    engine's ``AutoPlacer`` calls ``_place`` after its second step with what it measured; here the measurements are
+    given.)"""
+    from megatrain_ds.host.device_state import DeviceOptimizerState
+    from megatrain_ds.training.engine_auto import AutoPlacer
+    from megatrain_ds.training.engine_auto import _keep_bytes_per_layer, _place, host_update_exposure
+
+    cfg = {**test_paths._config(), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": "auto"}}
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)
+    store = engine.store
+    state = DeviceOptimizerState.nbytes(store, 1)
+    engine.executor.graph_bytes = int(state / 1.1)  # a kept layer takes about a layer's state (and its weights)
+    keep = _keep_bytes_per_layer(engine)
+    budget = engine.resident.device_bytes() + DeviceOptimizerState.nbytes(store, 2) + keep + 1
+    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, engine: budget)
+    params = [lay.n_train for lay in store.layouts]
+    delta = {"wait_for_optimizer_s": exposure, "optimizer_s": 0.1 * sum(params) / max(params),
+             "updated_params": float(sum(params))}
+    assert abs(host_update_exposure(1.0, delta, params)[1] - 0.1) < 1e-9
+    placed = _place(engine, True, True, budget, 1.0, delta)
+    ds = engine.executor.device_state
+    n_state = 0 if ds is None else ds.hi
+    assert engine.resident.on_device
+    if expect == "state first":
+        assert n_state == 2 and engine.executor.keep == frozenset({3}) and "optimizer state first" in placed
+    else:  # the kept layers take what they can of the budget first (2: a kept layer also holds its weights)
+        n_keep = (budget - engine.resident.device_bytes()) // keep
+        assert n_keep == 2 and engine.executor.keep == frozenset({2, 3}) and n_state < 2
+        assert "optimizer state first" not in placed
+    ids = test_paths._batches(n=1)[0]  # and it trains on
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss)
+    engine.destroy()
