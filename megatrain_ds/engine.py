@@ -23,10 +23,11 @@ from torch import nn
 from .checkpoints.adapters import save_adapter
 from .checkpoints.checkpoint import load_checkpoint, save_checkpoint
 from .checkpoints.step_counters import StepCounters, counter_view
+from .host.layer_state import LayerStates
 from .planning.config import TrainConfig
 from .parallel.dp import DataParallel
 from .training.engine_auto import AutoPlacer
-from .training.engine_build import (apply_liger_kernels, buffers_to_device, build_executor, build_layer_states,
+from .training.engine_build import (apply_liger_kernels, buffers_to_device, build_executor, place_initial,
                                     build_optimizer, build_store, build_workers, check_capacity_for, count, decide,
                                     host_share, host_view, log_tier, param_groups, step_counters,
                                     sync_initial_weights)
@@ -99,7 +100,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.placement, self.worker, self.opt_worker = build_workers(config, device, self.local_rank, self.dp)
         # the breakdown costs one device sync per step (see timing.py): only when the config asks for it
         self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
-        self.executor, self.tiled_modules = build_executor(layers, layouts, self.store, device, self.streams,
+        self.layer_states = LayerStates(self.store, device)  # where each layer's state lives: the one owner
+        self.executor, self.tiled_modules = build_executor(layers, layouts, self.layer_states, device, self.streams,
                                                            self.worker, config, dec, self.dp, type(model).__name__,
                                                            self.timer)
         for i, layer in enumerate(layers):
@@ -107,7 +109,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
         # "auto" placements are decided after the second step, from its measured peak (engine_auto.py)
         self.auto_placer = AutoPlacer(dec.auto_device_state, dec.auto_keep, config.megatrain.gpu_memory_reserve)
-        self.layer_states = build_layer_states(self.store, self.executor, device, dec.n_device_layers)
+        place_initial(self.layer_states, dec.n_device_layers)
         if not dec.auto_keep:
             self.executor.set_keep(dec.keep)
         layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids

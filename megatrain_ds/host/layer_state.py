@@ -6,9 +6,11 @@ and with ``offload_param.device: nvme`` its master, in a swap file), the GPU (de
 alone answers ``where(i)`` and reads, writes and moves that state; checkpoints, exports, the DeepSpeed surface,
 ``GatheredParameters`` and the engine ask it instead of checking the store, the tier and the device state themselves.
 
-The GPU-held layers may be placed after the first step ("auto": engine_auto.py); ``place_on_device`` is how any
-placement is made, so the answer follows it. The device state stays reachable as ``executor.device_state`` (the
-executor and the optimizer read it there), which ``place_on_device`` sets.
+The GPU-held layers may be placed after the first step ("auto": engine_auto.py); ``place_on_device`` is the one
+transition that changes a home (RAM -> GPU for the leading layers; it asserts none was placed before), and each
+layer's answer is computed there, not per ask. The executor, its gradient landing and the host optimizer are given
+this object when they are built and ask it (``on_gpu``, ``device_state``, ``hold``); nothing else holds the device
+state or the gradient hold.
 """
 from __future__ import annotations
 
@@ -38,15 +40,21 @@ class Home(enum.Enum):
 class LayerStates:
     """The state of every streamed layer, wherever it lives: built once by the engine (engine_build.py)."""
 
-    def __init__(self, store: HostLayerStore, holder, device: torch.device) -> None:
-        # ``holder``: the object whose ``device_state`` the executor and the optimizer read (the executor)
-        self.store, self._holder, self._device = store, holder, device
+    def __init__(self, store: HostLayerStore, device: torch.device) -> None:
+        self.store, self._device = store, device
+        self._device_state: DeviceOptimizerState | None = None  # set once, by place_on_device
+        self.homes: list[Home] = self._homes()  # each layer's answer, recomputed by the transition only
 
     # ------------------------------------------------------------------ where
     @property
     def device_state(self) -> DeviceOptimizerState | None:
         """The GPU-held layers' state (device_state.py), or None: none placed (yet)."""
-        return self._holder.device_state
+        return self._device_state
+
+    @property
+    def hold(self):
+        """The gradients held on the device (grad_hold.py ``GradientHold``), or None: they land on the host."""
+        return self.store.hold
 
     def gpu_layers(self) -> range | None:
         """The layers whose state was placed on the GPU (this rank holds those it owns), or None: none placed."""
@@ -56,8 +64,10 @@ class LayerStates:
     def place_on_device(self, n: int, moments_from_host: bool = False) -> None:
         """Keep the state of the leading ``n`` layers on the device from now on (at build, or after the first step
         with the moments so far: ``moments_from_host``)."""
-        self._holder.device_state = DeviceOptimizerState(self.store, 0, n, self._device,
-                                                         moments_from_host=moments_from_host)
+        assert self._device_state is None, "place_on_device: layers were placed on the device already (once only)"
+        assert all(h is not Home.GPU for h in self.homes)
+        self._device_state = DeviceOptimizerState(self.store, 0, n, self._device, moments_from_host=moments_from_host)
+        self.homes = self._homes()
 
     @property
     def layouts(self):
@@ -68,7 +78,13 @@ class LayerStates:
         return len(self.store.layouts)
 
     def where(self, i: int) -> Home:
-        """Layer i's home on this rank."""
+        """Layer i's home on this rank (as of the last transition)."""
+        return self.homes[i]
+
+    def _homes(self) -> list[Home]:
+        return [self._home(i) for i in range(len(self.store.layouts))]
+
+    def _home(self, i: int) -> Home:
         if not self.holds(i):
             return Home.OTHER_RANK
         if self.on_gpu(i):

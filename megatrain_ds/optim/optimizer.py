@@ -34,6 +34,7 @@ from ..streaming.timing import traced
 if TYPE_CHECKING:
     from ..streaming.executor import StreamedLayers
     from ..host.host_state import HostLayerStore
+    from ..host.layer_state import LayerStates
     from .loss_scale import LossScaler
     from ..streaming.schedule import LayerSchedule
     from ..streaming.timing import StepTimer
@@ -50,8 +51,8 @@ def _range(name: str):
 class HostAdamWParts:
     """The host optimizer's collaborators, built by the engine before it (one of each per engine)."""
 
-    executor: StreamedLayers  # which layers' state is GPU-held now (``device_state``: the engine may move it between
-    # steps) and the last backward's ``backward_done`` event; read on the main and AdamW threads
+    executor: StreamedLayers  # the last backward's ``backward_done`` event; read on the main and AdamW threads
+    states: LayerStates  # which layers' state is GPU-held now (placed at build or after step 2), the gradient hold
     store: HostLayerStore  # the streamed layers' host state: masters, wire copies, gradients, moments
     schedule: LayerSchedule  # the per-layer cycle (schedule.py): the window's landings, rewrite, wait_read
     streams: object  # CudaStreams / CpuStreams (streams.py): the opt stream of GPU-held updates
@@ -235,7 +236,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def final_landing(self, i: int, sq) -> None:
         """Right after layer i's final gradient landed: queue its update with coefficient 1 on the AdamW thread."""
-        spec, ds = self._landing_spec, self.parts.executor.device_state
+        spec, ds = self._landing_spec, self.parts.states.device_state
         if spec is None or spec.closed or spec.stopped or i in spec.stale or (ds is not None and ds.owns(i)):
             return
         spec.landed.add(i)
@@ -377,7 +378,7 @@ class HostAdamW(torch.optim.Optimizer):
                 "resident_exp_avg_sq": [cpu(t) for t in res.exp_avg_sq]}
 
     def load_host_state_dict(self, state: dict) -> None:
-        ds, store, res = self.parts.executor.device_state, self.parts.store, self.parts.resident
+        ds, store, res = self.parts.states.device_state, self.parts.store, self.parts.resident
         if state["exp_avg"].numel() != store.exp_avg.numel() or len(state["param_groups"]) != len(self.param_groups):
             raise RuntimeError("optimizer state in the checkpoint does not match this model/optimizer "
                                f"({state['exp_avg'].numel()} vs {store.exp_avg.numel()} trainable elements, "
@@ -423,11 +424,12 @@ class HostAdamW(torch.optim.Optimizer):
         # GPU, its update also heads the opt stream), then the GPU-held layers (they only launch kernels), then
         # the host layers in forward order.
         n = len(store.layouts)
-        on_device = [i for i in range(n) if ex.device_state is not None and ex.device_state.owns(i)]
+        on_device = [i for i in range(n) if self.parts.states.on_gpu(i)]
         host = [i for i in range(n) if i not in set(on_device)]
         defer = parts.defer_moments and (spec is None or parts.defer_when_speculating)
-        if store.hold is not None:  # the order the layer tasks below fetch the held gradients in
-            store.hold.begin([i for i in host if layer_has[i] and store.owned[i]], ex.backward_done)
+        hold = self.parts.states.hold
+        if hold is not None:  # the order the layer tasks below fetch the held gradients in
+            hold.begin([i for i in host if layer_has[i] and store.owned[i]], ex.backward_done)
         res.rewrite(parts.opt_worker.submit(self._resident_task, res_has, decided, ex.backward_done, spec))
         for i in on_device:
             if layer_has[i]:
@@ -530,7 +532,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _layer_grad(self, i: int) -> torch.Tensor:
         """Layer i's accumulated gradient, wherever it lives (GPU-held optimizer state or host store)."""
-        ds = self.parts.executor.device_state
+        ds = self.parts.states.device_state
         return ds.grad_of(i) if ds is not None and ds.owns(i) else self.parts.store.grad_of(i)
 
     def _resident_task(self, has, decided: Future, backward_done, spec: Speculation | None = None):
@@ -574,7 +576,7 @@ class HostAdamW(torch.optim.Optimizer):
         decision = decided.result()
         if decision.skip:
             return
-        st, ds = self.parts.streams, self.parts.executor.device_state
+        st, ds = self.parts.streams, self.parts.states.device_state
         st.wait(st.opt, backward_done)  # the gradient accumulators are complete
         master, grad = ds.master_of(i), ds.grad_of(i)
         m, v = ds.moments_of(i)
@@ -607,7 +609,8 @@ class HostAdamW(torch.optim.Optimizer):
         store = self.parts.store
         self.parts.schedule.wait_read(i)  # the last H2D reading wire i has finished. See [Note: host threads]
         layout = store.layouts[i]
-        grad = store.grad_of(i) if store.hold is None else store.hold.take(i)  # (held on the device: grad_hold.py)
+        hold = self.parts.states.hold
+        grad = store.grad_of(i) if hold is None else hold.take(i)  # (held on the device: grad_hold.py)
         phase = PHASE_WEIGHTS if defer and self._can_defer(i, hp) else PHASE_WHOLE
         master, m, v = self._state(i)  # RAM views, or an NVMe layer's staged copies
         wire = None if store.wire_is_master else store.wire_of(i)
@@ -620,8 +623,8 @@ class HostAdamW(torch.optim.Optimizer):
             return layout.n_train  # the caller's span counts it: the breakdown's Gparam/s of the host update
         finally:
             store.release_moments(i)  # a disk layer's region is written back behind the next updates
-            if store.hold is not None:
-                store.hold.give(i)
+            if hold is not None:
+                hold.give(i)
 
     def _moments_task(self, i: int) -> None:
         """AdamW thread, after the step's update tasks: layer i's moments pass if its weights pass ran ([Note: deferred

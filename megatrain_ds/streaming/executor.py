@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..host.host_state import HostLayerStore
+from ..host.layer_state import LayerStates
 from .landing import GradientLanding, LandingListener
 from ..model.recompute_check import RecomputeCheck
 from ..model.replay import autocast_as, autocast_state, get_rng_state, replay_rng
@@ -82,13 +82,14 @@ class StreamedLayers(GradientLanding):
     """Runs the streamed layers of one model. Owns the slots, the templates and the gradient landing (its methods
     are landing.py's ``GradientLanding``)."""
 
-    def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], store: HostLayerStore,
+    def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], states: LayerStates,
                  device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2,
                  compute_dtype: torch.dtype | None = None, dp=None, check: RecomputeCheck | None = None,
                  timer: StepTimer | None = None) -> None:
         if num_slots < 2:
             raise ValueError(f"megatrain.num_slots must be >= 2 for double buffering, got {num_slots}")
-        self.layouts, self.store, self.device = layouts, store, device
+        self.layouts, self.store, self.device = layouts, states.store, device
+        self.states = states  # where each layer's state lives (layer_state.py): asked, never written here
         self.streams, self.worker = streams, worker
         self.dp = dp if dp is not None and dp.active else None  # data parallel (dp.py); None: one process
         self.templates: list[nn.Module] = []
@@ -135,10 +136,10 @@ class StreamedLayers(GradientLanding):
         # told of each final landing, on the landing thread (landing.py); set once, by ``listen``
         self.landing_listener: LandingListener | None = None
         max_numel = max(l.numel for l in layouts)
-        compute_dtype = compute_dtype or store.wire_dtype
-        staged = compute_dtype != store.wire_dtype
+        compute_dtype = compute_dtype or self.store.wire_dtype
+        staged = compute_dtype != self.store.wire_dtype
         self.slots = [Slot(torch.empty(max_numel, dtype=compute_dtype, device=device),
-                           torch.empty(max_numel, dtype=store.wire_dtype, device=device) if staged else None)
+                           torch.empty(max_numel, dtype=self.store.wire_dtype, device=device) if staged else None)
                       for _ in range(min(num_slots, len(layouts)))]
         # Kept layers (``set_keep``): the trailing layers whose forward builds its graph and keeps it until the
         # backward, in a weight buffer of their own (no recompute, no reload): [Note: kept layers] below.
@@ -147,7 +148,6 @@ class StreamedLayers(GradientLanding):
         self.graph_bytes = 0  # the largest layer graph a recompute built (CUDA): what keeping one layer costs
         # versions, optimizer tasks, H2D reads, landings, forward counts: one owner (schedule.py)
         self.schedule = LayerSchedule(len(layouts))
-        self.device_state = None  # DeviceOptimizerState: leading layers whose optimizer state lives on the GPU
         self.backward_done = None  # mark_backward_done(): event on compute after the last backward (device-state
         # updates wait on it)
         self.activations = None  # HostActivations when layer inputs are kept in host memory
@@ -233,12 +233,12 @@ class StreamedLayers(GradientLanding):
         if self.store.owned[i]:  # data parallel: the owner's copy, then broadcast (below)
             self.schedule.wait_rewritten(i, self.timer)  # CPU-side wait for the optimizer's update of layer i
             wire = self.store.wire_of(i)
-            owned = self.device_state is not None and self.device_state.owns(i)
+            owned = self.states.on_gpu(i)
             if owned:
                 st.wait(st.h2d, self.schedule.device_ready[i])  # its GPU-side update (opt stream) is done
             with st.on(st.h2d), self.timer.span("h2d", st.h2d), _range("h2d", i):
                 if owned:  # device master: a cast, no PCIe (a compact store's frozen region: from the wire)
-                    master = self.device_state.master_of(i)
+                    master = self.states.device_state.master_of(i)
                     m = master.numel()
                     slot.buf[:m].copy_(master)
                     if m < n:

@@ -17,7 +17,8 @@ landing futures go to ``LayerSchedule.landing`` (schedule.py); what the landing 
 is [Note: host threads] in optimizer.py.
 
 What it reads of ``StreamedLayers``: ``streams``, ``store``, ``schedule``, ``worker``, ``timer``, ``dp``,
-``device``, ``device_state``, ``norm_dev``/``norm_host``, ``final_micro``, ``landing_listener`` and ``_log``.
+``device``, ``states`` (layer_state.py: the GPU-held layers, the gradient hold), ``norm_dev``/``norm_host``,
+``final_micro``, ``landing_listener`` and ``_log``.
 """
 from __future__ import annotations
 
@@ -79,9 +80,9 @@ class GradientLanding:
         """Layer i's (mean) gradient into its home: the GPU-held accumulator, or D2H and the host worker."""
         st, store = self.streams, self.store
         slab = None  # a landing slab of the ring (GA > 1), returned to the ring by the fold
-        if self.device_state is not None and self.device_state.owns(i):
+        if self.states.on_gpu(i):
             return self._accumulate_on_device(i, flat_grad, first, final)
-        if store.hold is not None:  # [Note: gradients held on the device] (grad_hold.py): only the norm goes
+        if self.states.hold is not None:  # [Note: gradients held on the device] (grad_hold.py): only the norm goes
             return self._accumulate_on_device(i, flat_grad, first, final, store.grad_of(i))
         if store.grad_direct and not first:
             # A second gradient for layer i before the step (two forwards into one loss, as a DPO step with
@@ -120,7 +121,7 @@ class GradientLanding:
         backward's end event follows; a second backward of the window adds in the compute dtype, as autograd)."""
         st = self.streams
         held = grad is not None
-        grad = grad if held else self.device_state.grad_of(i)
+        grad = grad if held else self.states.device_state.grad_of(i)
         if first:
             grad.copy_(flat_grad)
         else:

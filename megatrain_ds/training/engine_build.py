@@ -197,13 +197,10 @@ def build_store(config: TrainConfig, dec: Decisions, layouts, owned: list[bool],
     return store
 
 
-def build_layer_states(store: HostLayerStore, executor, device: torch.device, n_device_layers: int) -> LayerStates:
-    """The one owner of where each layer's state lives (layer_state.py), with the GPU-held layers decided at init
-    placed (the store must hold the loaded weights: the device copies them)."""
-    states = LayerStates(store, executor, device)
+def place_initial(states: LayerStates, n_device_layers: int) -> None:
+    """The GPU-held layers decided at init (the store must hold the loaded weights: the device copies them)."""
     if n_device_layers > 0:  # GPU-held layers lead; NVMe layers trail
         states.place_on_device(n_device_layers)
-    return states
 
 
 def log_tier(store: HostLayerStore, config: TrainConfig, dec: Decisions) -> None:
@@ -232,7 +229,7 @@ def build_workers(config: TrainConfig, device: torch.device, local_rank: int, dp
     return placement, worker, opt_worker
 
 
-def build_executor(layers: nn.ModuleList, layouts, store: HostLayerStore, device: torch.device, streams, worker,
+def build_executor(layers: nn.ModuleList, layouts, states: LayerStates, device: torch.device, streams, worker,
                    config: TrainConfig, dec: Decisions, dp, model_name: str,
                    timer: StepTimer) -> tuple[StreamedLayers, list[str]]:
     """(the streamed-layer executor, the "template:path" of each tiled module): the executor with its recompute
@@ -242,7 +239,7 @@ def build_executor(layers: nn.ModuleList, layouts, store: HostLayerStore, device
     steps = True if dec.check_recompute_steps is None else dec.check_recompute_steps  # True: every step
     check = RecomputeCheck(steps, dec.check_recompute_tolerance, dec.compute_dtype, model_name,
                            input_from_next=mt.offload_activations)
-    executor = StreamedLayers(layers, layouts, store, device, streams, worker, num_slots=mt.num_slots,
+    executor = StreamedLayers(layers, layouts, states, device, streams, worker, num_slots=mt.num_slots,
                               compute_dtype=dec.compute_dtype, dp=dp, check=check, timer=timer)
     tiled_modules = apply_tiling(executor.templates, mt.tiled_mlp)
     if mt.trace:
@@ -268,7 +265,8 @@ def build_optimizer(groups: list[dict], defaults: dict, config: TrainConfig, dec
                     streams, timer: StepTimer, resident, worker, opt_worker, dp) -> HostAdamW:
     """The host AdamW over the fp32 masters, given its collaborators ([Note: host threads] in optimizer.py). A
     speculative step is undone exactly only on fp32 masters (bf16 rounding would not come back)."""
-    parts = HostAdamWParts(executor=executor, store=executor.store, schedule=executor.schedule, streams=streams,
+    parts = HostAdamWParts(executor=executor, states=executor.states, store=executor.store,
+                           schedule=executor.schedule, streams=streams,
                            timer=timer, resident=resident, worker=worker, opt_worker=opt_worker,
                            clip=config.gradient_clipping, scaler=config.loss_scaler, dp=dp, kernel=dec.host_kernel,
                            defer_moments=dec.deferred_moments,

@@ -141,7 +141,7 @@ def test_gather_and_export_with_device_held_optimizer_state():
     cfg = {**CFG, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "megatrain": {"gpu_optimizer_layers": 2}}
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
     _train(engine, None, steps=2)
-    device_master = engine.executor.device_state.master_of(0)
+    device_master = engine.layer_states.device_state.master_of(0)
     w = engine.module.model.layers[0].self_attn.q_proj.weight
     with megatrain_ds.zero.GatheredParameters(w):
         gathered = w.data.clone()

@@ -147,7 +147,7 @@ def test_optimizer_state_on_device_matches_pytorch(ga, monkeypatch):
     GPU box; the same code runs on CPU), and the result is still plain PyTorch's."""
     monkeypatch.setattr(sys.modules[__name__], "_ds_config", _with_ratio)
     engine = _compare(lambda: tiny_hf("qwen2", tied=False, layers=4), ga=ga)
-    assert engine.executor.device_state is not None and (engine.executor.device_state.lo, engine.executor.device_state.hi) == (0, 2)
+    assert engine.layer_states.device_state is not None and (engine.layer_states.device_state.lo, engine.layer_states.device_state.hi) == (0, 2)
 
 
 @pytest.mark.parametrize("ga", [1, 2])
@@ -169,7 +169,7 @@ def test_auto_optimizer_state_placement_after_the_first_step_matches_pytorch(ga,
     monkeypatch.setattr(sys.modules[__name__], "_ds_config", _with_auto)
     engine = _compare(lambda: tiny_hf("qwen2", tied=False, layers=4), ga=ga)
     assert placed == [2]
-    assert (engine.executor.device_state.lo, engine.executor.device_state.hi) == (0, 2)
+    assert (engine.layer_states.device_state.lo, engine.layer_states.device_state.hi) == (0, 2)
     assert engine.resident.on_device  # the embedding's state went first
     assert engine.executor.keep == frozenset()  # nothing measured on CPU: no layer kept
 

@@ -218,7 +218,7 @@ def test_gpu_auto_optimizer_state_placement():
     """gpu_optimizer_layers "auto" on a real GPU: a tiny model's whole layer state fits, so after the first
     step every layer's state is on the GPU; the losses stay those of the all-on-host run (fp32)."""
     def placed(engine):
-        ds = engine.executor.device_state
+        ds = engine.layer_states.device_state
         return None if ds is None else (ds.lo, ds.hi, ds.master.is_cuda)
 
     host_losses, host_placed = _five_step_run("llama", 4, {"gpu_optimizer_layers": 0}, placed)

@@ -217,7 +217,7 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(monk
              "updated_params": float(sum(params))}
     assert abs(host_update_exposure(1.0, delta, params)[1] - 0.1) < 1e-9
     placed = _place(engine, True, True, budget, 1.0, delta)
-    ds = engine.executor.device_state
+    ds = engine.layer_states.device_state
     n_state = 0 if ds is None else ds.hi
     assert engine.resident.on_device
     if expect == "state first":

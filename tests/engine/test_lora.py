@@ -138,7 +138,7 @@ def test_layers_with_optimizer_state_on_the_device():
         return train_lm(engine, _batches(4)), _adapters(engine), engine
 
     host, held = run({}), run({"gpu_optimizer_layers": 2})
-    assert held[2].executor.device_state.master.numel() < held[2].store.n_train  # 2 of 3 layers' adapters only
+    assert held[2].layer_states.device_state.master.numel() < held[2].store.n_train  # 2 of 3 layers' adapters only
     if held[2].device.type == "cpu":  # the same AdamW kernel on the same device: bit for bit
         assert host[0] == held[0]
         for name, value in host[1].items():

@@ -42,7 +42,7 @@ def engine_grads(engine) -> dict[str, torch.Tensor]:
         if fut is not None:
             fut.result()  # the landings have folded every gradient into its fp32 home
     out = {}
-    ds = ex.device_state  # on CUDA "auto" may have moved some layers' state to the GPU after the first step
+    ds = engine.layer_states.device_state  # on CUDA "auto" may have moved some layers' state to the GPU after the first step
     for i, layout in enumerate(engine.store.layouts):
         grad = (ds.grad_of(i) if ds is not None and ds.owns(i) else engine.store.grad_of(i)).float()
         for slot in layout.slots:

@@ -183,7 +183,7 @@ def test_safe_get_full_state_equals_torch_adamw(path, state):
 
     utils = UTILS_PATHS[path]()
     engine, ref, opt = _pair(state=state)
-    assert (engine.executor.device_state is not None) == (state == "device_state")
+    assert (engine.layer_states.device_state is not None) == (state == "device_state")
     names = dict(ref.named_parameters())
     for seed in range(2):
         _from_engine(ref, engine)
@@ -264,7 +264,7 @@ def test_writing_one_weight_of_a_gpu_held_layer_keeps_the_others():
     _step(engine, 0)
     _step(engine, 1)  # the host copy of layer 0 now lags the device master
     engine.synchronize()  # step() returns before the queued update of layer 0 has run
-    device_master = engine.executor.device_state.master_of(0)
+    device_master = engine.layer_states.device_state.master_of(0)
     before = device_master.clone()
     q_proj = engine.module.model.layers[0].self_attn.q_proj.weight
     n = q_proj.ds_numel  # the layout puts q_proj first

@@ -54,7 +54,7 @@ def test_where_and_reads_match_the_master_state_dict(tmp_path):
         for i in range(3):
             m, v = states.moments(i)
             assert m.numel() == states.layouts[i].n_train and float(v.abs().sum()) > 0
-        assert torch.equal(states.moments(0)[0], engine.executor.device_state.moments_of(0)[0])
+        assert torch.equal(states.moments(0)[0], engine.layer_states.device_state.moments_of(0)[0])
     finally:
         engine.destroy()
 
@@ -79,4 +79,51 @@ def test_callers_ask_the_owner():
                 offenders.append(f"{name}:{node.lineno} .device_state")
             elif isinstance(node, ast.Name) and node.id == "device_state":
                 offenders.append(f"{name}:{node.lineno} device_state")
+    assert not offenders, offenders
+
+
+def test_the_one_transition_moves_the_leading_homes_once():
+    """``place_on_device`` is the transition RAM -> GPU of the leading layers: ``where`` follows it (answers kept per
+    transition, not recomputed per ask), and a second placement is refused, not silently replacing the first (the
+    device state's moments would be lost)."""
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=3, seed=0), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "megatrain": {"gpu_optimizer_layers": 0}})
+    try:
+        states = engine.layer_states
+        assert states.homes == [Home.RAM] * 3 and states.device_state is None and states.hold is None
+        assert engine.executor.states is states and engine.optimizer.parts.states is states  # given, not found
+        states.place_on_device(2, moments_from_host=True)
+        assert [states.where(i) for i in range(3)] == [Home.GPU, Home.GPU, Home.RAM]
+        assert states.on_gpu(1) and not states.on_gpu(2) and states.gpu_layers() == range(0, 2)
+        try:
+            states.place_on_device(1)
+        except AssertionError as err:
+            assert "once" in str(err)
+        else:
+            raise AssertionError("a second placement was accepted")
+        assert states.gpu_layers() == range(0, 2)  # the first one stands
+    finally:
+        engine.destroy()
+
+
+STREAMING_CORE = ("streaming/executor.py", "streaming/landing.py", "optim/optimizer.py", "training/engine_auto.py")
+
+
+def test_the_streaming_core_asks_the_owner():
+    """The executor, its landing and the optimizer read the device state and the gradient hold only through the
+    ``LayerStates`` they were given (``states.device_state``, ``states.hold``, ``states.on_gpu(i)``): no
+    ``x.device_state`` or ``store.hold`` on anything else, and nobody but layer_state.py assigns a device state."""
+    offenders = []
+    for name in STREAMING_CORE:
+        path = os.path.join(PACKAGE, name)
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("device_state", "hold"):
+                owner = node.value
+                owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if owner_name not in ("states", "layer_states") and not (name.endswith("engine_auto.py")
+                                                                      and owner_name == "self"):
+                    offenders.append(f"{name}:{node.lineno} {owner_name}.{node.attr}")
     assert not offenders, offenders
