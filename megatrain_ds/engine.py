@@ -638,22 +638,20 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         states.refresh_host_masters(sorted({h.layer for h in homes if h.layer is not None and states.holds(h.layer)}))
 
     def _read_master(self, home: ParamHome, settled: bool = False) -> torch.Tensor:
-        if not settled:
-            self.synchronize()  # the optimizer may be writing these bytes
+        if not settled:  # the optimizer may be writing these bytes; a GPU-held layer's master from the device first
+            self._settle_reads([home])
         states = self.layer_states
-        fresh = ((lambda i, name: states.param_master(i, name).to(torch.float32, copy=True)) if settled
-                 else states.fresh_param_master)  # (unsettled: a GPU-held layer's master from the device first)
         if home.layer is None:  # data parallel: a collective from its owner; on the engine's device, where HF's
             k = home.resident_index  # ``model.device`` (the embedding) sends generate's inputs
             return self.resident.master_copy(k).view(self.resident.params[k].shape).to(self.device, torch.float32)
         if self.dp.active:  # a collective, as DeepSpeed's GatheredParameters: the owner's master to every rank
             import torch.distributed as dist
             slot = next(s for s in self.store.layouts[home.layer].slots if s.name == home.name)
-            value = (fresh(home.layer, home.name) if states.holds(home.layer)
-                     else torch.empty(slot.shape, dtype=torch.float32))
+            value = (states.param_master(home.layer, home.name).to(torch.float32, copy=True)
+                     if states.holds(home.layer) else torch.empty(slot.shape, dtype=torch.float32))
             dist.broadcast(value, src=self.dp.owner(home.layer), group=self.dp.cpu_group)
             return value
-        return fresh(home.layer, home.name)
+        return states.param_master(home.layer, home.name).to(torch.float32, copy=True)
 
     def _write_master(self, home: ParamHome, value: torch.Tensor) -> None:
         self.synchronize()

@@ -75,7 +75,7 @@ from .checkpoint_stream import StreamedFile, write_files
 from .step_counters import StepCounters
 
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
-_RESERVED = {"module", "global_steps", "global_samples", "micro_steps", "window_micro_steps", "skipped_steps",
+_RESERVED = {"module", *StepCounters.keys(),
              "lr_scheduler", "loss_scaler", "ds_config", "ds_version", "megatrain_version", "hf_config",
              "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
              "optimizer", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd",

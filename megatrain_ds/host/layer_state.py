@@ -153,11 +153,6 @@ class LayerStates:
         """One parameter of layer i where the host keeps it (``HostLayerStore.param_master``)."""
         return self.store.param_master(i, name)
 
-    def fresh_param_master(self, i: int, name: str) -> torch.Tensor:
-        """One parameter's fp32 master as a host copy, from the device first when layer i is GPU-held."""
-        self._refresh_host(i)
-        return self.store.param_master(i, name).to(torch.float32, copy=True)
-
     def ds_tensor(self, i: int, slot) -> torch.Tensor:
         """A streamed parameter's ``ds_tensor``: a view of where it is kept (``param_master``); an NVMe layer's
         master has no RAM view, so its wire copy (compute dtype, as DeepSpeed's own ``ds_tensor``); empty for a layer

@@ -236,8 +236,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def final_landing(self, i: int, sq) -> None:
         """Right after layer i's final gradient landed: queue its update with coefficient 1 on the AdamW thread."""
-        spec, ds = self._landing_spec, self.parts.states.device_state
-        if spec is None or spec.closed or spec.stopped or i in spec.stale or (ds is not None and ds.owns(i)):
+        spec = self._landing_spec
+        if spec is None or spec.closed or spec.stopped or i in spec.stale or self.parts.states.on_gpu(i):
             return
         spec.landed.add(i)
         if sq is None or not math.isfinite(sq):
@@ -468,7 +468,7 @@ class HostAdamW(torch.optim.Optimizer):
                     continue
                 sq = fut.result()
                 if sq is None:  # the window's boundary was moved after its backward: norm it now
-                    g = self.parts.resident.grad_of(k) if resident else self._layer_grad(k)
+                    g = self.parts.resident.grad_of(k) if resident else self.parts.states.grad(k)
                     sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2  # rare: slow is ok
                 squares.append(sq)
         if dp is not None:  # one all-reduce of the vector (gloo, this thread's group)
@@ -529,11 +529,6 @@ class HostAdamW(torch.optim.Optimizer):
             rolled_back = not decision.commit
             self.policy.rolled_back += int(rolled_back)
         self.policy.record(clipped_or_skipped=decision.clipped_or_skipped, rolled_back=rolled_back)
-
-    def _layer_grad(self, i: int) -> torch.Tensor:
-        """Layer i's accumulated gradient, wherever it lives (GPU-held optimizer state or host store)."""
-        ds = self.parts.states.device_state
-        return ds.grad_of(i) if ds is not None and ds.owns(i) else self.parts.store.grad_of(i)
 
     def _resident_task(self, has, decided: Future, backward_done, spec: Speculation | None = None):
         """AdamW thread: the resident parameters' update. Returns the opt-stream event after it when their state is
