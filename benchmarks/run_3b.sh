@@ -96,7 +96,7 @@ case $phase in
         small10g_call 260 zero3 --systems zero3 ;;
   hu26a)  # issue 26: the native host update. Its exactness and Gparam/s on the box's CPU, then 3B/16K, clip 1.0
         # (fires every step on the harness's random data): ZeRO-3, megatrain host-only, megatrain defaults
-        python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \
+        [ "${HOST_UPDATE:-1}" = 1 ] && python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \
             | grep -v -i warn | tee -a "$log"
         h2h_call 240 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         h2h_call 100 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
@@ -158,12 +158,12 @@ case $phase in
         # (BEFORE: a folder holding that commit's megatrain_ds/ and benchmarks/, e.g. from git archive) and on this
         # one, alternating, then the rollback's Gparam/s (host_update_bench's last line)
         before=${BEFORE:?BEFORE: the tree before the change}; root=$PWD
-        for k in 1 2; do
+        for k in $(seq 1 "${ROUNDS:-2}"); do  # ROUNDS: before/after pairs (default 2)
           (cd "$before" && export PYTHONPATH="$root/.site:$PWD" && h2h_call 95 before$k --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 \
               --warmup 2 --steps 4)
           h2h_call 95 after$k --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
         done
-        python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \
+        [ "${HOST_UPDATE:-1}" = 1 ] && python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \
             | grep -v -i warn | tail -n 3 | tee -a "$log" ;;
   trace27)  # where the host-only 16K step idles: trace_gaps --timeline (3 steps after 4: every host thread's ranges and
             # the device spans, no torch.profiler) at clip 1e9 and 1.0, with liger; OUTDIR/trace27_<clip>/gaps.md,

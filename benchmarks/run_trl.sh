@@ -8,7 +8,8 @@
 #          truncated), --use_liger_kernel --bf16 --gradient_checkpointing, clip 1.0, 8 steps, then TRL's own final
 #          save_model (a full ZeRO-3 checkpoint: stage3_gather_16bit_weights_on_model_save is false)
 #   grpo   Qwen2.5-1.5B shape, 8 generations per prompt (transformers generate, no vLLM), 64-token completions,
-#          reward benchmarks.trl_bench.length_reward, 4 steps
+#          reward benchmarks.trl_bench.length_reward, 8 steps (the median is over steps 3-8: the first two are
+#          megatrain_ds's measuring steps, before its placement)
 #   smoke  the tiny shape, both scripts, 3 steps (checks this script; DEVICE=cpu runs it on a CPU box)
 #
 # Needs the wheels of TRL=1 bash ../shared/tools/gpu-wheels.sh (carry .wheels). Each run:
@@ -59,10 +60,10 @@ case $phase in
         one deepspeed sft 330 sft.py $a ;;
   grpo) python3 -m benchmarks.trl_bench prepare --shape qwen2.5-1.5b --out "$work" --rows 256 --seq 64
         a="--model_name_or_path $work/model --dataset_name $work/grpo --reward_funcs benchmarks.trl_bench.length_reward
-           --per_device_train_batch_size 8 --num_generations 8 --max_completion_length 64 --max_steps 4
+           --per_device_train_batch_size 8 --num_generations 8 --max_completion_length 64 --max_steps 8
            --gradient_checkpointing True $common"
-        one megatrain grpo 200 grpo.py $a
-        one deepspeed grpo 250 grpo.py $a ;;
+        one megatrain grpo 240 grpo.py $a
+        one deepspeed grpo 270 grpo.py $a ;;
   smoke) python3 -m benchmarks.trl_bench prepare --shape tiny --out "$work" --rows 64 --seq 128
         one megatrain sft 300 sft.py --model_name_or_path $work/model --dataset_name $work/sft \
             --per_device_train_batch_size 4 --max_length 128 --max_steps 3 $common

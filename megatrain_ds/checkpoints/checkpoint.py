@@ -57,12 +57,14 @@ Full weights (``consolidated_state_dict``, ``save_16bit_model``, ``gather_full_m
 from __future__ import annotations
 
 import shutil
+import time
 import warnings
 
 import torch
 
 from .. import _version
 from . import wayback
+from ..log import log
 from .adapters import is_peft_model, save_adapter
 from .checksums import write_manifest
 from .checksums import verify as verify_checksums
@@ -71,7 +73,7 @@ from .checkpoint_files import BF16_OPTIM_FILE, MODEL_FILE, OPTIM_FILE, fp32_stat
 from .checkpoint_folder import RECOVERY_SCRIPTS, clean_stale  # noqa: F401 (re-exported)
 from .checkpoint_folder import checkpoint_path_of, commit_folder, fsync_dir, prepare_folder, CheckpointWorld
 from .checkpoint_partition import PartitionParam, partition_plan, RankState
-from .checkpoint_stream import StreamedFile, write_files
+from .checkpoint_stream import SaveTimes, StreamedFile, write_files
 from .step_counters import StepCounters
 
 # keys of the model-states file that are not the client's (ours and DeepSpeed's)
@@ -129,7 +131,9 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     if len(set(tags)) > 1:
         raise ValueError(f"save_checkpoint: the ranks asked for different tags {tags}; every rank must save the same "
                          "tag (DeepSpeed's checkpoint tag validation)")
+    started = time.perf_counter()
     engine.sync_masters_to_host()
+    synced = time.perf_counter()
     if engine.window_micro_steps and world.rank == 0:
         warnings.warn(f"save_checkpoint after {engine.window_micro_steps} micro-step(s) of an accumulation window of "
                       f"{engine.config_settings.gradient_accumulation_steps}: the window's partial gradient is not "
@@ -153,10 +157,11 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
             error = exc
     world.agree(error, "create the checkpoint's temporary folder")
     tmp = world.broadcast(tmp)
+    times, writing = SaveTimes(), time.perf_counter()
     try:
         error = None
         try:  # streamed from the host state; with N ranks a failed rank drains its exchanges so no rank waits
-            digests = write_files(files, tmp, drain=world.size > 1)
+            digests = write_files(files, tmp, drain=world.size > 1, times=times)
             write_manifest(tmp, world.rank, digests)  # verified by load_checkpoint before it reads
             fsync_dir(tmp)
         except Exception as exc:  # noqa: BLE001
@@ -181,6 +186,10 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         except Exception as exc:  # noqa: BLE001
             error = exc
     world.agree(error, "put the checkpoint in place")  # no rank returns before the checkpoint is complete
+    done = time.perf_counter()
+    engine.last_save_times = times
+    log(f"save_checkpoint {tag}: {times.summary(done - started, synced - started, writing - synced)}"
+        + (f" (rank {world.rank}'s files, {world.size} ranks)" if world.size > 1 else ""))
     return True
 
 

@@ -23,7 +23,10 @@ from its owner rank; checkpoint_partition.py). The file is the archive torch.sav
 Every size is known before the first byte is written (``StreamedFile.nbytes``: the save checks the free space
 against it). The bytes go to the file once, front to back, never seeking: SHA-256 (the manifest's, checksums.py)
 and CRC-32 (the zip's) run on two threads while the main thread writes the same piece (hashlib, zlib and write(2)
-release the GIL on large buffers), so a piece costs the slowest of the three instead of their sum.
+release the GIL on large buffers), so a piece costs the slowest of the three instead of their sum. The disk writes
+start while the file is still being written (``Writeback``: a thread fdatasyncs every ``WRITEBACK_BYTES``), so the
+closing fsync waits for the tail only, not for the tens of GB the kernel would otherwise hold dirty. ``SaveTimes``
+adds up where a save's seconds went (producing the chunks, write(2), waiting for the hashes, the closing fsync).
 """
 from __future__ import annotations
 
@@ -36,7 +39,10 @@ import os
 import pickle
 import struct
 import sys
+import threading
+import time
 import zlib
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 
 import torch
@@ -44,6 +50,7 @@ import torch
 ALIGNMENT = 64  # the data of every record starts on a multiple of this (torch's kFieldAlignment, .storage_alignment)
 PIECE_BYTES = 32 << 20  # bytes handed at once to the hashing threads and to write(2)
 _THREADED_BYTES = 1 << 20  # smaller pieces are hashed and written inline (a thread hand-off costs ~50 us)
+WRITEBACK_BYTES = 512 << 20  # the write-back thread asks the disk for the bytes written so far after each this many
 _U32 = 0xFFFFFFFF
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header (30 bytes)
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory entry (46 bytes)
@@ -211,33 +218,48 @@ class StreamedFile:
         self.cd_size = sum(len(_central(n, 0, s, o)) for n, s, o, _ in self.records)
         self.nbytes = offset + self.cd_size + len(_end(len(self.records), self.cd_size, offset))
 
-    def write(self, path: str, pool: concurrent.futures.Executor, drain: bool = False) -> str:
+    def write(self, path: str, pool: concurrent.futures.Executor, drain: bool = False,
+              times: SaveTimes | None = None) -> str:
         """Write the file at ``path``, fsynced; returns the SHA-256 of its bytes. A write that fails is an OSError
         naming the file (and, for a full disk, the bytes needed and free); a KeyboardInterrupt is itself. ``drain``:
-        after a failed write, every streamed chunk is still produced (and dropped) before the error is raised."""
-        out = None
+        after a failed write, every streamed chunk is still produced (and dropped) before the error is raised.
+        ``times``: where the seconds went are added to it."""
+        out, times = None, times if times is not None else SaveTimes()
         try:
             with open(path, "wb") as f:
-                out = StreamWriter(f, pool, drain)
-                self._records(out)
+                writeback = Writeback(f.fileno())
+                try:
+                    out = StreamWriter(f, pool, drain, times, writeback)
+                    self._records(out, times)
+                finally:
+                    writeback.close()  # raises the write-back's OSError, if it had one (the fsync below would not)
                 if out.error is not None:  # (drain: every chunk was produced)
                     raise out.error
                 if out.written != self.nbytes:  # the layout written is the one the sizes were planned with
                     raise AssertionError(f"{path}: wrote {out.written} bytes, planned {self.nbytes}")
                 f.flush()
+                start = time.perf_counter()
                 os.fsync(f.fileno())
+                times.fsync += time.perf_counter() - start
         except OSError as exc:
             if drain and out is None:  # open failed: the chunks are still produced
                 self.drain()
             raise _named(exc, path, self.nbytes) from exc
+        times.bytes += out.written
         return out.sha.hexdigest()
 
-    def _records(self, out: StreamWriter) -> None:
+    def _records(self, out: StreamWriter, times: SaveTimes) -> None:
         central = []
         for name, size, offset, source in self.records:
             out.write(_local_header(name, size, offset))
             crc = 0
-            for piece in _pieces(source):
+            pieces = _pieces(source)
+            while True:
+                start = time.perf_counter()
+                piece = next(pieces, None)
+                times.produce += time.perf_counter() - start
+                if piece is None:
+                    break
                 crc = out.write(piece, crc)
             out.write(_descriptor(crc, size, offset))
             central.append(_central(name, crc, size, offset))
@@ -290,14 +312,81 @@ def _pieces(source) -> Iterator[memoryview]:
         yield data[start:start + PIECE_BYTES]
 
 
+@dataclass(slots=True)
+class SaveTimes:
+    """Where a save's seconds went, added up over its files: producing the streamed chunks (views, conversions, the
+    exchanges between ranks), ``write(2)`` into the page cache, waiting for SHA-256 / CRC-32 after the write was done
+    (the hashes are the bound when this is large), the closing fsync (the disk writes the write-back had not yet
+    finished)."""
+
+    bytes: int = 0
+    produce: float = 0.0
+    write: float = 0.0
+    hash_wait: float = 0.0
+    fsync: float = 0.0
+
+    def summary(self, seconds: float, device_to_host: float = 0.0, planning: float = 0.0) -> str:
+        """One line: the bytes, the seconds and where they went (``seconds`` the whole save's; the rest is the
+        manifest, the ranks agreeing and the folder put in place)."""
+        gb, files = self.bytes / 1e9, self.produce + self.write + self.hash_wait + self.fsync
+        rest = seconds - device_to_host - planning - files
+        size = f"{gb:.2f} GB" if gb >= 1 else f"{self.bytes / 1e6:.1f} MB"
+        return (f"{size} in {seconds:.1f} s ({gb / max(seconds, 1e-9):.2f} GB/s): device→host "
+                f"{device_to_host:.1f} s, planning {planning:.1f} s, producing {self.produce:.1f} s, write "
+                f"{self.write:.1f} s, waiting for the hashes {self.hash_wait:.1f} s, closing fsync {self.fsync:.1f} s, "
+                f"the rest {rest:.1f} s")
+
+
+class Writeback:
+    """Starts the disk writes of a file while it is still being written: after every ``WRITEBACK_BYTES`` written
+    (``wrote``) a thread fdatasyncs the file, so the pages go to the disk beside the writing, and the closing fsync
+    waits for the last of them only. (Left to itself the kernel holds up to ``vm.dirty_ratio`` of the RAM dirty,
+    tens of GB on a training box, and the fsync writes them all at the end.) An fdatasync error is raised by
+    ``close``: the kernel reports a write-back error to one fsync of the file only, which may be this thread's."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.pending, self.error, self.closed = fd, 0, None, False
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="megatrain-ckpt-writeback", daemon=True)
+        self.thread.start()
+
+    def wrote(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= WRITEBACK_BYTES:
+            self.pending = 0
+            self.wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            if self.closed:
+                return
+            try:
+                os.fdatasync(self.fd)
+            except OSError as exc:
+                self.error = exc
+                return
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake.set()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 class StreamWriter:
     """The file being written: every byte goes through ``write`` (SHA-256 of the whole file, the CRC-32 of the
     record it is in, the count). A large piece is hashed on the pool's two threads while this thread writes it.
     ``drain``: an OSError of a write is kept in ``error`` and later writes are dropped (the caller raises it once
-    every chunk was produced)."""
+    every chunk was produced). ``times`` and ``writeback`` (optional): the seconds are added there; the bytes written
+    are told to the write-back thread."""
 
-    def __init__(self, f, pool: concurrent.futures.Executor, drain: bool = False) -> None:
+    def __init__(self, f, pool: concurrent.futures.Executor, drain: bool = False, times: SaveTimes | None = None,
+                 writeback: Writeback | None = None) -> None:
         self.f, self.pool, self.drain = f, pool, drain
+        self.times, self.writeback = times if times is not None else SaveTimes(), writeback
         self.sha, self.written, self.error = hashlib.sha256(), 0, None
 
     def write(self, data, crc: int = 0) -> int:
@@ -317,16 +406,24 @@ class StreamWriter:
         if n < _THREADED_BYTES:
             self.sha.update(data)
             crc = zlib.crc32(data, crc)
+            start = time.perf_counter()
             self.f.write(data)
+            self.times.write += time.perf_counter() - start
         else:
             sha = self.pool.submit(self.sha.update, data)
             crc_done = self.pool.submit(zlib.crc32, data, crc)
+            start = time.perf_counter()
             try:
                 self.f.write(data)
+                written = time.perf_counter()
+                self.times.write += written - start
             finally:  # the threads read ``data``: it must outlive them, whatever the write raised
                 sha.result()
                 crc = crc_done.result()
+            self.times.hash_wait += time.perf_counter() - written
         self.written += n
+        if self.writeback is not None:
+            self.writeback.wrote(n)
         return crc
 
 
@@ -343,9 +440,11 @@ def _named(exc: OSError, path: str, nbytes: int) -> OSError:
                    "abandoned (its folder removed); the previous checkpoint and 'latest' are intact")
 
 
-def write_files(files: list[StreamedFile], folder: str, drain: bool = False) -> dict[str, str]:
+def write_files(files: list[StreamedFile], folder: str, drain: bool = False,
+                times: SaveTimes | None = None) -> dict[str, str]:
     """Write ``files`` into ``folder``; returns {file name: SHA-256}. ``drain``: after a failed write, produce the
-    remaining chunks anyway (with N ranks they are collectives every rank must reach), then raise."""
+    remaining chunks anyway (with N ranks they are collectives every rank must reach), then raise. ``times``: where
+    the seconds went are added to it."""
     digests, error = {}, None
     with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="megatrain-ckpt-hash") as pool:
         for f in files:
@@ -353,7 +452,7 @@ def write_files(files: list[StreamedFile], folder: str, drain: bool = False) -> 
                 f.drain()
                 continue
             try:
-                digests[f.name] = f.write(os.path.join(folder, f.name), pool, drain)
+                digests[f.name] = f.write(os.path.join(folder, f.name), pool, drain, times)
             except OSError as exc:
                 if not drain:
                     raise

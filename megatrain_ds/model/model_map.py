@@ -169,6 +169,18 @@ def build_layout(index: int, layer: nn.Module, group_of: dict[int, int], shared_
     return LayerLayout(index, slots, n_train, offset, segments, shared)
 
 
+# the forward-hook dictionaries of an nn.Module (mirrored from a layer's submodules onto a template's)
+HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+              "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+def submodule_pairs(template: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(template submodule, the layer's submodule of the same name), the roots excluded: the layer's own hooks
+    run in its ``__call__``, outside the streamed forward."""
+    originals = dict(layer.named_modules())
+    return [(sub, originals[name]) for name, sub in template.named_modules() if name and name in originals]
+
+
 def make_template(layer: nn.Module, device: torch.device) -> nn.Module:
     """A stateless copy of ``layer``: parameters on the meta device; buffers are supplied per call.
 
@@ -177,8 +189,7 @@ def make_template(layer: nn.Module, device: torch.device) -> nn.Module:
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             for p in layer.parameters()}
     template = copy.deepcopy(layer, memo)
-    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+    for attr in HOOK_DICTS:
         getattr(template, attr).clear()  # the layer's own hooks run in its __call__, not a second time here
     if hasattr(template, "gradient_checkpointing"):
         template.gradient_checkpointing = False  # the executor already recomputes each layer

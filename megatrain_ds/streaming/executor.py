@@ -36,7 +36,8 @@ from .landing import GradientLanding, LandingListener
 from ..model.recompute_check import RecomputeCheck
 from ..model.replay import autocast_as, autocast_state, get_rng_state, replay_rng
 from .schedule import LayerSchedule
-from ..model.model_map import LayerLayout, has_tied_tensors, make_template, per_layer_attributes
+from ..model.model_map import HOOK_DICTS, LayerLayout, has_tied_tensors, make_template, per_layer_attributes, \
+    submodule_pairs
 from .timing import StepTimer
 from .timing import layer_range as _range  # a profiler range naming the phase and layer
 
@@ -119,7 +120,7 @@ class StreamedLayers(GradientLanding):
         self.mutated: list[set[str] | None] = [None] * len(layers)
         # Hooks the model (Hugging Face's output capturing, the user) puts on a layer's submodules run on the
         # template's submodules while that layer runs: pairs of (template submodule, layer submodule).
-        self.hook_pairs = [_submodule_pairs(self.templates[self.template_of[i]], layer)
+        self.hook_pairs = [submodule_pairs(self.templates[self.template_of[i]], layer)
                            for i, layer in enumerate(layers)]
         # Parameters a layer shares with another layer or with the rest of the model stay resident (one device
         # copy, its gradient accumulated into ``param.grad``): name in layer -> the model's parameter.
@@ -310,7 +311,7 @@ class StreamedLayers(GradientLanding):
         for module, name, value in self.overlays[i]:  # e.g. layer_idx, sliding_window of layer i
             setattr(module, name, value)
         for mirror, original in self.hook_pairs[i]:  # layer i's submodule hooks, by reference (no copy)
-            for attr in _HOOK_DICTS:
+            for attr in HOOK_DICTS:
                 mirror.__dict__[attr] = original.__dict__[attr]
         return template
 
@@ -333,9 +334,13 @@ class StreamedLayers(GradientLanding):
             names = self.mutated[i] if self.mutated[i] is not None else self.buffers[i].keys()
             call.buffers = {n: self.buffers[i][n].clone() for n in names}
             versions = {n: b._version for n, b in self.buffers[i].items()}
+        own = None if training or self.inference is None else self.inference.bound(i, slot)
         with self.timer.span("compute", self.streams.compute()), _range("fwd", i):
-            out = functional_call(template, self._bind(i, slot, None), (hidden, *call.args), call.kwargs,
-                                  tie_weights=self.tie_weights[self.template_of[i]])
+            if own is not None:  # a layer of the inference cache: its own module, bound once (inference.py)
+                out = own(hidden, *call.args, **call.kwargs)
+            else:
+                out = functional_call(template, self._bind(i, slot, None), (hidden, *call.args), call.kwargs,
+                                      tie_weights=self.tie_weights[self.template_of[i]])
         if training and self.buffers[i] and self.mutated[i] is None:  # learnt once per layer, from the values:
             # kernels that update running statistics in place (batch_norm) do not bump the version counter
             self.mutated[i] = {n for n, b in self.buffers[i].items()
@@ -456,9 +461,6 @@ def _make_layer_forward(executor: StreamedLayers, index: int):
 # releases ``past_key_values``, older ones ``past_key_value``, GPT-2 ``layer_past``). A value that is a cache object
 # is recognised by its type too, whatever its name (``_is_cache``): a rename upstream cannot slip one through.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-# the forward-hook dictionaries of an nn.Module (mirrored from a layer's submodules onto the template's)
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
 
 
 def _positional_names(layer: nn.Module) -> tuple[str, ...]:
@@ -671,10 +673,3 @@ def _buffers_to_device(layer: nn.Module, device: torch.device) -> dict[str, torc
             module._buffers[name] = buf.to(device)
             out[f"{path}.{name}" if path else name] = module._buffers[name]
     return out
-
-
-def _submodule_pairs(template: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """(template submodule, the layer's submodule of the same name), the roots excluded: the layer's own hooks
-    run in its ``__call__``, outside the streamed forward."""
-    originals = dict(layer.named_modules())
-    return [(sub, originals[name]) for name, sub in template.named_modules() if name and name in originals]

@@ -75,13 +75,19 @@ def _tokens_per_s(models: dict, k=16, rounds=3) -> dict[str, float]:
     return {name: k * PROMPT.shape[0] / t for name, t in best.items()}
 
 
-def test_cache_equals_streaming_and_plain_and_loads_each_layer_once(capsys):
+def test_cache_equals_streaming_and_plain_and_loads_each_layer_once(capsys, monkeypatch):
     model = tiny_hf("llama", layers=LAYERS)
     plain = copy.deepcopy(model).to(DEVICE).eval()
     cached, streamed = _engine(True, copy.deepcopy(model), trace=True), _engine(False, copy.deepcopy(model))
     want_tokens, want_logits = _generate(plain)
+    from megatrain_ds.streaming import executor as executor_module
+    real_call, bound_calls = executor_module.functional_call, []
+    monkeypatch.setattr(executor_module, "functional_call", lambda *a, **k: (bound_calls.append(1), real_call(*a, **k))[1])
+    fired = []  # a hook on a layer's submodule runs on the cached layer's own module too
+    cached.module.model.layers[1].mlp.register_forward_hook(lambda *_: fired.append(1))
 
     tokens, logits = _generate(cached.module)
+    assert not bound_calls and len(fired) == K  # every cached layer call was its own module's plain forward
     assert tokens.tolist() == want_tokens.tolist()
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert _loads(cached) == {"forward": [0] * LAYERS, "backward": [0] * LAYERS, "cache": [1] * LAYERS}
@@ -89,6 +95,7 @@ def test_cache_equals_streaming_and_plain_and_loads_each_layer_once(capsys):
     assert [op for op in cached.executor.trace if op[0] == "h2d"] == [("h2d", i, "cache") for i in range(LAYERS)]
 
     s_tokens, s_logits = _generate(streamed.module)
+    assert len(bound_calls) == K * LAYERS  # streaming binds the shared template per call
     assert s_tokens.tolist() == want_tokens.tolist()
     assert torch.equal(s_logits, logits)  # the same kernels on the same bytes
     assert _loads(streamed) == {"forward": [K] * LAYERS, "backward": [0] * LAYERS, "cache": [0] * LAYERS}
@@ -120,6 +127,8 @@ def test_generate_after_step_uses_new_weights_and_training_frees_the_cache():
     ids = _batches()[0]
     loss = engine(input_ids=ids, labels=ids).loss  # the grad-enabled forward frees the cache
     assert ex.inference.state == "idle" and ex.inference.slots == {} and ex.inference.releases == 1
+    own = [module for module, _, _ in ex.inference.modules.values()]  # the layers' own modules hold no buffer
+    assert len(own) == LAYERS and all(p is None for m in own for sub in m.modules() for p in sub._parameters.values())
     with torch.no_grad():  # a no-grad pass while the backward is pending (a DPO reference pass): streamed
         engine(input_ids=ids)
     assert ex.inference.state == "off" and "backward is pending" in ex.inference.reason

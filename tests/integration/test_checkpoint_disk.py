@@ -257,6 +257,40 @@ def test_a_full_disk_mid_save_keeps_the_previous_checkpoint_and_resume_is_exact(
     engine.destroy(), other.destroy(), resumed.destroy()
 
 
+def test_the_disk_writes_start_during_the_save_and_their_error_fails_it(tmp_path, monkeypatch):
+    """The write-back thread fdatasyncs the file while it is still being written (so the closing fsync does not
+    write the whole checkpoint at the end), and the save's times add up to the bytes it wrote. An I/O error seen by
+    the write-back (the kernel tells only one fsync of a file) fails the save, naming the file, with the previous
+    checkpoint intact."""
+    monkeypatch.setattr(checkpoint_stream, "WRITEBACK_BYTES", 256 << 10)
+    real, synced = os.fdatasync, []
+
+    def counted(fd):
+        synced.append(os.fstat(fd).st_size)  # the file's size when the write-back asked for the disk
+        return real(fd)
+    monkeypatch.setattr(os, "fdatasync", counted)
+    engine = _engine()
+    _train(engine, 0, 1)
+    engine.save_checkpoint(str(tmp_path))
+    optim = os.path.getsize(tmp_path / "global_step1" / OPTIM_FILE)
+    assert optim > 1 << 20 and len(synced) >= 3, (optim, synced)
+    assert 0 < min(synced) < optim  # during the write, not after it
+    times = engine.last_save_times
+    assert times.bytes == optim + os.path.getsize(tmp_path / "global_step1" / MODEL_FILE)
+    assert times.write > 0 and times.fsync >= 0 and times.produce >= 0 and times.hash_wait >= 0
+
+    def failing(fd):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(os, "fdatasync", failing)
+    _train(engine, 1, 1)
+    with pytest.raises(OSError, match=rf"writing {re.escape(str(tmp_path))}/\.global_step2\.tmp-\d+/{OPTIM_FILE} "
+                                      "failed: Input/output error"):
+        engine.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == []
+    engine.destroy()
+
+
 # ---------------------------------------------------------------------------------------------- the file format
 def test_a_streamed_file_is_the_archive_torch_save_writes(tmp_path):
     """torch.load reads it (in memory, memory-mapped, weights_only, and with torch's computed storage offsets,
