@@ -21,6 +21,7 @@ import contextlib
 import enum
 import functools
 import itertools
+import math
 import warnings
 
 import torch
@@ -237,12 +238,21 @@ class GatheredParameters:
         for engine in engines.values():  # the device copies a forward in the block computes on hold the last step
             if any(p._megatrain_home.layer is None and p._megatrain_home.engine is engine for p in self.params):
                 engine.resident.upload()  # (before p.data is swapped: it writes into the device copies)
-        for engine in engines.values():  # one wait, and each GPU-held layer's master to the host once
-            engine._settle_reads([p._megatrain_home for p in self.params if p._megatrain_home.engine is engine])
+        ready = {}  # id(param) -> its gathered value, where the engine made them on its device at once
+        for engine in engines.values():
+            mine = [p for p in self.params if p._megatrain_home.engine is engine]
+            values = _gather_on_device(engine, mine)
+            if values is not None:
+                ready.update(zip(map(id, mine), values))
+            else:  # one wait, and each GPU-held layer's master to the host once
+                engine._settle_reads([p._megatrain_home for p in mine])
         for p in self.params:
             self._saved.append((p, p.data, p.ds_status))
-            with _watch(p, "gathering"):
-                p.data = p._megatrain_home.read(settled=True)
+            value = ready.get(id(p))
+            if value is None:
+                with _watch(p, "gathering"):
+                    value = p._megatrain_home.read(settled=True)
+            p.data = value
             p.ds_status = _status_enum().AVAILABLE
         for engine in engines.values():  # a forward in the block runs on the device copies, not on the host copies
             resident = [p for p in self.params
@@ -263,6 +273,37 @@ class GatheredParameters:
             p.ds_status = status
         self._saved.clear()
         return False
+
+
+def _gather_on_device(engine, params: list) -> list[torch.Tensor] | None:
+    """The values a ``GatheredParameters`` block hands out for ``params`` (fp32 copies of their masters), made on
+    the engine's device as DeepSpeed gathers: a GPU-held layer's from its device master (no device→host copy), the
+    others from their host masters, a resident one from wherever its master is. One process only, and on CUDA only
+    when the copies take at most half the free device memory (a model larger than the GPU, the engine's case, is
+    gathered in host memory); None: the caller reads them on the host (``engine._settle_reads``, ``ParamHome.read``).
+    (A 1.5B model's whole-model gather before each GRPO rollout took 1.1 s on the host path, on an H200.)"""
+    if engine.dp.active or not params:
+        return None
+    if engine.device.type == "cuda":
+        need = sum(4 * math.prod(getattr(p, "ds_shape", p.shape)) for p in params)
+        free, _ = torch.cuda.mem_get_info(engine.device)
+        free += torch.cuda.memory_reserved(engine.device) - torch.cuda.memory_allocated(engine.device)
+        if need > 0.5 * free:
+            return None
+    engine.synchronize()  # no update is writing the masters
+    states, resident, values = engine.layer_states, engine.resident, []
+    for p in params:
+        home = p._megatrain_home
+        if home.layer is None:
+            k = home.resident_index
+            master = resident.master[k].detach()
+            values.append(master.to(engine.device, torch.float32, copy=True).view(resident.params[k].shape))
+            continue
+        master = states.device_param(home.layer, home.name)
+        if master is None:
+            master = states.param_master(home.layer, home.name)
+        values.append(master.to(engine.device, torch.float32, copy=True))
+    return values
 
 
 def _watch(param, doing: str):

@@ -153,6 +153,16 @@ class LayerStates:
         """One parameter of layer i where the host keeps it (``HostLayerStore.param_master``)."""
         return self.store.param_master(i, name)
 
+    def device_param(self, i: int, name: str) -> torch.Tensor | None:
+        """A trainable parameter of a GPU-held layer: a view of its device master (the current value; the host copy
+        is as of the last ``sync_to_host``); None for any other parameter (its host master is current)."""
+        if not self.on_gpu(i):
+            return None
+        slot = next(s for s in self.layouts[i].slots if s.name == name)
+        if not slot.trainable:
+            return None
+        return self.device_state.master_of(i)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
     def ds_tensor(self, i: int, slot) -> torch.Tensor:
         """A streamed parameter's ``ds_tensor``: a view of where it is kept (``param_master``); an NVMe layer's
         master has no RAM view, so its wire copy (compute dtype, as DeepSpeed's own ``ds_tensor``); empty for a layer

@@ -145,18 +145,20 @@ def test_gather_and_export_with_device_held_optimizer_state():
     w = engine.module.model.layers[0].self_attn.q_proj.weight
     with megatrain_ds.zero.GatheredParameters(w):
         gathered = w.data.clone()
-    want = engine.store.param_master(0, "self_attn.q_proj.weight")
-    assert torch.equal(gathered, want)
-    assert torch.equal(want.reshape(-1), device_master[:want.numel()].cpu())  # layout: q_proj first
+    assert torch.equal(gathered.reshape(-1), device_master[:w.ds_numel].cpu())  # layout: q_proj first
+    stale = engine.store.param_master(0, "self_attn.q_proj.weight")  # the host copy, as of the last sync
+    assert not torch.equal(gathered, stale)
     exported = engine._zero3_consolidated_16bit_state_dict()
     assert torch.equal(exported["model.layers.0.self_attn.q_proj.weight"], gathered)
     engine.destroy()
 
 
-def test_whole_model_gather_copies_each_device_held_layer_once():
-    """TRL's rollout gathers every parameter: a GPU-held layer's master comes to the host once per gather, not once
-    per parameter (a 1.5B model's 28 layers x 12 parameters moved its layers D2H a dozen times over), and every
-    gathered value is the current master: the device's for the held layers, the host's for the others."""
+def test_whole_model_gather_reads_device_held_layers_where_they_are():
+    """TRL's rollout gathers every parameter. In one process the values are made on the engine's device, as
+    DeepSpeed gathers: a GPU-held layer's straight from its device master, never copied to the host first (a 1.5B
+    model's 28 layers x 12 parameters once moved its layers D2H a dozen times over; then once each, 1.1 s per rollout
+    on an H200), and every gathered value is the current master: the device's for the held layers, the host's for
+    the others. They are copies: an edit without modifier_rank changes no master."""
     cfg = {**CFG, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "megatrain": {"gpu_optimizer_layers": 2}}
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
     _train(engine, None, steps=2)
@@ -165,10 +167,16 @@ def test_whole_model_gather_copies_each_device_held_layer_once():
     refresh = states._refresh_host
     states._refresh_host = lambda i: (refreshed.append(i), refresh(i))[1]
     params = list(engine.module.parameters())
+    before = {n: t.clone() for n, t in engine.master_state_dict().items()}
+    refreshed.clear()
     with megatrain_ds.zero.GatheredParameters(params):
         gathered = {n: p.data.clone() for n, p in engine.module.named_parameters()}
-    assert sorted(i for i in refreshed if states.on_gpu(i)) == [0, 1]  # each held layer once
+        assert {p.data.device.type for p in params} == {engine.device.type}
+        for p in params:
+            p.data.add_(1.0)  # not written back: no modifier_rank
+    assert refreshed == []  # no held layer went to the host
     masters = engine.master_state_dict()
+    assert all(torch.equal(masters[n], before[n]) for n in before)
     for name, value in gathered.items():
         assert torch.equal(value.cpu(), masters[name].reshape(value.shape).cpu()), name
     engine.destroy()
