@@ -33,8 +33,9 @@ forward. The policy, as implemented by ``InferenceCache.acquire`` (one call per 
   shared template (``functional_call``: swapping each parameter in and out, per call) is paid layers × tokens
   times; on a 1.5B model it made the engine's generate about twice a plain model's. A cached layer gets a module
   of its own instead (``bound``): a stateless copy of layer i (``make_template``) whose parameters are set once to
-  views of its cache buffer and whose buffers are the executor's, so a call is the layer's plain forward. It is
-  built once per layer and re-pointed only when its buffer changes. Layers with a parameter shared with another
+  views of its cache buffer (or of its kept buffer: a kept layer is not copied into the cache) and whose buffers are
+  the executor's, so a call is the layer's plain forward. It is built once per layer and re-pointed only when its
+  buffer changes; ``release`` (the next training forward) lets go of the buffers. Layers with a parameter shared with another
   layer or tied inside the layer keep ``functional_call``.
 
 Data parallel (dp.py): every rank runs the same forwards, so every rank's cache uploads layer i at the same
@@ -100,12 +101,13 @@ class InferenceCache:
                 entry[1] = None
 
     def bound(self, i: int, slot: Slot) -> nn.Module | None:
-        """Layer i's own module with its parameters in ``slot`` (a buffer of this cache), ready to call; None where
-        the layer must go through ``functional_call`` (a parameter shared with another layer, or tied inside it;
-        not a buffer of this cache)."""
+        """Layer i's own module with its parameters in ``slot`` (a buffer of this cache, or a kept layer's own),
+        ready to call; None where the layer must go through ``functional_call`` (a parameter shared with another
+        layer, or tied inside it; a streaming slot)."""
         ex = self.ex
         template = ex.templates[ex.template_of[i]]
-        if (self.slots.get(i) is not slot or ex.shared[i] or ex.tie_weights[ex.template_of[i]]
+        ours = slot is self.slots.get(i) or slot is ex.keep_slots.get(i)  # a kept layer's buffer serves it too
+        if (not ours or ex.shared[i] or ex.tie_weights[ex.template_of[i]]
                 or "forward" in template.__dict__):  # (a forward patched on the layer: the template's path)
             return None
         entry = self.modules.get(i)

@@ -202,6 +202,17 @@ def test_bf16_with_a_kept_layer():
     cache = engines[0].executor.inference
     assert sorted(cache.slots) == [0, 1] and cache.nbytes() == 2 * engines[0].store.layouts[0].numel * 2
     assert _loads(engines[0])["cache"] == [1] * LAYERS and _loads(engines[0])["forward"] == [0] * LAYERS
+    ex = engines[0].executor  # every layer ran as its own module, the kept one bound to its kept buffer
+    assert sorted(cache.modules) == [0, 1, 2] and cache.modules[2][1] is ex.keep_slots[2]
+    for engine in engines:  # a training step (the kept layer's graph, its weights rewritten in place), then again
+        engine.module.train()
+        ids = _batches()[0]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    assert all(p is None for sub in cache.modules[2][0].modules() for p in sub._parameters.values())
+    again = [_generate(engine.module) for engine in engines]
+    assert again[0][0].tolist() == again[1][0].tolist() and torch.equal(again[0][1], again[1][1])
+    assert not torch.equal(again[0][1], outs[0][1])  # the new weights
     for engine in engines:
         engine.destroy()
 
