@@ -12,7 +12,8 @@ id decodes), a chat template, and two local datasets:
 the Trainer's own per-step log records (loss, grad_norm, ...) with the time each was printed, the median interval
 between consecutive step records after the first ``--skip`` (the step time as the Trainer logs it, one record
 per step with ``--logging_steps 1``), the Trainer's final ``train_runtime``, the wall time of the whole command and
-of the final save (from the "Training completed" line to exit), and the process tree's peak host RSS.
+of the final save (from the "Training completed" line to exit), the process tree's peak host RSS, and the peak GPU
+memory used on the visible GPUs (nvidia-smi, every 0.5 s; none on a box without it).
 
     python -m benchmarks.trl_bench prepare --shape qwen2.5-3b --out DIR
     python -m benchmarks.trl_bench timed --json OUT.json -- accelerate launch ... trl/scripts/sft.py ...
@@ -130,9 +131,9 @@ def timed(cmd: list[str], json_out: str, skip: int) -> int:
     start = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each record printed when its step ends, not when a buffer fills
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
-    peak = [0]
+    peak, gpu_peak = [0], [None]
 
-    def watch():  # the process tree's RSS, every 0.5 s
+    def watch():  # the process tree's RSS, and the GPUs' used memory (nvidia-smi, where there is one), every 0.5 s
         p = psutil.Process(proc.pid)
         while proc.poll() is None:
             try:
@@ -140,6 +141,9 @@ def timed(cmd: list[str], json_out: str, skip: int) -> int:
                 peak[0] = max(peak[0], rss)
             except psutil.Error:
                 pass
+            used = _gpu_used_bytes()
+            if used is not None:
+                gpu_peak[0] = max(gpu_peak[0] or 0, used)
             time.sleep(0.5)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -165,6 +169,7 @@ def timed(cmd: list[str], json_out: str, skip: int) -> int:
     gaps = [b["t"] - a["t"] for a, b in zip(records, records[1:])][skip:]
     summary = {
         "argv": cmd, "rc": rc, "wall_s": wall, "peak_host_rss_gb": peak[0] / 1e9,
+        "peak_gpu_used_gb": None if gpu_peak[0] is None else gpu_peak[0] / 1e9,
         "steps_logged": len(records), "median_step_s": statistics.median(gaps) if gaps else None,
         "step_gaps_s": gaps, "train_runtime": final.get("train_runtime"), "final": final,
         "save_s": (wall - done_at) if done_at is not None else None, "records": records,
@@ -173,18 +178,35 @@ def timed(cmd: list[str], json_out: str, skip: int) -> int:
         json.dump(summary, f, indent=1)
     print(f"== rc {rc}, {len(records)} step records, median step {summary['median_step_s']}, "
           f"train_runtime {summary['train_runtime']}, save {summary['save_s']}, wall {wall:.1f} s, "
-          f"peak host RSS {summary['peak_host_rss_gb']:.1f} GB", flush=True)
+          f"peak host RSS {summary['peak_host_rss_gb']:.1f} GB, peak GPU memory used "
+          f"{'-' if gpu_peak[0] is None else f'{gpu_peak[0] / 1e9:.1f} GB'}", flush=True)
     return rc
+
+
+def _gpu_used_bytes() -> int | None:
+    """Memory used on the visible GPUs (CUDA_VISIBLE_DEVICES respected), as nvidia-smi reports it (every process's,
+    the CUDA context included: what a user sees); None without nvidia-smi."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
+    keep = None if not visible else {v.strip() for v in visible.split(",")}
+    used = [int(mib) for index, mib in rows if keep is None or index.strip() in keep]
+    return sum(used) * 2**20 if used else None
 
 
 def table(outdir: str, phase: str, tokens_per_step: int | None = None) -> str:
     """The phase's systems side by side: median step (the Trainer's records), tokens/s where the step's tokens
-    are fixed (SFT: batch × max_length), train_runtime, the final save, peak host RSS; megatrain_ds / DeepSpeed."""
+    are fixed (SFT: batch × max_length), train_runtime, the final save, peak host RSS and GPU memory used (nvidia-smi;
+    "–" where there was none); megatrain_ds / DeepSpeed."""
     rows, med = [], {}
     for system in ("deepspeed", "megatrain"):
         path = os.path.join(outdir, f"{phase}_{system}.json")
         if not os.path.exists(path):
-            rows.append(f"| {system} | did not run | | | | | | |")
+            rows.append(f"| {system} | did not run |" + " |" * 8)
             continue
         d = json.load(open(path))
         m = d["median_step_s"]
@@ -194,9 +216,9 @@ def table(outdir: str, phase: str, tokens_per_step: int | None = None) -> str:
         fmt = lambda v, f="{:.2f}": "–" if v is None else f.format(float(v))  # noqa: E731  (the Trainer logs strings)
         rows.append(f"| {system} | {d['rc']} | {d['steps_logged']} | {fmt(m, '{:.3f}')} | {tps} | "
                     f"{fmt(d['train_runtime'])} | {fmt(d['save_s'], '{:.1f}')} | {d['peak_host_rss_gb']:.1f} | "
-                    f"{last.get('loss', '–')} |")
+                    f"{fmt(d.get('peak_gpu_used_gb'), '{:.1f}')} | {last.get('loss', '–')} |")
     head = ("| system | rc | step records | median step s | tokens/s | train_runtime s | final save s | "
-            "peak host RSS GB | last loss |\n|---|---|---|---|---|---|---|---|---|")
+            "peak host RSS GB | peak GPU used GB | last loss |\n|---|---|---|---|---|---|---|---|---|---|")
     ratio = ""
     if med.get("deepspeed") and med.get("megatrain"):
         ratio = f"\n\nmegatrain_ds / DeepSpeed by median step: **{med['deepspeed'] / med['megatrain']:.2f}×**"

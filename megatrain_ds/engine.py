@@ -103,7 +103,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         self.layer_states = LayerStates(self.store, device)  # where each layer's state lives: the one owner
         self.executor, self.tiled_modules = build_executor(layers, layouts, self.layer_states, device, self.streams,
                                                            self.worker, config, dec, self.dp, type(model).__name__,
-                                                           self.timer)
+                                                           self.timer, self._open_implicit_backward)
         for i, layer in enumerate(layers):
             self.store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
         self.store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
@@ -134,7 +134,6 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             self.optimizer.parameter_offload = self._offload  # where trl's remove_hooks/add_hooks look
             self.timer.counters = step_counters(self.optimizer, self.store)
         self._implicit_final: bool | None = None  # a loss.backward() is open: its ``final`` ([Note: loss.backward()])
-        self.executor.open_implicit_backward = self._open_implicit_backward
         self.counters = StepCounters()  # global_steps, micro_steps, ...: one value (checkpoints/step_counters.py)
         self._boundary_override: bool | None = None
         self._last_norm = None

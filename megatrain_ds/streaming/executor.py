@@ -38,22 +38,10 @@ from ..model.replay import autocast_as, autocast_state, get_rng_state, replay_rn
 from .schedule import LayerSchedule
 from ..model.model_map import HOOK_DICTS, LayerLayout, has_tied_tensors, make_template, per_layer_attributes, \
     submodule_pairs
+from .inference import InferenceCache
+from .slot import Slot
 from .timing import StepTimer
 from .timing import layer_range as _range  # a profiler range naming the phase and layer
-
-
-@dataclass(slots=True, eq=False)  # identity, not tensor comparison
-class Slot:
-    """A device buffer holding one layer's wire weights, with the events that guard it."""
-
-    buf: torch.Tensor  # compute dtype; the templates' parameters are views of it
-    stage: torch.Tensor | None = None  # wire dtype, when it differs (fp32 master streamed, cast on GPU)
-    layer: int = -1
-    version: int = -1
-    ready: object = None  # recorded on h2d after the copy into buf
-    free: object = None  # recorded on compute after the last kernel reading buf
-    last_use: int = 0
-    views: tuple | None = None  # (layer, {name: view of buf}): _bind's views, built once per layer held
 
 
 @dataclass(slots=True, eq=False)  # identity: a call is a key of the saved-activation maps
@@ -86,7 +74,8 @@ class StreamedLayers(GradientLanding):
     def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], states: LayerStates,
                  device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2,
                  compute_dtype: torch.dtype | None = None, dp=None, check: RecomputeCheck | None = None,
-                 timer: StepTimer | None = None) -> None:
+                 timer: StepTimer | None = None, trace: bool = False, inference_cache: bool | str = "auto",
+                 inference_cache_memory: float = 0.5, activations=None, open_implicit_backward=None) -> None:
         if num_slots < 2:
             raise ValueError(f"megatrain.num_slots must be >= 2 for double buffering, got {num_slots}")
         self.layouts, self.store, self.device = layouts, states.store, device
@@ -131,9 +120,9 @@ class StreamedLayers(GradientLanding):
         self.check = check if check is not None else RecomputeCheck(False, "auto", torch.float32, "", False)
         self._last_call: LayerCall | None = None
         self.in_engine_backward = False  # between begin_backward() and end_backward(); other backwards are refused
-        # set by the engine: called (on autograd's thread) by a backward through the streamed layers outside
+        # the engine's: called (on autograd's thread) by a backward through the streamed layers outside
         # engine.backward(loss), e.g. a script's loss.backward(); it opens the backward or raises why it cannot
-        self.open_implicit_backward = None
+        self.open_implicit_backward = open_implicit_backward
         # told of each final landing, on the landing thread (landing.py); set once, by ``listen``
         self.landing_listener: LandingListener | None = None
         max_numel = max(l.numel for l in layouts)
@@ -151,17 +140,18 @@ class StreamedLayers(GradientLanding):
         self.schedule = LayerSchedule(len(layouts))
         self.backward_done = None  # mark_backward_done(): event on compute after the last backward (device-state
         # updates wait on it)
-        self.activations = None  # HostActivations when layer inputs are kept in host memory
+        self.activations = activations  # HostActivations when layer inputs are kept in host memory
         # per-layer gradient norms taken on the GPU (GA 1, device-state layers) and their pinned host landing
         self.norm_dev = torch.zeros(len(layouts), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(layouts), dtype=torch.float32)
         if device.type == "cuda":
             self.norm_host = self.norm_host.pin_memory()
         self.final_micro = True  # begin_backward(): this backward closes the accumulation window
-        self.trace: list[tuple] | None = None  # (op, layer, slot) when tracing is on
+        self.trace: list[tuple] | None = [] if trace else None  # (op, layer, slot) when tracing is on
         # H2D layer loads, per direction ("forward", "backward", "cache": uploads into the inference cache)
         self.h2d_loads = {d: [0] * len(layouts) for d in ("forward", "backward", "cache")}
-        self.inference = None  # InferenceCache (inference.py): no-grad forwards on device-resident weights
+        # no-grad forwards on device-resident weights (inference.py; megatrain.inference_cache and _memory)
+        self.inference = InferenceCache(self, inference_cache, inference_cache_memory)
         self._direction = "forward"
         self.timer = timer if timer is not None else StepTimer(streams, enabled=False)  # the engine's breakdown
         self._tick = 0

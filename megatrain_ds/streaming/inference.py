@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ..model.model_map import HOOK_DICTS, make_template, submodule_pairs
-from .executor import Slot
+from .slot import Slot
 
 
 class InferenceCache:

@@ -25,7 +25,6 @@ from ..planning.decisions import Decisions, HostShare, resolve
 from ..streaming.executor import StreamedLayers
 from ..planning.host_bytes import host_budget_bytes
 from ..host.host_state import HostLayerStore
-from ..streaming.inference import InferenceCache
 from ..host.layer_state import LayerStates
 from ..log import logger
 from ..host.nvme import check_path
@@ -230,23 +229,21 @@ def build_workers(config: TrainConfig, device: torch.device, local_rank: int, dp
 
 
 def build_executor(layers: nn.ModuleList, layouts, states: LayerStates, device: torch.device, streams, worker,
-                   config: TrainConfig, dec: Decisions, dp, model_name: str,
-                   timer: StepTimer) -> tuple[StreamedLayers, list[str]]:
+                   config: TrainConfig, dec: Decisions, dp, model_name: str, timer: StepTimer,
+                   open_implicit_backward=None) -> tuple[StreamedLayers, list[str]]:
     """(the streamed-layer executor, the "template:path" of each tiled module): the executor with its recompute
     check, long-context tiling of the templates' MLPs (and non-liger RMSNorms), trace, no-grad inference cache and
-    activation offload as the config asks."""
+    activation offload as the config asks; ``open_implicit_backward``: the engine's, for a script's loss.backward()."""
     mt = config.megatrain
     steps = True if dec.check_recompute_steps is None else dec.check_recompute_steps  # True: every step
     check = RecomputeCheck(steps, dec.check_recompute_tolerance, dec.compute_dtype, model_name,
                            input_from_next=mt.offload_activations)
     executor = StreamedLayers(layers, layouts, states, device, streams, worker, num_slots=mt.num_slots,
-                              compute_dtype=dec.compute_dtype, dp=dp, check=check, timer=timer)
+                              compute_dtype=dec.compute_dtype, dp=dp, check=check, timer=timer, trace=mt.trace,
+                              inference_cache=mt.inference_cache, inference_cache_memory=mt.inference_cache_memory,
+                              activations=HostActivations(streams, device) if mt.offload_activations else None,
+                              open_implicit_backward=open_implicit_backward)
     tiled_modules = apply_tiling(executor.templates, mt.tiled_mlp)
-    if mt.trace:
-        executor.trace = []
-    executor.inference = InferenceCache(executor, mt.inference_cache, mt.inference_cache_memory)
-    if mt.offload_activations:
-        executor.activations = HostActivations(streams, device)
     return executor, tiled_modules
 
 
