@@ -279,13 +279,15 @@ def _gather_on_device(engine, params: list) -> list[torch.Tensor] | None:
     """The values a ``GatheredParameters`` block hands out for ``params`` (fp32 copies of their masters), made on
     the engine's device as DeepSpeed gathers: a GPU-held layer's from its device master (no device→host copy), the
     others from their host masters, a resident one from wherever its master is. One process only, and on CUDA only
-    when the copies take at most half the free device memory (a model larger than the GPU, the engine's case, is
-    gathered in host memory); None: the caller reads them on the host (``engine._settle_reads``, ``ParamHome.read``).
+    when the copies and the inference cache (inference.py: what a generate in the block uploads) take at most half
+    the free device memory: a model larger than the GPU, the engine's case, is gathered in host memory, and the
+    gather never pushes a rollout off the cache into streaming every token. None: the caller reads them on the host
+    (``engine._settle_reads``, ``ParamHome.read``).
     (A 1.5B model's whole-model gather before each GRPO rollout took 1.1 s on the host path, on an H200.)"""
     if engine.dp.active or not params:
         return None
-    if engine.device.type == "cuda":
-        need = sum(4 * math.prod(getattr(p, "ds_shape", p.shape)) for p in params)
+    if engine.device.type == "cuda":  # the copies, and the inference cache a generate in the block will want
+        need = sum(4 * math.prod(getattr(p, "ds_shape", p.shape)) for p in params) + engine.executor.inference.nbytes()
         free, _ = torch.cuda.mem_get_info(engine.device)
         free += torch.cuda.memory_reserved(engine.device) - torch.cuda.memory_allocated(engine.device)
         if need > 0.5 * free:

@@ -180,3 +180,31 @@ def test_whole_model_gather_reads_device_held_layers_where_they_are():
     for name, value in gathered.items():
         assert torch.equal(value.cpu(), masters[name].reshape(value.shape).cpu()), name
     engine.destroy()
+
+
+def test_a_gather_goes_to_the_gpu_only_when_it_leaves_room_for_the_inference_cache(monkeypatch):
+    """On CUDA the gathered copies are made on the device only when they and the inference cache a generate in the
+    block will upload take at most half the free device memory; otherwise (a model larger than the GPU) the host
+    path reads them. (The CUDA calls are stood in for: the rule, not the copies, is what this checks.)"""
+    import types
+
+    from megatrain_ds.api import zero
+
+    class Sentinel(Exception):
+        pass
+
+    def synchronize():
+        raise Sentinel  # the device path's first step: it was taken
+    engine = types.SimpleNamespace(dp=types.SimpleNamespace(active=False), device=torch.device("cuda", 0),
+                                   executor=types.SimpleNamespace(inference=types.SimpleNamespace(nbytes=lambda: 600)),
+                                   synchronize=synchronize)
+    params = [types.SimpleNamespace(ds_shape=(10, 10), shape=(0,))]  # 400 bytes of fp32 copies (ds_shape: the whole)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1999, 4000))
+    assert zero._gather_on_device(engine, params) is None  # 400 + 600 > half of 1999
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2000, 4000))
+    with pytest.raises(Sentinel):
+        zero._gather_on_device(engine, params)
+    engine.dp.active = True  # data parallel: the host path (its reads are collectives)
+    assert zero._gather_on_device(engine, params) is None
