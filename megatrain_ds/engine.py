@@ -645,7 +645,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             return self.resident.master_copy(k).view(self.resident.params[k].shape).to(self.device, torch.float32)
         if self.dp.active:  # a collective, as DeepSpeed's GatheredParameters: the owner's master to every rank
             import torch.distributed as dist
-            slot = next(s for s in self.store.layouts[home.layer].slots if s.name == home.name)
+            slot = self.store.slot_of(home.layer, home.name)
             value = (states.param_master(home.layer, home.name).to(torch.float32, copy=True)
                      if states.holds(home.layer) else torch.empty(slot.shape, dtype=torch.float32))
             dist.broadcast(value, src=self.dp.owner(home.layer), group=self.dp.cpu_group)

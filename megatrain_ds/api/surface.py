@@ -188,7 +188,7 @@ class EngineSurface:
 
     def _slot_of(self, home):
         """The layout slot of a streamed layer's parameter: where it sits in the layer's flat buffers."""
-        return next(slot for slot in self.layer_states.layouts[home.layer].slots if slot.name == home.name)
+        return self.layer_states.store.slot_of(home.layer, home.name)
 
     def _data_parallel(self):
         """The engine's ``DataParallel`` when several processes train (dp.py), else None."""

@@ -231,8 +231,10 @@ class StreamedFile:
                 try:
                     out = StreamWriter(f, pool, drain, times, writeback)
                     self._records(out, times)
-                finally:
-                    writeback.close()  # raises the write-back's OSError, if it had one (the fsync below would not)
+                except BaseException:
+                    writeback.close(raise_error=False)  # the error in flight is the one to report
+                    raise
+                writeback.close()  # raises the write-back's OSError, if it had one (the fsync below would not)
                 if out.error is not None:  # (drain: every chunk was produced)
                     raise out.error
                 if out.written != self.nbytes:  # the layout written is the one the sizes were planned with
@@ -368,11 +370,13 @@ class Writeback:
                 self.error = exc
                 return
 
-    def close(self) -> None:
+    def close(self, raise_error: bool = True) -> None:
+        """Stop the thread (after the fdatasync in progress, if any); raise its error unless ``raise_error`` is
+        false."""
         self.closed = True
         self.wake.set()
         self.thread.join()
-        if self.error is not None:
+        if raise_error and self.error is not None:
             raise self.error
 
 

@@ -251,7 +251,7 @@ class HostLayerStore:
     def set_param_master(self, i: int, name: str, value: torch.Tensor) -> None:
         """Overwrite one parameter of layer ``i`` where it is kept (``param_master``: its master, or the wire copy of a
         frozen one) and refresh the wire copy of what changed."""
-        slot = self._slot(i, name)
+        slot = self.slot_of(i, name)
         if self.master_on_disk(i) and slot.trainable:
             master = self.read_master(i).clone()
             master[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
@@ -311,7 +311,8 @@ class HostLayerStore:
         if self.tier is not None:
             self.tier.flush()
 
-    def _slot(self, i: int, name: str):
+    def slot_of(self, i: int, name: str):
+        """Layer i's layout slot named ``name`` (where the parameter sits in the layer's flat buffers)."""
         for slot in self.layouts[i].slots:
             if slot.name == name:
                 return slot
@@ -321,7 +322,7 @@ class HostLayerStore:
         """Where one parameter of layer ``i`` is kept (a view, shaped like the parameter): its fp32 master; for a
         frozen parameter of a ``compact`` store, its wire copy (compute dtype). An NVMe layer's master: a view of a
         copy (reading only; ``set_param_master`` writes)."""
-        slot = self._slot(i, name)
+        slot = self.slot_of(i, name)
         flat = self.read_master(i) if slot.trainable else self.frozen_of(i)
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 

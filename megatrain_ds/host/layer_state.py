@@ -158,7 +158,7 @@ class LayerStates:
         is as of the last ``sync_to_host``); None for any other parameter (its host master is current)."""
         if not self.on_gpu(i):
             return None
-        slot = next(s for s in self.layouts[i].slots if s.name == name)
+        slot = self.store.slot_of(i, name)
         if not slot.trainable:
             return None
         return self.device_state.master_of(i)[slot.offset:slot.offset + slot.numel].view(slot.shape)

@@ -311,7 +311,7 @@ class StreamedLayers(GradientLanding):
         i = call.index
         # no-grad: the inference cache's device-resident copy when its policy allows (None: stream as ever); a
         # grad-enabled call frees the cache first (inference.py)
-        slot = self.inference.acquire(i, training) if self.inference is not None else None
+        slot = self.inference.acquire(i, training)
         slot = slot or self._acquire(i, step=+1)
         template = self._template(i)
         if training and i in self.keep:
@@ -324,7 +324,7 @@ class StreamedLayers(GradientLanding):
             names = self.mutated[i] if self.mutated[i] is not None else self.buffers[i].keys()
             call.buffers = {n: self.buffers[i][n].clone() for n in names}
             versions = {n: b._version for n, b in self.buffers[i].items()}
-        own = None if training or self.inference is None else self.inference.bound(i, slot)
+        own = None if training else self.inference.bound(i, slot)
         with self.timer.span("compute", self.streams.compute()), _range("fwd", i):
             if own is not None:  # a layer of the inference cache: its own module, bound once (inference.py)
                 out = own(hidden, *call.args, **call.kwargs)

@@ -32,7 +32,8 @@ forward. The policy, as implemented by ``InferenceCache.acquire`` (one call per 
 - **How a cached layer runs.** A decode step calls every layer once per token, so the per-call cost of binding a
   shared template (``functional_call``: swapping each parameter in and out, per call) is paid layers × tokens
   times; on a 1.5B model it made the engine's generate about twice a plain model's. A cached layer gets a module
-  of its own instead (``bound``): a stateless copy of layer i (``make_template``) whose parameters are set once to
+  of its own instead (``bound``): a copy of layer i's template (its tiling and kernels, layer i's overlays such
+  as ``layer_idx``) whose parameters are set once to
   views of its cache buffer (or of its kept buffer: a kept layer is not copied into the cache) and whose buffers are
   the executor's, so a call is the layer's plain forward. It is built once per layer and re-pointed only when its
   buffer changes; ``release`` (the next training forward) lets go of the buffers. Layers with a parameter shared with another
@@ -46,10 +47,12 @@ CPU/gloo with 2 ranks in tests/engine/test_generate.py).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from ..model.model_map import HOOK_DICTS, make_template, submodule_pairs
+from ..model.model_map import HOOK_DICTS, submodule_pairs
 from .slot import Slot
 
 
@@ -111,9 +114,11 @@ class InferenceCache:
                 or "forward" in template.__dict__):  # (a forward patched on the layer: the template's path)
             return None
         entry = self.modules.get(i)
-        if entry is None:
-            module = make_template(ex.layers[i], ex.device)
-            module.__dict__.pop("forward", None)  # the copy of the layer's rerouted forward (executor.py): its class's forward runs
+        if entry is None:  # layer i's template as the executor runs it (its tiling, its kernels), with i's overlays
+            module = copy.deepcopy(template)  # (parameters on the meta device until bound below)
+            paths = {id(sub): path for path, sub in template.named_modules()}
+            for sub, name, value in ex.overlays[i]:  # e.g. layer_idx, sliding_window of layer i
+                setattr(module.get_submodule(paths[id(sub)]), name, value)
             entry = self.modules[i] = [module, None, submodule_pairs(module, ex.layers[i])]
         module, bound_to, pairs = entry
         if bound_to is not slot:  # (the cache was built again: a new buffer)

@@ -88,6 +88,13 @@ def test_cache_equals_streaming_and_plain_and_loads_each_layer_once(capsys, monk
 
     tokens, logits = _generate(cached.module)
     assert not bound_calls and len(fired) == K  # every cached layer call was its own module's plain forward
+    from megatrain_ds.model.tiling import TiledForward  # ... of its template as the executor runs it: tiled too
+    ex = cached.executor
+    for module, _, _ in ex.inference.modules.values():
+        tiled = [n for n, m in module.named_modules() if isinstance(m.__dict__.get("forward"), TiledForward)]
+        assert tiled == [n for n, m in ex.templates[0].named_modules()
+                         if isinstance(m.__dict__.get("forward"), TiledForward)] and "mlp" in tiled
+    assert [m.self_attn.layer_idx for m, _, _ in ex.inference.modules.values()] == list(range(LAYERS))
     assert tokens.tolist() == want_tokens.tolist()
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert _loads(cached) == {"forward": [0] * LAYERS, "backward": [0] * LAYERS, "cache": [1] * LAYERS}
