@@ -278,3 +278,21 @@ def test_data_parallel_two_ranks(tmp_path):
             assert got["same_tokens"] and got["max_logit_diff"] <= 1e-5, (rank, phase, got)
             assert got["loads"]["cache"] == [cache_loads] * 3, (rank, phase, got)
         assert report["after_step"]["loads"]["forward"] == [1] * 3  # the training forward only
+
+
+def test_a_lora_model_generates_from_the_cache_as_plain_peft():
+    """A peft LoRA model (adapters inside the layers, the base frozen): its cached layers run as their own modules
+    and generate what streaming and the plain peft model generate."""
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(tiny_hf("llama", layers=LAYERS), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))  # non-zero adapters: they count
+    plain = copy.deepcopy(lora).to(DEVICE)
+    cached, streamed = _engine(True, copy.deepcopy(lora)), _engine(False, copy.deepcopy(lora))
+    want_tokens, want_logits = _generate(plain)
+    for engine in (cached, streamed):
+        tokens, logits = _generate(engine.module)
+        assert tokens.tolist() == want_tokens.tolist()
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert sorted(cached.executor.inference.modules) == list(range(LAYERS))
+    cached.destroy()
+    streamed.destroy()
