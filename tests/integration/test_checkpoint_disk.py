@@ -273,8 +273,10 @@ def test_the_disk_writes_start_during_the_save_and_their_error_fails_it(tmp_path
     _train(engine, 0, 1)
     engine.save_checkpoint(str(tmp_path))
     optim = os.path.getsize(tmp_path / "global_step1" / OPTIM_FILE)
-    assert optim > 1 << 20 and len(synced) >= 3, (optim, synced)
-    assert 0 < min(synced) < optim  # during the write, not after it
+    # at least once during the write (asks that come while a sync runs are served by the next one: how many syncs
+    # there are depends on the scheduling, that one came before the file was whole does not)
+    assert optim > 1 << 20 and synced, (optim, synced)
+    assert 0 < min(synced) < optim
     times = engine.last_save_times
     assert times.bytes == optim + os.path.getsize(tmp_path / "global_step1" / MODEL_FILE)
     assert times.write > 0 and times.fsync >= 0 and times.produce >= 0 and times.hash_wait >= 0
