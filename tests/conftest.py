@@ -9,10 +9,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the lent box, not in CI)")
     # DeepSpeed's JIT ops built once, before any test process can die holding a build lock (tests/ops_prebuild.py):
-    # here in the controller only (xdist workers carry ``workerinput``), which xdist starts its workers after
+    # by the controller only (xdist workers carry ``workerinput``), which xdist starts its workers after. The build
+    # runs in a child process: without xdist (``pytest -m gpu`` on the box) the controller runs the tests, and a CUDA
+    # op built in its process broke every liger Triton kernel compiled after it ("PassManager::run failed", H200,
+    # 2026-11-29); the child leaves the test process as a user's script starts, the built op in the cache.
     if not hasattr(config, "workerinput"):
-        from tests.ops_prebuild import prebuild
-        prebuild()
+        import subprocess
+        try:
+            subprocess.run([sys.executable, "-m", "tests.ops_prebuild"], timeout=900, check=False,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        except subprocess.TimeoutExpired:  # a build stuck on a lock: the tests that load the op fail themselves
+            print("[tests/conftest.py] the DeepSpeed op prebuild ran past 900 s and was stopped", file=sys.stderr)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 EXIT_ABORT = "terminate called without an active exception"
 
@@ -30,3 +31,25 @@ def run_again_after_exit_abort(launch, attempts: int = 3) -> subprocess.Complete
         print(f"[tests/launch.py] a rank died of {EXIT_ABORT!r} after its script; launching again "
               f"(attempt {attempt + 2} of {attempts})", file=sys.stdout, flush=True)
     return proc
+
+
+def wait_both(procs, grace: float = 20.0, limit: float = 900.0) -> None:
+    """Wait for both launches; once one has failed, the other gets ``grace`` seconds and is then stopped. Its agent
+    would otherwise sit in torchrun's exit barrier for the failed node (300 s: seen in the suite, 2026-11-29, when a
+    rank died of the exit-time abort that tests/launch.py runs again)."""
+    start, failed_at = time.monotonic(), None
+    while None in [p.poll() for p in procs]:  # a list: every one polled (any() would stop at the first running)
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        if now - start > limit or (failed_at is not None and now - failed_at > grace):
+            for p in procs:  # SIGTERM first: torchrun's agent then stops its worker
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+            return
+        time.sleep(0.2)

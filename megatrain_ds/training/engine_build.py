@@ -139,11 +139,14 @@ def check_capacity_for(config: TrainConfig, dec: Decisions, layouts, share: Host
                           resident_owned=share.resident_masks())
 
 
-def apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str | None:
+def apply_liger_kernels(model: nn.Module, device: torch.device, setting,
+                        dtype: torch.dtype = torch.bfloat16) -> str | None:
     """``megatrain.liger_kernels`` (as decisions.liger_setting resolves it): liger-kernel's RMSNorm, SwiGLU MLP and
     RoPE in place of the model's (CUDA only; the loss is megatrain_ds's own chunked / fused linear cross-entropy
-    either way). ``setting`` "auto" applies them when liger-kernel is installed and knows the model type, silently
-    otherwise; True requires them. Returns the model type patched, or None."""
+    either way). ``setting`` "auto" applies them when liger-kernel is installed, knows the model type and its
+    kernels run on this GPU for this model's sizes in ``dtype`` (probe_liger_kernels; a failure is logged in one
+    line and the model's own kernels are used); True requires them (a failing kernel is a ConfigError naming it).
+    Returns the model type patched, or None."""
     if setting is False:
         return None
     if device.type != "cuda":
@@ -166,9 +169,66 @@ def apply_liger_kernels(model: nn.Module, device: torch.device, setting) -> str 
             warnings.warn(f"megatrain.liger_kernels: liger-kernel has no kernels for model type {model_type!r}; "
                           "the model's own kernels are used", stacklevel=3)
         return None
+    failure = probe_liger_kernels(base.config, device, dtype)
+    if failure is not None:  # before patching: liger's RoPE replaces the modeling module's function process-wide
+        if setting is True:
+            raise ConfigError(f"megatrain.liger_kernels is true but liger-kernel fails on this GPU: {failure}. "
+                              "Set it to \"auto\" or false to train with the model's own kernels.")
+        logger.warning(f"liger-kernel fails on this GPU ({failure}); the model's own RMSNorm, MLP and RoPE are used "
+                       "(megatrain.liger_kernels false skips this check)")
+        return None
     _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
     return model_type
+
+
+def probe_liger_kernels(config, device: torch.device, dtype: torch.dtype, tokens: int = 4) -> str | None:
+    """Run liger-kernel's RoPE, RMSNorm (hidden and head width) and SwiGLU once, forward and backward, on ``tokens``
+    tokens of this model's head count, head width, hidden and intermediate sizes in ``dtype`` on ``device``: a
+    Triton kernel that does not compile for these sizes on this GPU (seen 2026-11-29 on an H200: liger 0.8.5's RoPE
+    at head width 16 in bf16) fails here, at initialize, and not in the first training step. Returns None when all
+    ran, else "<kernel> (<sizes>): <error's first line>". Sizes the config does not name are not probed."""
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    inter = getattr(config, "intermediate_size", None)
+
+    def leaf(*shape):  # a non-leaf input that needs grad (liger's kernels may write their input in place)
+        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_() * 1
+
+    def rope():
+        q, k = leaf(1, heads, tokens, head_dim), leaf(1, kv, tokens, head_dim)
+        cos, sin = (torch.randn(1, tokens, head_dim, device=device, dtype=dtype) for _ in range(2))
+        qo, ko = liger_rotary_pos_emb(q, k, cos, sin)
+        (qo.float().sum() + ko.float().sum()).backward()
+
+    def rms(width):
+        norm = LigerRMSNorm(width).to(device=device, dtype=dtype)
+        norm(leaf(tokens, width)).float().sum().backward()
+
+    def swiglu():
+        LigerSiLUMulFunction.apply(leaf(tokens, inter), leaf(tokens, inter)).float().sum().backward()
+
+    checks = []
+    if heads and head_dim:
+        checks.append((f"RoPE ({heads} heads, {kv} kv heads, head width {head_dim}, {dtype})", rope))
+    for width in sorted({w for w in (hidden, head_dim) if w}):
+        checks.append((f"RMSNorm (width {width}, {dtype})", lambda w=width: rms(w)))
+    if inter:
+        checks.append((f"SwiGLU (width {inter}, {dtype})", swiglu))
+    for name, run in checks:
+        try:
+            run()
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # a Triton compile error is a RuntimeError or a triton.CompilationError
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            return f"{name}: {type(exc).__name__}: {first}"
+    return None
 
 
 def build_store(config: TrainConfig, dec: Decisions, layouts, owned: list[bool], rank: int,

@@ -241,3 +241,33 @@ def test_gpu_liger_kernels_in_the_layers():
     liger_losses, liger_used = _five_step_run("qwen2", 3, {"liger_kernels": True}, liger_norm)
     assert liger_used and not own_liger
     torch.testing.assert_close(torch.tensor(liger_losses), torch.tensor(own_losses), rtol=1e-4, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_liger_probe_runs_the_kernels_and_a_failure_falls_back_or_refuses(monkeypatch, caplog):
+    """initialize runs liger's RoPE, RMSNorm and SwiGLU once on the model's sizes before patching: they run here;
+    when one fails (a Triton build error, as seen on an H200), "auto" keeps the model's own kernels with a warning
+    naming it, and liger_kernels true refuses with a ConfigError, before any step."""
+    pytest.importorskip("liger_kernel")
+    from megatrain_ds.planning.config import ConfigError
+    from megatrain_ds.training import engine_build
+
+    config = tiny_hf("qwen2").config
+    for dtype in (torch.bfloat16, torch.float32):
+        assert engine_build.probe_liger_kernels(config, torch.device("cuda"), dtype) is None
+    monkeypatch.setattr(engine_build, "probe_liger_kernels",
+                        lambda *a: "RoPE (test sizes): RuntimeError: PassManager::run failed")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "megatrain": {"liger_kernels": "auto"}}
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("qwen2"), config=cfg)
+    assert engine.liger_model_type is None
+    assert "liger-kernel fails on this GPU (RoPE (test sizes)" in caplog.text
+    ids = torch.randint(0, 256, (2, 8))
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss)
+    engine.destroy()
+    cfg["megatrain"]["liger_kernels"] = True
+    with pytest.raises(ConfigError, match="liger_kernels is true but liger-kernel fails on this GPU: RoPE"):
+        megatrain_ds.initialize(model=tiny_hf("qwen2"), config=cfg)

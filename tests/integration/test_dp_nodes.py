@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests.launch import run_again_after_exit_abort
+from tests.launch import run_again_after_exit_abort, wait_both
 from tests.integration.test_dp import SCRIPT, _check, _env, _port, run
 
 SAME = {"speculative_step": False}  # one path twice: which layers step before the norm is a race (speculation.py)
@@ -42,17 +42,23 @@ def two_nodes(tmp_path, *args: str) -> dict:
     out = tmp_path / "nodes.json"
 
     def launch():  # both "nodes"; the first failure (or success) of the two, with both logs
-        port = _port()
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-             "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT),
-             "--out", str(out if node == 0 else tmp_path / "unused.json"), *LAYERS, *args],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-        done = [(proc, *proc.communicate(timeout=900)) for proc in procs]
-        failed = [d for d in done if d[0].returncode != 0]
-        proc = (failed or done)[0][0]
-        return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(d[1] for d in done),
-                                           "".join(d[2] for d in done))
+        port, logs, procs = _port(), [], []
+        for node in (0, 1):
+            logs.append((open(tmp_path / f"node{node}.out", "w+"), open(tmp_path / f"node{node}.err", "w+")))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                 "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT),
+                 "--out", str(out if node == 0 else tmp_path / "unused.json"), *LAYERS, *args],
+                env=_env(), stdout=logs[-1][0], stderr=logs[-1][1], text=True))
+        wait_both(procs)
+        text = [[f.seek(0) or f.read() for f in pair] for pair in logs]
+        for pair in logs:
+            for f in pair:
+                f.close()
+        failed = [proc for proc in procs if proc.returncode != 0]
+        proc = (failed or procs)[0]
+        return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(t[0] for t in text),
+                                           "".join(t[1] for t in text))
     _check(run_again_after_exit_abort(launch))
     record = json.loads(out.read_text())
     record["weights"] = torch.load(str(out) + ".pt")
