@@ -401,8 +401,8 @@ def test_two_ranks_a_full_disk_on_one_fails_the_save_on_both_without_a_hang(tmp_
                PYTHONPATH=os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path / "ckpt"),
+    env["MASTER_PORT"] = str(port)  # the two ranks forked with torchrun's environment (tests/fork_launch.py)
+    proc = subprocess.run([sys.executable, "-m", "tests.fork_launch", "2", str(script), str(tmp_path / "ckpt"),
                            str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]

@@ -48,13 +48,14 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 
 def run(out: Path, *args: str, ranks: int = 1, gpu: bool = False) -> dict:
-    """The script with ``ranks`` processes (torchrun) or one plain process; its record and final weights."""
+    """The script with ``ranks`` processes or one plain process; its record and final weights. The ranks are forked
+    from one process that imported the libraries once, with torchrun's environment (tests/fork_launch.py: half the
+    CPU-seconds of a torchrun launch here); the real launchers are tested in test_dp_launchers.py."""
     def launch():
         if ranks == 1:
             cmd = [sys.executable, str(SCRIPT)]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "--master_addr", "127.0.0.1", "--master_port", str(_port()), str(SCRIPT)]
+            cmd = [sys.executable, "-m", "tests.fork_launch", str(ranks), str(SCRIPT)]
         return subprocess.run(cmd + ["--out", str(out), *args], env=_env(gpu), capture_output=True, text=True,
                               timeout=900)
     _check(run_again_after_exit_abort(launch))

@@ -53,13 +53,13 @@ def _port() -> int:
 
 
 def _launch(*args: str) -> subprocess.Popen:
-    """The script on 2 ranks (torchrun, gloo on the CPU)."""
+    """The script on 2 ranks (gloo on the CPU), forked with torchrun's environment (tests/fork_launch.py)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_port()), str(SCRIPT), *args]
+    env["MASTER_PORT"] = str(_port())
+    cmd = [sys.executable, "-m", "tests.fork_launch", "2", str(SCRIPT), *args]
     # a session of its own: a failing test stops the launcher and its ranks together (_stop)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
