@@ -13,15 +13,26 @@ launcher, accelerate launch) are still tested as users run them: tests/integrati
 
 As torchrun does, the first rank to fail stops the others (SIGTERM), and the exit status is the first failure's
 (a rank killed by a signal: 128 + its number).
+
+``warm_run`` goes one step further for the CPU runs of one pytest worker: a server process (``--serve``) imports the
+libraries once per worker, and each launch is forked from it (its ranks forked again as above), with the launch's
+own environment, working folder and log files; the launch then exits as a process does. A launch whose environment
+differs from the server's in what the imports read (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, PYTHONPATH,
+DS_ACCELERATOR) runs as a fresh ``python -m tests.fork_launch`` instead.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
+import json
 import os
 import runpy
+import select
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import traceback
 
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.qwen2.modeling_qwen2",
@@ -51,13 +62,27 @@ def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> int
         sys.stderr.flush()
 
 
-def main(argv: list[str]) -> int:
-    nproc, script, args = int(argv[0]), argv[1], argv[2:]
+def _preload() -> None:
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--serve"]:
+        return _serve()
+    _preload()
+    return _ranks(int(argv[0]), argv[1], argv[2:])
+
+
+def _ranks(nproc: int, script: str, args: list[str]) -> int:
+    """The script as ``nproc`` forked ranks of one node (one: run here, as a plain process would)."""
+    if nproc == 1:
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")
+        return 0
     port = int(os.environ.get("MASTER_PORT") or _free_port())
     sys.stdout.flush()
     sys.stderr.flush()
@@ -81,6 +106,112 @@ def main(argv: list[str]) -> int:
                 except ProcessLookupError:
                     pass
     return status
+
+
+# ------------------------------------------------------------------------------------------- the warm server
+IMPORT_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH", "DS_ACCELERATOR")
+
+
+def _serve() -> int:
+    """One JSON request per stdin line: {nproc, script, args, env, cwd, stdout, stderr}. Each launch is forked (its
+    own session, so the client can stop it whole), told {"pid"}, then waited for: {"rc"}. EOF ends the server.
+    The replies go to the pipe that was stdout; stdout itself goes to stderr (the imports print: DeepSpeed's logs)."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    _preload()
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the launch: leaves through SystemExit, so the interpreter exits as a process's does
+            reply.close()
+            os.setsid()
+            os.environ.clear()
+            os.environ.update(req["env"])
+            os.chdir(req["cwd"])
+            for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.close(devnull)
+            code = 0
+            try:
+                code = _ranks(req["nproc"], req["script"], req["args"])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            sys.exit(code)
+        print(json.dumps({"pid": pid}), file=reply, flush=True)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        print(json.dumps({"rc": 128 - code if code < 0 else code}), file=reply, flush=True)
+    return 0
+
+
+_SERVER: dict = {}
+
+
+def _server(env: dict) -> subprocess.Popen | None:
+    """This process's warm server for ``env`` (started on first use), or None where ``env`` needs a fresh one."""
+    key = tuple(env.get(k) for k in IMPORT_ENV)
+    if _SERVER and _SERVER["key"] != key:
+        return None
+    proc = _SERVER.get("proc")
+    if proc is None or proc.poll() is not None:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.fork_launch", "--serve"], env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.dirname(
+                                    os.path.dirname(os.path.abspath(__file__))))
+        _SERVER.update(key=key, proc=proc, buf=b"")
+        atexit.register(proc.stdin.close)
+    return proc
+
+
+def _reply(proc: subprocess.Popen, timeout: float) -> dict:
+    """The server's next line, read from its pipe's descriptor (not the buffered file: two lines can arrive in one
+    read), within ``timeout`` seconds."""
+    fd = proc.stdout.fileno()
+    while b"\n" not in _SERVER["buf"]:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired("tests.fork_launch --serve", timeout)
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise RuntimeError(f"the warm launch server exited (status {proc.wait()}); its stderr is the test's")
+        _SERVER["buf"] += chunk
+    line, _, _SERVER["buf"] = _SERVER["buf"].partition(b"\n")
+    return json.loads(line)
+
+
+def warm_run(nproc: int, script: str, args: list[str], env: dict, timeout: float = 900,
+             cwd: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m tests.fork_launch NPROC SCRIPT ARGS`` (or ``python SCRIPT ARGS`` for one rank) with ``env``, as
+    ``subprocess.run(..., capture_output=True, text=True)`` returns it, forked from this process's warm server."""
+    cmd = [sys.executable, "-m", "tests.fork_launch", str(nproc), script, *args]
+    cwd = cwd or os.getcwd()
+    server = _server(env)
+    if server is None:
+        return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
+        server.stdin.write(json.dumps({"nproc": nproc, "script": script, "args": list(args), "env": env,
+                                       "cwd": cwd, "stdout": out, "stderr": err}) + "\n")
+        server.stdin.flush()
+        pid = _reply(server, 60)["pid"]
+        try:
+            rc = _reply(server, timeout)["rc"]
+        except subprocess.TimeoutExpired:
+            os.killpg(pid, signal.SIGKILL)
+            _reply(server, 60)
+            raise
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess(cmd, rc, o.read(), e.read())
 
 
 if __name__ == "__main__":

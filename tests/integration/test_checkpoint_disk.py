@@ -26,6 +26,7 @@ import megatrain_ds
 from megatrain_ds.checkpoints import checkpoint_folder, checkpoint_stream
 from megatrain_ds.checkpoints.checkpoint import MODEL_FILE, OPTIM_FILE
 from tests.fault_driver import FullDisk
+from tests.fork_launch import warm_run
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
@@ -402,8 +403,7 @@ def test_two_ranks_a_full_disk_on_one_fails_the_save_on_both_without_a_hang(tmp_
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env["MASTER_PORT"] = str(port)  # the two ranks forked with torchrun's environment (tests/fork_launch.py)
-    proc = subprocess.run([sys.executable, "-m", "tests.fork_launch", "2", str(script), str(tmp_path / "ckpt"),
-                           str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    proc = warm_run(2, str(script), [str(tmp_path / "ckpt"), str(tmp_path / "out")], env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
     assert "the disk is full writing" in results[1]["raised"] and "optim_states.pt" in results[1]["raised"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fork_launch import warm_run
 from tests.launch import run_again_after_exit_abort
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
@@ -48,16 +49,12 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 
 def run(out: Path, *args: str, ranks: int = 1, gpu: bool = False) -> dict:
-    """The script with ``ranks`` processes or one plain process; its record and final weights. The ranks are forked
-    from one process that imported the libraries once, with torchrun's environment (tests/fork_launch.py: half the
-    CPU-seconds of a torchrun launch here); the real launchers are tested in test_dp_launchers.py."""
+    """The script with ``ranks`` processes or one plain process; its record and final weights. The launch and its
+    ranks are forked from a process that imported the libraries once, with torchrun's environment
+    (tests/fork_launch.py's warm_run: a launch costs no imports); the real launchers are tested in
+    test_dp_launchers.py."""
     def launch():
-        if ranks == 1:
-            cmd = [sys.executable, str(SCRIPT)]
-        else:
-            cmd = [sys.executable, "-m", "tests.fork_launch", str(ranks), str(SCRIPT)]
-        return subprocess.run(cmd + ["--out", str(out), *args], env=_env(gpu), capture_output=True, text=True,
-                              timeout=900)
+        return warm_run(ranks, str(SCRIPT), ["--out", str(out), *args], _env(gpu), timeout=900)
     _check(run_again_after_exit_abort(launch))
     record = json.loads(out.read_text())
     record["weights"] = torch.load(str(out) + ".pt")

@@ -1,7 +1,10 @@
-"""The tests' launch helpers (tests/launch.py): a two-process launch where one fails does not wait on the other."""
+"""The tests' launch helpers (tests/launch.py, tests/fork_launch.py): a two-process launch where one fails does not
+wait on the other; the warm server's forked ranks behave as launched processes."""
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.launch import aborted_at_exit, wait_both
 
@@ -25,3 +28,31 @@ def test_only_the_exit_abort_line_with_a_failure_counts_as_the_exit_abort():
     line = "terminate called without an active exception"
     assert aborted_at_exit(-6, f"... done\n{line}\n")
     assert not aborted_at_exit(0, line) and not aborted_at_exit(1, "RuntimeError: something else")
+
+
+RANK_SCRIPT = """
+import atexit, os, sys
+rank = os.environ["RANK"]
+print("out", rank, os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"], os.getcwd())
+atexit.register(lambda: open(os.path.join(sys.argv[1], "exit" + rank), "w").write("ran"))
+if sys.argv[2] == "fail" and rank == "1":
+    raise ValueError("rank 1 fails")
+"""
+
+
+def test_warm_run_forks_ranks_with_torchrun_env_and_exits_them_as_processes(tmp_path):
+    """tests/fork_launch.py's warm server: each rank sees torchrun's variables and the launch's working folder, its
+    output comes back, its atexit handlers run; a failing rank is the launch's exit status, with its traceback."""
+    from tests.fork_launch import warm_run
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MASTER_PORT="29999",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = warm_run(2, str(script), [str(tmp_path), "ok"], env, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("out "))
+    assert lines == [f"out {r} 2 {r} 29999 {tmp_path}" for r in (0, 1)]
+    assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["ran", "ran"]
+    failed = warm_run(2, str(script), [str(tmp_path), "fail"], env, timeout=120, cwd=str(tmp_path))
+    assert failed.returncode == 1 and "ValueError: rank 1 fails" in failed.stderr
