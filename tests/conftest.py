@@ -3,6 +3,12 @@ import sys
 
 import pytest
 
+# One OpenMP thread per test process, set before anything here imports torch (a value already set is kept; the
+# subprocesses inherit it). make test runs two workers on the 2-core CI machine: with torch's default of one thread
+# per core each, the workers' OpenMP teams oversubscribed the cores and spun against each other; three engine test
+# files on 2 workers took 105.6 s that way and 52.6 s with one thread each (2026-11-29).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -103,14 +103,15 @@ def test_native_lora_and_nvme(tmp_path):
         assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
 
 
-def test_native_against_torch_adamw_with_clipping():
+@pytest.mark.parametrize("threads,n", [(1, 10_001), (3, 200_003)])  # the kernel takes a thread per 64 Ki elements
+def test_native_against_torch_adamw_with_clipping(threads, n):
     """20 steps on a flat fp32 parameter, clipping firing on some: torch.optim.AdamW (fused) after clip_grad_norm_
-    against the native kernel given the clip coefficient. torch multiplies the gradient by the coefficient, the
+    against the native kernel given the clip coefficient, on 1 and on 3 threads (the suite runs with one OpenMP
+    thread per process: the kernel's split across threads is asked for here). torch multiplies the gradient by the coefficient, the
     kernel divides by its fp32 reciprocal (as the engine's fused path does): the gradients differ by at most an
     ulp, so the masters stay within a thousandth of a step (lr) of each other; a wrong gradient or moment would
     be off by orders of magnitude more."""
     g = torch.Generator().manual_seed(0)
-    n = 10_001
     p_ref = torch.nn.Parameter(torch.randn(n, generator=g) * 0.02)
     opt = torch.optim.AdamW([p_ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     master, m, v = p_ref.detach().clone(), torch.zeros(n), torch.zeros(n)
@@ -123,7 +124,7 @@ def test_native_against_torch_adamw_with_clipping():
         coef = min(1.0, 1.0 / (float(norm) + 1e-6))
         fired += coef < 1.0
         hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
-        host_update.native_adam(master, grad, m, v, hp, coef, True)
+        host_update.native_adam(master, grad, m, v, hp, coef, True, threads=threads)
         off = (master - p_ref.detach()).abs().max().item() / 1e-3  # in units of lr (Adam's step is about lr)
         assert off < 1e-3, (step, off)
     assert 0 < fired < 20
