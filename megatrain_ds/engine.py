@@ -85,7 +85,8 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         share = host_share(config, len(layers), resident_numels, freed, self.dp)  # every rank on this host
         self.decisions = dec = decide(config, layouts, device.type, share, self.dp)
         # before the layer templates are made from the layers
-        self.liger_model_type = apply_liger_kernels(model, device, dec.liger_kernels, dec.compute_dtype)  # None: the model's own
+        # None: the model's own kernels
+        self.liger_model_type = apply_liger_kernels(model, device, dec.liger_kernels, dec.compute_dtype)
         self.compute_dtype, self.wire_dtype, self.host_kernel = dec.compute_dtype, dec.wire_dtype, dec.host_kernel
         self.streams = make_streams(device)
         pin = device.type == "cuda"

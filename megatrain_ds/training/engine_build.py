@@ -185,9 +185,11 @@ def apply_liger_kernels(model: nn.Module, device: torch.device, setting,
 def probe_liger_kernels(config, device: torch.device, dtype: torch.dtype, tokens: int = 4) -> str | None:
     """Run liger-kernel's RoPE, RMSNorm (hidden and head width) and SwiGLU once, forward and backward, on ``tokens``
     tokens of this model's head count, head width, hidden and intermediate sizes in ``dtype`` on ``device``: a
-    Triton kernel that does not compile for these sizes on this GPU (seen 2026-11-29 on an H200: liger 0.8.5's RoPE
-    at head width 16 in bf16) fails here, at initialize, and not in the first training step. Returns None when all
-    ran, else "<kernel> (<sizes>): <error's first line>". Sizes the config does not name are not probed."""
+    Triton kernel that does not build here fails at initialize, not in the first training step (seen 2026-11-29 on
+    an H200: in a process that had built a CUDA extension first, every liger kernel failed with "PassManager::run
+    failed"). The inputs come from a generator of its own: the global RNG state, which dropout draws from, is not
+    moved. Returns None when all ran, else "<kernel> (<sizes>): <error's first line>". Sizes the config does not
+    name are not probed."""
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
@@ -198,12 +200,14 @@ def probe_liger_kernels(config, device: torch.device, dtype: torch.dtype, tokens
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
     inter = getattr(config, "intermediate_size", None)
 
+    gen = torch.Generator(device=device).manual_seed(0)
+
     def leaf(*shape):  # a non-leaf input that needs grad (liger's kernels may write their input in place)
-        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_() * 1
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen).requires_grad_() * 1
 
     def rope():
         q, k = leaf(1, heads, tokens, head_dim), leaf(1, kv, tokens, head_dim)
-        cos, sin = (torch.randn(1, tokens, head_dim, device=device, dtype=dtype) for _ in range(2))
+        cos, sin = (torch.randn(1, tokens, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(2))
         qo, ko = liger_rotary_pos_emb(q, k, cos, sin)
         (qo.float().sum() + ko.float().sum()).backward()
 

@@ -253,8 +253,10 @@ def test_gpu_liger_probe_runs_the_kernels_and_a_failure_falls_back_or_refuses(mo
     from megatrain_ds.training import engine_build
 
     config = tiny_hf("qwen2").config
+    rng = torch.cuda.get_rng_state()
     for dtype in (torch.bfloat16, torch.float32):
         assert engine_build.probe_liger_kernels(config, torch.device("cuda"), dtype) is None
+    assert torch.equal(torch.cuda.get_rng_state(), rng)  # dropout's RNG is not moved by the probe
     monkeypatch.setattr(engine_build, "probe_liger_kernels",
                         lambda *a: "RoPE (test sizes): RuntimeError: PassManager::run failed")
     cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
