@@ -206,8 +206,11 @@ def warm_run(nproc: int, script: str, args: list[str], env: dict, timeout: float
         pid = _reply(server, 60)["pid"]
         try:
             rc = _reply(server, timeout)["rc"]
-        except subprocess.TimeoutExpired:
-            os.killpg(pid, signal.SIGKILL)
+        except BaseException:  # the time is up, or the test was stopped (Ctrl-C): the launch goes with it (its
+            try:               # own session got no SIGINT), and its {"rc"} is read so the next request gets its own
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             _reply(server, 60)
             raise
         with open(out) as o, open(err) as e:

@@ -287,7 +287,8 @@ def _gather_on_device(engine, params: list) -> list[torch.Tensor] | None:
     if engine.dp.active or not params:
         return None
     if engine.device.type == "cuda":  # the copies, and the inference cache a generate in the block will want
-        need = sum(4 * math.prod(getattr(p, "ds_shape", p.shape)) for p in params) + engine.executor.inference.nbytes()
+        need = (sum(4 * math.prod(getattr(p, "ds_shape", p.shape)) for p in params)
+                + engine.executor.inference.pending_bytes())  # (an allocated cache is already not free)
         free, _ = torch.cuda.mem_get_info(engine.device)
         free += torch.cuda.memory_reserved(engine.device) - torch.cuda.memory_allocated(engine.device)
         if need > 0.5 * free:

@@ -149,6 +149,17 @@ class InferenceCache:
         size = self.ex.slots[0].buf.element_size()
         return sum(self.ex.layouts[i].numel for i in self.cached_layers()) * size
 
+    def pending_bytes(self) -> int:
+        """Device bytes the next no-grad forward may allocate for the cache: none when it is on already (its
+        buffers are allocated, so not free), off by setting, or "auto" where it never caches (CPU, data
+        parallel); else ``nbytes``."""
+        ex = self.ex
+        if self.state == "on" or self.setting is False:
+            return 0
+        if self.setting == "auto" and (ex.device.type != "cuda" or ex.dp is not None):
+            return 0
+        return self.nbytes()
+
     def describe(self) -> str:
         return f"inference cache {self.state} ({self.reason or 'undecided'})"
 

@@ -196,7 +196,8 @@ def test_a_gather_goes_to_the_gpu_only_when_it_leaves_room_for_the_inference_cac
     def synchronize():
         raise Sentinel  # the device path's first step: it was taken
     engine = types.SimpleNamespace(dp=types.SimpleNamespace(active=False), device=torch.device("cuda", 0),
-                                   executor=types.SimpleNamespace(inference=types.SimpleNamespace(nbytes=lambda: 600)),
+                                   executor=types.SimpleNamespace(inference=types.SimpleNamespace(
+                                       pending_bytes=lambda: 600)),
                                    synchronize=synchronize)
     params = [types.SimpleNamespace(ds_shape=(10, 10), shape=(0,))]  # 400 bytes of fp32 copies (ds_shape: the whole)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
@@ -208,3 +209,25 @@ def test_a_gather_goes_to_the_gpu_only_when_it_leaves_room_for_the_inference_cac
         zero._gather_on_device(engine, params)
     engine.dp.active = True  # data parallel: the host path (its reads are collectives)
     assert zero._gather_on_device(engine, params) is None
+
+
+def test_the_cache_bytes_a_gather_leaves_room_for_are_those_not_yet_allocated():
+    """InferenceCache.pending_bytes: the layers' bytes while the cache may still be built; none once it is on (its
+    buffers are allocated), when it is off by setting, or where "auto" never caches (CPU, data parallel)."""
+    import types
+
+    from megatrain_ds.streaming.inference import InferenceCache
+
+    layouts = [types.SimpleNamespace(numel=100)] * 3
+    ex = types.SimpleNamespace(layouts=layouts, keep={}, device=torch.device("cuda", 0), dp=None,
+                               slots=[types.SimpleNamespace(buf=torch.empty(0, dtype=torch.bfloat16))])
+    cache = InferenceCache(ex, "auto")
+    assert cache.pending_bytes() == cache.nbytes() == 600
+    cache.state = "on"
+    assert cache.pending_bytes() == 0
+    cache.state = "idle"
+    assert InferenceCache(ex, False).pending_bytes() == 0 and InferenceCache(ex, True).pending_bytes() == 600
+    ex.dp = object()
+    assert cache.pending_bytes() == 0 and InferenceCache(ex, True).pending_bytes() == 600
+    ex.dp, ex.device = None, torch.device("cpu")
+    assert cache.pending_bytes() == 0
