@@ -17,7 +17,7 @@ PY := $(VENV)/bin/python
 ENV_DEP := $(STAMP)
 endif
 
-.PHONY: demo test env clean canary oldest
+.PHONY: demo test test-system env clean canary oldest
 
 env: $(ENV_DEP)
 
@@ -34,7 +34,12 @@ demo: $(ENV_DEP)
 # two workers (pytest-xdist), each test file whole on one worker (its module fixtures built once): half the suite
 # waits on subprocesses (DeepSpeed, torchrun, the harness), so two workers fill the 2-core CI machine
 test: $(ENV_DEP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests --ignore=tests/system
+
+# the system tests (tests/system): real cgroups, small filesystems, sshd + pdsh, SLURM, elastic restarts; root and
+# Debian's packages (.ci/system-packages.sh installs them); one worker, the services they start are per test
+test-system: $(ENV_DEP)
+	$(PY) -m pytest -q -p no:xdist tests/system
 
 # the newest releases, fetched again on every run (that is the point); torch stays at the CPU wheel
 canary:
