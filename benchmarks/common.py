@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -147,29 +148,42 @@ def report_phase(name: str, **extra) -> dict:
     return entry
 
 
-_GPU_BLOCKER: torch.Tensor | None = None  # --gpu-memory-limit: the bytes held so that only the limit is free
+_GPU_BLOCKER = None  # --gpu-memory-limit: the process that holds the rest of the GPU
 
 
 def hold_gpu_memory(limit_gib: float) -> int:
     """Leave only ``limit_gib`` GiB of this GPU free, as another process holding the rest would (a consumer GPU's
-    memory on a big one): one allocation of the difference, kept for the process's life. The engine's "auto"
-    placements and the peers' allocators see only the limit (the driver's free bytes). Returns the bytes held;
-    ``peak_gpu_bytes`` leaves them out."""
+    memory on a big one): a child process allocates the difference and holds it until this process ends (its
+    stdin closes). Held outside this process, the bytes are not in its caching allocator: the engine's "auto"
+    placements and the peers' allocators see only the limit, as on a card of that size. Returns the bytes held."""
     global _GPU_BLOCKER
+    import subprocess
+
     free, _ = torch.cuda.mem_get_info()
-    hold = int(free - limit_gib * 2**30)
-    if hold <= 0:
-        return 0
-    _GPU_BLOCKER = torch.empty(hold, dtype=torch.uint8, device="cuda")
-    return hold
+    # the child's own CUDA context takes some of what it frees; it allocates until only the limit is left
+    code = ("import sys, torch\n"
+            f"limit = int({limit_gib!r} * 2**30)\n"
+            f"torch.cuda.set_device({torch.cuda.current_device()})\n"
+            "free, _ = torch.cuda.mem_get_info()\n"
+            "held = torch.empty(max(free - limit, 0), dtype=torch.uint8, device='cuda')\n"
+            "print(held.numel(), flush=True)\n"
+            "sys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = child.stdout.readline()
+    if not line.strip().isdigit():
+        raise RuntimeError(f"--gpu-memory-limit: the process holding the GPU memory failed (exit {child.poll()})")
+    _GPU_BLOCKER = child
+    now_free, _ = torch.cuda.mem_get_info()
+    print(f"[gpu-memory-limit] another process holds {int(line) / 2**30:.1f} GiB; {now_free / 2**30:.1f} GiB free "
+          f"(was {free / 2**30:.1f})", file=sys.stderr, flush=True)
+    return int(line)
 
 
 def peak_gpu_bytes(device: str) -> int:
-    """Peak bytes allocated by the torch CUDA caching allocator since the last reset (0 on CPU), less what
-    ``hold_gpu_memory`` holds."""
+    """Peak bytes allocated by the torch CUDA caching allocator since the last reset (0 on CPU); what
+    ``hold_gpu_memory`` holds is another process's."""
     if device.startswith("cuda") and torch.cuda.is_available():
-        held = _GPU_BLOCKER.numel() if _GPU_BLOCKER is not None else 0
-        return int(torch.cuda.max_memory_allocated()) - held
+        return int(torch.cuda.max_memory_allocated())
     return 0
 
 

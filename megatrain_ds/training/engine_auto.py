@@ -34,12 +34,22 @@ from ..log import ALL_RANKS, log
 def auto_budget_bytes(device: torch.device, reserve: float) -> int | None:
     """GPU bytes free for optimizer state after the first step: what the driver reports free now (other
     processes and non-PyTorch memory accounted for), less the step's transient peak above what the caching
-    allocator holds now, less the ``reserve`` fraction of the GPU. None off CUDA (nothing to place)."""
+    allocator holds now, less the ``reserve`` fraction of the memory this process can use. None off CUDA."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
-    transient = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
-    return int(free - max(transient, 0) - total * reserve)
+    held = torch.cuda.memory_reserved(device)
+    transient = torch.cuda.max_memory_reserved(device) - held
+    return placement_budget(free, total, held, transient, reserve)
+
+
+def placement_budget(free: int, total: int, held: int, transient: int, reserve: float) -> int:
+    """The "auto" budget from the driver's ``free`` and ``total`` bytes, the bytes this process's allocator
+    ``held``, and the step's ``transient`` peak above them. The reserve is a fraction of what this process can use
+    (``free + held``, at most ``total``), not of the whole GPU: on a GPU that other processes share (or a 24 GiB
+    card's worth left of a large one), a fraction of the whole would keep free more than the process ever had."""
+    usable = min(total, free + held)
+    return int(free - max(transient, 0) - usable * reserve)
 
 
 class AutoPlacer:
