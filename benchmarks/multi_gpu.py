@@ -130,7 +130,8 @@ def node_launches(python: str, gpus: int, nodes: int, run_system_args: list[str]
     """``h2h --nodes M``: M torchrun launches on this box standing for M hosts of ``gpus / M`` GPUs each (the
     multi-node launch of docs/data_parallel.md: ``--nnodes M --node_rank r`` over 127.0.0.1), each with its block of
     GPUs (CUDA_VISIBLE_DEVICES) and its own NCCL host identity (NCCL_HOSTID), so NCCL connects the "nodes" through
-    its network transport (sockets here: no InfiniBand between them) as it would between hosts; every rank keeps its
+    its network transport (sockets here: no InfiniBand between them; NCCL_P2P_DISABLE and NCCL_SHM_DISABLE forbid the
+    same-box paths, so even the ranks of one "node" talk over sockets) as it would between hosts; every rank keeps its
     global rank's core block (``H2H_RANK_CPUS``). (cmd, env) per node, node 0 first."""
     per = gpus // nodes
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",") if d][:gpus]
@@ -140,7 +141,8 @@ def node_launches(python: str, gpus: int, nodes: int, run_system_args: list[str]
                "--nproc_per_node", str(per), "--master_addr", "127.0.0.1", "--master_port", str(port),
                "-m", "benchmarks.run_system", *run_system_args]
         node_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(visible[node * per:(node + 1) * per]),
-                        NCCL_HOSTID=f"h2h-node{node}", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME="lo")
+                        NCCL_HOSTID=f"h2h-node{node}", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME="lo",
+                        NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
         out.append((cmd, node_env))
     return out
 

@@ -268,6 +268,8 @@ def test_node_launches_stand_for_hosts_on_one_box():
     assert "--master_port" in cmd1 and cmd1[cmd1.index("--master_addr") + 1] == "127.0.0.1"
     assert (env0["CUDA_VISIBLE_DEVICES"], env1["CUDA_VISIBLE_DEVICES"]) == ("4,5", "6,7")
     assert env0["NCCL_HOSTID"] != env1["NCCL_HOSTID"] and env1["H2H_RANK_CPUS"] == env["H2H_RANK_CPUS"]
+    # sockets only, as between hosts without InfiniBand: no NVLink/PCIe peer copies, no shared-memory transport
+    assert all(e["NCCL_P2P_DISABLE"] == e["NCCL_SHM_DISABLE"] == "1" for e in (env0, env1))
     assert cmd1[-2:] == ["--system", "megatrain"]
 
 
