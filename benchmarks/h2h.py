@@ -65,7 +65,10 @@ from benchmarks.shapes import SHAPE_NAMES, is_moe, make_config, n_params
 
 # Peak host bytes per parameter each system needs (measured: 3B on the H200 box, benchmarks/results/):
 # model build (fp32, 4 B) + state. megatrain 17.3, zero3 25.9, resident builds on the GPU.
-HOST_BYTES_PER_PARAM = {"megatrain": 18.0, "zero3": 27.0, "resident": 1.0}
+HOST_BYTES_PER_PARAM = {"megatrain": 18.0, "zero3": 27.0, "resident": 1.0,
+                        # predictions, not yet measured: fp32 shard + fp32 gradient + Adam moments (16) and the
+                        # pinned allocator's rounding (fsdp); Gemini's fp32 master + moments + its chunks (gemini)
+                        "fsdp": 20.0, "gemini": 18.0}
 # LoRA (per base parameter; predictions, not yet measured): megatrain_ds keeps the frozen base in bf16 only
 # (2 B) + the adapters' state, and the fast init holds one layer while building; ZeRO-3 holds the bf16 partitions
 # in pinned host memory, which torch's caching host allocator rounds up to powers of two (about 2.22 B at 72B).
@@ -186,6 +189,7 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus:
     if os.path.exists(path):  # a stale file from an earlier run must not stand in for a process that died
         os.remove(path)
     watch: dict = {}
+    watch["timeout_s"] = getattr(args, "run_timeout_s", None)  # benchmarks.depth: the call's time left
     tail = _run_with_progress(cmd, f"{system} L={config.num_hidden_layers} T={tokens}", watch=watch)
     if os.path.exists(path):
         with open(path) as f:
@@ -208,7 +212,9 @@ def failed_run(system: str, model: str, layers: int, tokens: int, tail: list[str
     rc = watch.get("returncode")
     peak = int(watch.get("peak_rss_bytes") or 0)
     status = "error"
-    if watch.get("interrupted"):
+    if watch.get("timed_out"):
+        status = f"timed out (stopped after {watch['timeout_s']:.0f} s)"
+    elif watch.get("interrupted"):
         status = "interrupted (time limit or Ctrl-C)"
     elif rc is not None and rc < 0:
         try:
@@ -359,6 +365,17 @@ def _run_with_progress(cmd: list[str], desc: str, env: dict | None = None, watch
     bar.set_postfix_str("building the model")
     kills_before = _oom_kills()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+    timer = None
+    if watch.get("timeout_s"):  # SIGINT, then SIGKILL 20 s later if it is still there
+        def stop() -> None:
+            watch["timed_out"] = True
+            proc.send_signal(signal.SIGINT)
+            kill = threading.Timer(20, lambda: proc.poll() is None and proc.kill())
+            kill.daemon = True
+            kill.start()
+        timer = threading.Timer(float(watch["timeout_s"]), stop)
+        timer.daemon = True
+        timer.start()
     sampler = threading.Thread(target=_sample_peak_rss, args=(proc, watch), daemon=True)
     sampler.start()
     assert proc.stdout is not None
@@ -396,6 +413,8 @@ def _run_with_progress(cmd: list[str], desc: str, env: dict | None = None, watch
         except subprocess.TimeoutExpired:
             proc.kill()
     watch["returncode"] = proc.wait()
+    if timer is not None:
+        timer.cancel()
     sampler.join()
     kills_after = _oom_kills()
     watch["oom_kills"] = None if kills_before is None or kills_after is None else kills_after - kills_before

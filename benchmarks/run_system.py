@@ -1,7 +1,7 @@
 """Run ONE training system in this process and write its result dict as JSON.
 
 Usage:
-    python -m benchmarks.run_system --system {resident,zero3,megatrain} --model NAME [--layers N] \
+    python -m benchmarks.run_system --system {resident,zero3,megatrain,fsdp,gemini} --model NAME [--layers N] \
         --tokens-per-step T [--seq 1024] --steps S [--warmup 2] --device cuda|cpu --json OUT.json \
         [--liger auto|on|off] [--gpu-optimizer-fraction F] [--host-only] [--lora R [--lora-targets T]] \
         [--init auto|fast|hf] [--closing-step full|tiny]
@@ -29,11 +29,15 @@ from benchmarks import common
 from benchmarks.multi_gpu import bind_rank, dist_env, rank_json
 from benchmarks.build import INIT_CHOICES
 from benchmarks.shapes import SHAPE_NAMES, make_config
+from benchmarks.fsdp_system import run_fsdp
+from benchmarks.gemini_system import run_gemini
 from benchmarks.systems import run_resident, run_zero3
 
 SYSTEMS = {
     "resident": run_resident,
     "zero3": run_zero3,
+    "fsdp": run_fsdp,
+    "gemini": run_gemini,
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -57,6 +61,8 @@ DATA_PARALLEL = {
                  "reduced per layer (megatrain_ds/parallel/dp.py), resident parameters all-reduced",
     "zero3": "DeepSpeed ZeRO-3 over N ranks: parameters, gradients and optimizer state partitioned, CPU offload",
     "resident": "torch DDP over N ranks (gradient_as_bucket_view), gradients averaged; whole model on every GPU",
+    "fsdp": "PyTorch FSDP2 over N ranks: parameters, gradients and optimizer state sharded, CPU offload",
+    "gemini": "ColossalAI Gemini (GeminiPlugin) over N ranks: chunked ZeRO-3 style sharding, placement policy",
 }
 
 
@@ -86,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-targets", default="default",
                         help="with --lora: default (q,k,v,o,gate,up,down), all-linear, or a comma-separated list")
     parser.add_argument("--init", default="auto", choices=INIT_CHOICES,
-                        help="megatrain's model init (benchmarks.build): hf, fast (layer 0 values repeated), auto "
-                             "(fast from 14 B parameters); zero3 always uses transformers' init under zero.Init")
+                        help="megatrain's, fsdp's and gemini's model init (benchmarks.build): hf, fast (layer 0 values "
+                             "repeated), auto (fast from 14 B parameters); zero3 always uses transformers' init under "
+                             "zero.Init")
     parser.add_argument("--closing-step", default="full", choices=["full", "tiny"],
                         help="megatrain: what closes the last measured step's breakdown: one more training step "
                              "(full, untimed) or an 8-token no-grad forward (tiny: long context)")
@@ -112,7 +119,9 @@ def system_kwargs(args: argparse.Namespace) -> dict:
             kwargs["closing_step"] = args.closing_step
     if args.system in ("zero3", "megatrain"):
         kwargs.update(lora=args.lora, lora_targets=args.lora_targets, init=args.init)
-    elif args.lora:
+    elif args.system in ("fsdp", "gemini"):
+        kwargs["init"] = args.init
+    if args.lora and args.system not in ("zero3", "megatrain"):
         raise ValueError(f"--lora: the {args.system} system has no LoRA path (zero3 and megatrain have)")
     return kwargs
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The 24 GiB GPU table (issue 48): 3B and 7B at 8K tokens/step, clip 1.0, each system seeing only 24 GiB of the
+# H200 free (--gpu-memory-limit 24: one allocation holds the rest, benchmarks/common.py hold_gpu_memory; peak GPU
+# memory leaves it out), 2 warm-up + 4 measured steps, liger for all. Each system is its own h2h call under its own
+# limit (benchmarks/phase_lib.sh); results.md of each call has tokens/s, peak GPU and the GPU-idle share.
+#
+#   bash benchmarks/run_24gib.sh 3b OUTDIR    megatrain host-only, defaults, ZeRO-3, FSDP2        (~9 min)
+#   bash benchmarks/run_24gib.sh 7b OUTDIR    megatrain defaults, host-only, then ZeRO-3 and FSDP2's rows (the
+#                                             harness's host pre-check records them as not fitting 128 GiB)
+set -u
+phase=${1:?phase 3b|7b}; out=${2:?outdir}
+source benchmarks/phase_lib.sh
+free -g | tee -a "$log"
+g24() {  # g24 <limit_s> <tag> <h2h args...>
+  local limit=$1 tag=$2; shift 2
+  h2h_call "$limit" "$tag" "$@" --gpu-memory-limit 24 --clip 1.0 --tokens-per-step 8192 --warmup 2 --steps 4
+}
+case $phase in
+  3b) model=qwen2.5-3b
+      g24 100 hostonly --systems megatrain --host-only
+      g24 100 defaults --systems megatrain
+      g24 190 zero3 --systems zero3
+      g24 140 fsdp --systems fsdp ;;
+  7b) model=qwen2.5-7b  # fp32 masters: ~115 GB host (ANCHORS 2026-11-27); the planner decides in initialize
+      g24 200 defaults --systems megatrain
+      g24 200 hostonly --systems megatrain --host-only
+      g24 60 peers --systems zero3,fsdp ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
