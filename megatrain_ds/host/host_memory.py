@@ -3,14 +3,21 @@ with ``cudaHostRegister`` when they stream (``HostRegion``), and the flat buffer
 
 The host layer store (host_state.py), the NVMe tier's staging buffers (nvme.py), the resident optimizer state
 (optimizer.py) and the host activations (activations.py) allocate here; this module imports nothing of the package,
-so none of them has to import another for its memory.
+so none of them has to import another for its memory. A page-locking failure names the limits it ran into
+(host_limits.py, [Note: which limits bind host memory]).
 """
 from __future__ import annotations
 
 import mmap
+import threading
 import warnings
 
 import torch
+
+from .host_limits import cgroup_memory, meminfo, memlock_limit, pinning_limits
+
+_registered_bytes = 0  # page-locked by every HostRegion of this process now (what a failure reports)
+_registered_lock = threading.Lock()  # regions register from the host threads too (activations.py)
 
 
 def _anonymous_mapping(nbytes: int) -> mmap.mmap:
@@ -63,17 +70,40 @@ class HostRegion:
             self.tensor.zero_()
         err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.nbytes / 2**30:.2f} GiB failed (CUDA error {int(err)}): "
-                               "not enough lockable host memory?")
+            raise RuntimeError(pin_failure_message(self.nbytes, _registered_bytes, int(err)))
         self.registered = True
+        _count_registered(self.nbytes)
 
     def release(self) -> None:
         if self.registered:
             self.registered = False
+            _count_registered(-self.nbytes)
             err = torch.cuda.cudart().cudaHostUnregister(self.ptr)
             if int(err) != 0:
                 warnings.warn(f"cudaHostUnregister failed with CUDA error {int(err)}", stacklevel=2)
         # the mapping itself is freed when the last tensor viewing it is gone
+
+
+def _count_registered(delta: int) -> None:
+    global _registered_bytes
+    with _registered_lock:
+        _registered_bytes += delta
+
+
+def pin_failure_message(nbytes: int, pinned: int, error: int, limits: list[str] | None = None) -> str:
+    """What a failed ``cudaHostRegister`` of ``nbytes`` says, with ``pinned`` bytes page-locked already: each limit
+    it ran into, with its numbers and by how much (host_limits.pinning_limits, read now unless ``limits`` is
+    given), or every limit's value when none is short."""
+    if limits is None:
+        cgroup, (available, _), memlock = cgroup_memory(), meminfo(), memlock_limit()
+        limits = pinning_limits(pinned, nbytes, memlock=memlock, cgroup=cgroup, available=available)
+        if not limits:
+            locked = "unlimited" if memlock is None else f"{memlock / 2**30:.2f} GiB"
+            room = "none" if cgroup is None else f"{cgroup.path}, {cgroup.headroom / 2**30:.2f} GiB left"
+            limits = [f"none is short (RLIMIT_MEMLOCK {locked}; memory cgroup {room}; MemAvailable "
+                      f"{available / 2**30:.2f} GiB)"]
+    return (f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (CUDA error {error}) with "
+            f"{pinned / 2**30:.2f} GiB page-locked by this process already; limits: " + "; ".join(limits))
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool, regions: list, defer: bool = False) -> torch.Tensor:

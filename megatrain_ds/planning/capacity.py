@@ -79,9 +79,11 @@ import torch
 from .config import TrainConfig
 from .decisions import Decisions, HostShare, resolve
 from ..parallel.dp import Topology, resident_positions
-from .host_bytes import (NVME_BUFFER_COUNT, GiB, MiB, resident_items, disk_free_bytes, host_budget_bytes,
+from ..host.host_limits import memlock_limit, pinning_limits
+from .host_bytes import (NVME_BUFFER_COUNT, GiB, MiB, HostBudget, resident_items, disk_free_bytes,
                          layer_store_bytes, meminfo, nvme_layer_bytes, nvme_settings, optimizer_scratch_bytes,
                          resident_host_bytes, staging_buffers)
+from .host_bytes import host_budget as measure_budget  # check_capacity's argument host_budget is the setting
 from ..model.model_map import LayerLayout
 from .plan_gpu import ActivationModel, dtype_size
 
@@ -328,7 +330,8 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
     resident = resident_items(resident_numels)
     acts = activations if seq else None
     budget_setting = host_budget if host_budget is not None else config.megatrain.host_memory_budget
-    budget = host_budget_bytes(budget_setting, freed_bytes)
+    measured = measure_budget(budget_setting, freed_bytes)  # the binding limit and its bytes (host_bytes.py)
+    budget = measured.bytes
 
     if owned is None:  # the host's ranks are one shard (dp.py): layer i on rank i % world
         topo = Topology.uniform(1, world)
@@ -348,7 +351,7 @@ def check_capacity(layouts: list[LayerLayout], resident_numels, config: TrainCon
         decisions = resolve(config, layouts, "cuda" if device.type == "cuda" else "cpu",
                             HostShare(tuple(resident), tuple(owned), budget, beside, tuple(resident_owned)))
     t = tally(decisions)
-    host = t.count_host(nvme_path, budget, budget_setting, freed_bytes)
+    host = t.count_host(nvme_path, measured, budget_setting)
     gpu = t.count_gpu(gpu_memory)
     largest = t.largest_micro_batch(host, gpu)
     verdict = t.verdicts(host, gpu, largest[0])
@@ -478,16 +481,13 @@ class _Counting:
     def host_need(self, state: int, scratch: int, b: int) -> int:
         return state + scratch + self.offloaded(b) + self.compute_on_host(b)
 
-    def count_host(self, nvme_path: str | None, budget: int, budget_setting, freed_bytes: int) -> HostCount:
+    def count_host(self, nvme_path: str | None, measured: HostBudget, budget_setting) -> HostCount:
         """Host RAM (the state, beside it what is not in it) and the NVMe tier's disk, against the budget."""
         dec, layouts, n = self.dec, self.layouts, self.n
         nvme, nvme_path_config, buffer_count = nvme_settings(self.config)
         nvme_path = nvme_path or nvme_path_config
         available, total = meminfo()
-        budget_source = (
-            f"megatrain.host_memory_budget {budget_setting} GiB" if budget_setting not in (None, "auto")
-            else f"MemAvailable {_fmt(available)}" + (f" + {_fmt(freed_bytes)} freed" if freed_bytes else "")
-            + f" - 5% of MemTotal {_fmt(total)}")
+        budget, budget_source = measured.bytes, measured.source
         scratch = sum(optimizer_scratch_bytes(layouts, mask, dec.master) for mask in self.owned) \
             if self.config.optimizer is not None else 0
         disk = frozenset(range(n - dec.disk_layers, n))
@@ -564,7 +564,20 @@ class _Counting:
         self._gpu_verdict(gpu, max_mb, refuse, problems, advice)
         notes = ("no GPU here: GPU bytes are predicted, not checked (--gpu-memory GiB plans for one)",) \
             if self.dev == "cuda" and gpu.total is None else ()
+        if self.dev == "cuda":  # RLIMIT_MEMLOCK: [Note: which limits bind host memory] (host_limits.py)
+            pinned = self.pinned_bytes(host)
+            notes += tuple(f"page-locked host buffers about {_fmt(pinned)}: {limit}" for limit in
+                           pinning_limits(0, pinned, memlock=memlock_limit(), cgroup=None, available=None))
         return Verdicts(refuse, problems, advice, max(use, key=use.get), notes)
+
+    def pinned_bytes(self, host: HostCount) -> int:
+        """The host parts page-locked on CUDA (host_memory.HostRegion): the wire copy (the master when it is the
+        wire), the GA landing ring, the held gradients' slabs, the offloaded layer inputs; not the resident
+        parameters' small wire and landing copies."""
+        pinned = ("wire copy", "landing ring", "gradient slabs", "offloaded layer inputs")
+        if self.dec.wire == self.dec.master:
+            pinned += (f"{self.dec.master} master",)
+        return sum(v for k, v in host.parts.items() if any(p in k for p in pinned))
 
     def _host_verdict(self, host: HostCount, refuse: list[str], advice: list[str]) -> None:
         dec, layouts, masters, nvme = self.dec, self.layouts, self.dec.nvme_masters, host.nvme
@@ -597,7 +610,10 @@ class _Counting:
             advice.append(f"megatrain.nvme_layers: \"auto\" (or more than {dec.disk_layers})")
         if self.offload:
             advice.append("megatrain.offload_activations: false (the saved layer inputs then stay on the GPU)")
-        if host.budget_setting not in (None, "auto"):
+        if host.budget_source.startswith("memory cgroup"):
+            advice.append("ask the scheduler for more memory (SLURM --mem, Kubernetes resources.limits.memory, "
+                          "docker --memory): the memory cgroup's limit binds")
+        elif host.budget_setting not in (None, "auto"):
             advice.append(f"raise megatrain.host_memory_budget (MemAvailable here: {_fmt(host.available)})")
 
     def _gpu_verdict(self, gpu: GpuCount, max_mb: int | None, refuse: list[str], problems: list[str],

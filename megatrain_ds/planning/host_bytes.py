@@ -4,17 +4,20 @@ This module owns the byte arithmetic of host memory and the NVMe tier, by the sa
 the buffers (host_state.py's ``HostLayerStore``, optimizer.py's ``ResidentParams`` and ``HostAdamW`` scratch, nvme.py's
 tier and staging buffers): ``layer_store_bytes``, ``resident_host_bytes``, ``optimizer_scratch_bytes``,
 ``nvme_layer_bytes``; the NVMe split rule (``nvme_split``: how many trailing layers must leave RAM to fit a budget);
-the host budget (``host_budget_bytes``, from /proc/meminfo) and the disk's free space. It decides nothing about a
-run: decisions.py applies the split rule to a config, capacity.py sums these parts into a prediction. Pure, but for
-the reads of /proc/meminfo and statvfs.
+the host budget (``host_budget``: the smallest of MemAvailable, the memory cgroup's room and the user's setting, with
+the limit that binds; host/host_limits.py reads them) and the disk's free space. It decides nothing about a run:
+decisions.py applies the split rule to a config, capacity.py sums these parts into a prediction. Pure, but for the
+reads of /proc/meminfo, the cgroup files and statvfs.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from .config import ConfigError, TrainConfig
+from ..host.host_limits import CGROUP_ROOT, PROC_CGROUP, CgroupMemory, cgroup_memory, fmt_bytes, meminfo
 from ..model.model_map import LayerLayout
 from .plan_gpu import dtype_size
 
@@ -66,31 +69,64 @@ def nvme_split(ram_bytes_without_moments: int, moment_bytes: list[int], staging_
     return min(setting, n)
 
 
-def meminfo() -> tuple[int, int]:
-    """(MemAvailable, MemTotal) in bytes, from /proc/meminfo (sysconf where there is none)."""
-    values = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, rest = line.split(":", 1)
-                values[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-    return values.get("MemAvailable", values.get("MemFree", 0)), values.get("MemTotal", 0)
+@dataclass(frozen=True, slots=True)
+class HostLimits:
+    """What the host budget is measured against (``read_host_limits``): the machine and the memory cgroup."""
+
+    available: int  # MemAvailable, bytes
+    total: int  # MemTotal, bytes
+    cgroup: CgroupMemory | None  # the tightest memory cgroup level above this process (None: no limit)
+
+
+@dataclass(frozen=True, slots=True)
+class HostBudget:
+    """Host bytes the engine's state may take (``host_budget``), and the limit that sets them, in words: what
+    ``plan``, a refusal at ``initialize`` and its log line print."""
+
+    bytes: int
+    source: str  # "memory cgroup /slurm/job_1 limit 6.00 GiB - 0.31 GiB used - 5% of the limit", ...
+
+
+def read_host_limits(cgroup_root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> HostLimits:
+    """The machine's memory (/proc/meminfo) and this process's memory cgroup (host_limits.cgroup_memory), now."""
+    available, total = meminfo()
+    return HostLimits(available, total, cgroup_memory(cgroup_root, proc_cgroup))
+
+
+def host_budget(setting, freed_bytes: int = 0, limits: HostLimits | None = None) -> HostBudget:
+    """Host bytes the engine's state may take: the smallest of
+    - MemAvailable + ``freed_bytes`` - 5% of MemTotal (``setting`` "auto"/None), or ``setting``
+      (``megatrain.host_memory_budget``, GiB: used as given, whatever the machine has);
+    - the memory cgroup's limit - what the cgroup uses + ``freed_bytes`` - 5% of the limit (its OOM killer ends the
+      process with no message: a set budget above it is cut to it, and the source says so).
+    ``freed_bytes``: what the caller will free before the state fills (the engine passes the bytes of the model's
+    own weights, which ``load_layer`` releases; a fresh process passes 0). ``limits``: read now unless given
+    (``read_host_limits``). Pure given ``limits``."""
+    if setting is not None and setting != "auto" and (
+            isinstance(setting, bool) or not isinstance(setting, (int, float)) or not setting > 0):
+        raise ConfigError(f"megatrain.host_memory_budget must be a number of GiB > 0 or \"auto\", got {setting!r}")
+    limits = read_host_limits() if limits is None else limits
+    freed = f" + {fmt_bytes(freed_bytes)} freed" if freed_bytes else ""
+    if setting is None or setting == "auto":
+        budget = HostBudget(max(0, int(limits.available + freed_bytes - HOST_RESERVE_FRACTION * limits.total)),
+                            f"MemAvailable {fmt_bytes(limits.available)}{freed} - 5% of MemTotal "
+                            f"{fmt_bytes(limits.total)}")
+    else:
+        budget = HostBudget(int(setting * GiB), f"megatrain.host_memory_budget {setting:g} GiB")
+    cg = limits.cgroup
+    if cg is None:
+        return budget
+    room = max(0, int(cg.limit - cg.used + freed_bytes - HOST_RESERVE_FRACTION * cg.limit))
+    if room >= budget.bytes:
+        return budget
+    below = "" if setting is None or setting == "auto" else f" (below {budget.source})"
+    return HostBudget(room, f"memory cgroup {cg.path} limit {fmt_bytes(cg.limit)} - {fmt_bytes(cg.used)} used"
+                            f"{freed} - 5% of the limit{below}")
 
 
 def host_budget_bytes(setting, freed_bytes: int = 0) -> int:
-    """Host bytes the engine's state may take. ``setting`` (``megatrain.host_memory_budget``): a number of GiB, or
-    "auto"/None = MemAvailable - 5% of MemTotal, measured now, plus ``freed_bytes`` (what the caller will free
-    before the state fills: the engine passes the bytes of the model's own weights, which ``load_layer`` releases;
-    a fresh process passes 0). Pure but for the read of /proc/meminfo."""
-    if setting is None or setting == "auto":
-        available, total = meminfo()
-        return max(0, int(available + freed_bytes - HOST_RESERVE_FRACTION * total))
-    if isinstance(setting, bool) or not isinstance(setting, (int, float)) or not setting > 0:
-        raise ConfigError(f"megatrain.host_memory_budget must be a number of GiB > 0 or \"auto\", got {setting!r}")
-    return int(setting * GiB)
+    """``host_budget(setting, freed_bytes).bytes``: the budget's bytes, for callers that print no source."""
+    return host_budget(setting, freed_bytes).bytes
 
 
 def disk_free_bytes(path: str | None) -> int | None:

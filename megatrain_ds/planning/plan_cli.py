@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-path", default=None, help="the NVMe tier's folder (overrides the config's)")
     parser.add_argument("--host-budget", type=float, default=None, metavar="GiB",
                         help="host RAM budget (default: megatrain.host_memory_budget, or MemAvailable - 5%% of "
-                             "MemTotal)")
+                             "MemTotal; the memory cgroup's room when smaller, either way)")
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                         help="plan for a GPU with this much memory (default: this machine's GPU)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

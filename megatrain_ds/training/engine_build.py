@@ -23,7 +23,7 @@ from ..planning.capacity import Prediction, check_capacity
 from ..planning.config import ConfigError, TrainConfig
 from ..planning.decisions import Decisions, HostShare, resolve
 from ..streaming.executor import StreamedLayers
-from ..planning.host_bytes import host_budget_bytes
+from ..planning.host_bytes import fmt_bytes, host_budget_bytes
 from ..host.host_state import HostLayerStore
 from ..host.layer_state import LayerStates
 from ..log import logger
@@ -132,11 +132,15 @@ def check_capacity_for(config: TrainConfig, dec: Decisions, layouts, share: Host
                        model: nn.Module, device: torch.device) -> Prediction:
     """capacity.py's check of what ``initialize`` is about to allocate on this host under the engine's own
     decisions (host RAM of every rank on it, the NVMe tier's disk, the GPU's persistent buffers): ``CapacityError``
-    with the numbers, before any buffer exists, instead of an allocation failure mid-build or mid-step."""
-    return check_capacity(layouts, share.resident, config, device, world=len(share.owned), freed_bytes=freed_bytes,
+    with the numbers, before any buffer exists, instead of an allocation failure (or the memory cgroup's OOM kill)
+    mid-build or mid-step. Logs the host RAM needed against the budget and the limit that sets it."""
+    pred = check_capacity(layouts, share.resident, config, device, world=len(share.owned), freed_bytes=freed_bytes,
                           model_name=getattr(getattr(model, "config", None), "name_or_path", "") or
                           type(model).__name__, decisions=dec, owned=share.owned,
                           resident_owned=share.resident_masks())
+    logger.info(f"host RAM: {fmt_bytes(pred.host_need_bytes)} of a {fmt_bytes(pred.host_budget_bytes)} budget "
+                f"({pred.host_budget_source})")
+    return pred
 
 
 def apply_liger_kernels(model: nn.Module, device: torch.device, setting,
