@@ -141,11 +141,17 @@ def test_nvme_split():
 
 
 def test_host_budget_bytes():
-    assert plan.host_budget_bytes(2) == 2 * 2**30
-    assert plan.host_budget_bytes(0.5, freed_bytes=123) == 2**29  # a set budget is absolute
+    from megatrain_ds.planning.host_bytes import HostLimits, host_budget
+
+    # the machine's limits given, no memory cgroup: what the cgroup tests (test_host_limits.py) leave out
+    free = HostLimits(available=20 * 2**30, total=24 * 2**30, cgroup=None)
+    assert host_budget(2, limits=free).bytes == 2 * 2**30
+    assert host_budget(0.5, freed_bytes=123, limits=free).bytes == 2**29  # a set budget is absolute
+    auto = host_budget("auto", freed_bytes=10 * 2**30, limits=free).bytes
+    assert auto == int(30 * 2**30 - 0.05 * 24 * 2**30)
+    # measured now: never above the MemAvailable rule (a cgroup can only lower it)
     available, total = plan.meminfo()
-    auto = plan.host_budget_bytes("auto", freed_bytes=10 * 2**30)
-    assert abs(auto - (available + 10 * 2**30 - 0.05 * total)) < 256 * 2**20  # MemAvailable moves a little
+    assert plan.host_budget_bytes("auto") <= available - 0.05 * total + 256 * 2**20  # MemAvailable moves a little
     for bad in (0, -1, True, "lots"):
         with pytest.raises(ConfigError, match="host_memory_budget"):
             plan.host_budget_bytes(bad)
