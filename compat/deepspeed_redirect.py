@@ -26,7 +26,7 @@ Left real: the distribution and its version (accelerate's ``is_deepspeed_availab
 the metadata), ``deepspeed.comm`` (accelerate initializes it), ``deepspeed.utils`` (loggers),
 ``deepspeed.accelerator``, ``deepspeed.runtime.lr_schedules`` (megatrain_ds builds its schedulers from it),
 ``deepspeed.runtime.zero.config`` (megatrain_ds validates ``zero_optimization`` with it),
-``deepspeed.checkpoint``, the launcher.
+``deepspeed.checkpoint``, the launcher (which exports ``MEGATRAIN_DS`` to every host: compat/launcher_env.py).
 """
 from __future__ import annotations
 

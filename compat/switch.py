@@ -13,7 +13,8 @@ this module registers post-import hooks (compat/import_hook.py); still nothing i
 accelerate, or transformers) imports ``deepspeed`` itself. Real DeepSpeed is then imported as usual (its comm,
 utils, version, lr_schedules stay real: accelerate and transformers use them) and its entry points are
 redirected to megatrain_ds (compat/deepspeed_redirect.py says which and why); accelerate, once imported, counts
-the processes of a DeepSpeed run on a CPU-only machine as it does on GPUs (compat/accelerate_world.py).
+the processes of a DeepSpeed run on a CPU-only machine as it does on GPUs (compat/accelerate_world.py), and
+DeepSpeed's multi-node runner, once imported, exports ``MEGATRAIN_DS`` to every host (compat/launcher_env.py).
 
 In-process use, before anything imports deepspeed::
 
@@ -33,10 +34,10 @@ def requested() -> bool:
 
 def activate() -> None:
     """Redirect DeepSpeed's entry points to megatrain_ds in this process (idempotent)."""
-    from . import accelerate_world, deepspeed_redirect
+    from . import accelerate_world, deepspeed_redirect, launcher_env
     from .import_hook import after_import
 
-    for name, hook in {**deepspeed_redirect.HOOKS, **accelerate_world.HOOKS}.items():
+    for name, hook in {**deepspeed_redirect.HOOKS, **accelerate_world.HOOKS, **launcher_env.HOOKS}.items():
         after_import(name, hook)
 
 

@@ -6,8 +6,10 @@ accelerate, peft and DeepSpeed) and ``make oldest`` (the oldest pyproject.toml d
 
 The drift tests are the ones whose correctness rests on the internals of those packages: every script path against
 plain PyTorch (test_paths), every model family (test_families), kept layers (test_keep), the recompute self-check
-(test_recompute_check), the version table (test_versions), and TRL's published scripts against real DeepSpeed
-(test_trl: the canary upgrades TRL too; ``make oldest`` installs no TRL, so they skip there, docs/trl.md says why).
+(test_recompute_check), the version table (test_versions), TRL's published scripts against real DeepSpeed
+(test_trl: the canary upgrades TRL too; ``make oldest`` installs no TRL, so they skip there, docs/trl.md says why),
+and DeepSpeed's multi-node runner exporting MEGATRAIN_DS to every host (test_pdsh_exports, compat/launcher_env.py: a
+stand-in pdsh, no services; under tests/system, so it runs as root only, as CI runs).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import sys
 DRIFT_TESTS = ["tests/engine/test_paths.py", "tests/engine/test_families.py", "tests/engine/test_keep.py",
                "tests/engine/test_recompute_check.py", "tests/unit/test_versions.py",
                "tests/integration/test_wayback.py",  # DeepSpeed's checkpoint layout, which the way back writes
-               "tests/integration/test_trl.py"]  # TRL's scripts: its patched forward, its ZeRO-3 generation hooks (skipped: oldest)
+               "tests/integration/test_trl.py",  # TRL's scripts: its patched forward, its ZeRO-3 generation hooks (skipped: oldest)
+               "tests/system/test_pdsh_exports.py"]  # the runner's exports carry the switch to every host (root only)
 
 
 def main(argv: list[str]) -> int:
