@@ -99,6 +99,18 @@ def plan(model, mode: str, gpus: int, gpu_gib: float, host_gib: float, disk_gb: 
                           gpu_memory=int(gpu_gib * GiB), nvme_path=NVME_PATH if mode.startswith("nvme") else None)
 
 
+def plan_fitting(model, mode: str, gpus: int, gpu_gib: float, host_gib: float, disk_gb: float):
+    """(prediction, micro-batch): at 16 sequences per GPU, or at the largest micro-batch the GPU holds when only the
+    GPU stops 16."""
+    micro = TOKENS_PER_GPU // SEQ
+    pred = plan(model, mode, gpus, gpu_gib, host_gib, disk_gb)
+    gpu_only = pred.problems and all(p.startswith("GPU") for p in pred.problems)
+    if not pred.fits and gpu_only and pred.max_micro_batch:
+        micro = int(pred.max_micro_batch)
+        pred = plan(model, mode, gpus, gpu_gib, host_gib, disk_gb, micro_batch=micro)
+    return pred, micro
+
+
 def step_estimate(config, pred, gpus: int, host_rate: float, tokens_per_gpu: int = TOKENS_PER_GPU) -> dict:
     """The bound model of the module docstring (seconds), and tokens/s and TFLOPS per GPU at its largest term."""
     from benchmarks.shapes import model_flops_per_token, n_params
@@ -128,12 +140,7 @@ def rows() -> list[dict]:
             for mode in MODES:
                 if mode.startswith("nvme") and not disk_gb:
                     continue
-                micro = TOKENS_PER_GPU // SEQ
-                pred = plan(model, mode, gpus, gpu_gib, host_gib, disk_gb)
-                gpu_only = pred.problems and all(p.startswith("GPU") for p in pred.problems)
-                if not pred.fits and gpu_only and pred.max_micro_batch:  # the largest micro-batch the GPU holds
-                    micro = int(pred.max_micro_batch)
-                    pred = plan(model, mode, gpus, gpu_gib, host_gib, disk_gb, micro_batch=micro)
+                pred, micro = plan_fitting(model, mode, gpus, gpu_gib, host_gib, disk_gb)
                 tried.append({"mode": mode, "micro_batch": micro, "fits": pred.fits,
                               "host_need_gib": round(pred.host_need_bytes / GiB, 1),
                               "disk_gb": round(pred.disk_bytes / 1e9, 1), "disk_layers": pred.disk_layers,
@@ -154,7 +161,8 @@ def rows() -> list[dict]:
 
 
 def deepest(machine: str, mode: str, lo: int = 8, hi: int = 134) -> dict:
-    """The most layers of this width that the planner fits on ``machine`` in ``mode`` (host and disk only)."""
+    """The most layers of this width that the planner fits on ``machine`` in ``mode`` (host, disk and GPU, as
+    :func:`plan_fitting`)."""
     from benchmarks.shapes import n_params
     from megatrain_ds.planning.plan import meta_model
 
@@ -162,7 +170,7 @@ def deepest(machine: str, mode: str, lo: int = 8, hi: int = 134) -> dict:
     best = None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if plan(meta_model(make_config("qwen-100b", mid)), mode, gpus, gpu_gib, host_gib, disk_gb, seq=None).fits:
+        if plan_fitting(meta_model(make_config("qwen-100b", mid)), mode, gpus, gpu_gib, host_gib, disk_gb)[0].fits:
             best, lo = mid, mid + 1
         else:
             hi = mid - 1
