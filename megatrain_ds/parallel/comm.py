@@ -11,6 +11,11 @@ Trainer under any of them) are one data-parallel run (megatrain_ds/parallel/dp.p
 the script, accelerate or the Trainer made already is kept, whatever its backend. ``get_rank`` /
 ``get_world_size`` answer for that group (before it exists: from the launcher's environment).
 
+SLURM. ``srun -n N python train.py`` starts every rank as a task of its own, with SLURM's environment and no
+``RANK``: ``slurm_discovery`` fills the launcher's variables from SLURM's (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+``SLURM_LOCALID``, the step's node list), as DeepSpeed's ``mpi_discovery`` fills them from MPI's (which needs mpi4py
+and an MPI-aware srun). ``srun torchrun ...`` sets RANK itself and is left alone.
+
 The functions below answer without DeepSpeed (before any process group exists, too); every other name is
 DeepSpeed's own ``deepspeed.comm`` (module ``__getattr__``), so ``deepspeed.comm.X`` under the alias import is
 what it is under DeepSpeed.
@@ -42,7 +47,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """DeepSpeed's ``init_distributed``: a world of one for one process (``ensure_deepspeed_comm``); under a
     launcher (WORLD_SIZE > 1), ``torch.distributed`` from its environment (NCCL on CUDA, gloo on CPU, unless
     ``dist_backend`` says otherwise). Idempotent: an existing group is kept."""
-    world = _launcher_world(world_size)
+    world = _launcher_world(world_size, distributed_port)
     if world <= 1:  # as DeepSpeed's launcher-less discovery: scripts read these right after this call
         for key in ("RANK", "LOCAL_RANK"):
             os.environ.setdefault(key, "0")
@@ -52,9 +57,65 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     ensure_deepspeed_comm(dist_backend)
 
 
-def _launcher_world(world_size: int = -1) -> int:
-    """The processes a launcher started: WORLD_SIZE, else the ``world_size`` argument, else 1."""
+def _launcher_world(world_size: int = -1, port: int = 29500) -> int:
+    """The processes a launcher started: WORLD_SIZE (a SLURM step's tasks: ``slurm_discovery``), else the
+    ``world_size`` argument, else 1."""
+    slurm_discovery(port)
     return int(os.environ.get("WORLD_SIZE", "") or (world_size if world_size > 0 else 1))
+
+
+def slurm_discovery(port: int = 29500) -> bool:
+    """Inside a SLURM job step whose tasks are the ranks (``srun -n N python train.py``; no RANK or WORLD_SIZE in
+    the environment), set torch.distributed's variables from SLURM's and return True: RANK = SLURM_PROCID,
+    WORLD_SIZE = SLURM_STEP_NUM_TASKS, LOCAL_RANK = SLURM_LOCALID, LOCAL_WORLD_SIZE = this node's tasks of the
+    step, MASTER_ADDR = the step's first host, MASTER_PORT = ``port`` (DeepSpeed's ``distributed_port``, 29500);
+    a MASTER_ADDR / MASTER_PORT the environment has is kept (two jobs sharing a node need their own port:
+    ``export MASTER_PORT=...`` before srun). Nothing is set under torchrun or the deepspeed launcher (RANK is set),
+    or in a batch script's shell (one process: SLURM sets SLURM_STEP_NUM_TASKS only in a step srun starts)."""
+    env = os.environ
+    if "RANK" in env or "WORLD_SIZE" in env or not env.get("SLURM_STEP_NUM_TASKS") or "SLURM_PROCID" not in env:
+        return False
+    per_node = _expand_counts(env.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    node = int(env.get("SLURM_NODEID", 0))
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_STEP_NUM_TASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    if node < len(per_node):
+        env["LOCAL_WORLD_SIZE"] = str(per_node[node])
+    env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST", ""))
+                   or "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(port))
+    return True
+
+
+def _expand_counts(spec: str) -> list[int]:
+    """SLURM's per-node task counts, ``"2(x3),1"`` -> [2, 2, 2, 1]."""
+    counts = []
+    for part in filter(None, spec.split(",")):
+        value, _, times = part.partition("(x")
+        counts += [int(value)] * int(times.rstrip(")") or 1)
+    return counts
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``, ``"r[1-2]-n[01-04]"`` ->
+    ``"r1-n01"`` (what ``scontrol show hostnames`` prints first)."""
+    out, depth = [], 0
+    for ch in nodelist:
+        if ch == "," and depth == 0:
+            break
+        if ch == "[":
+            depth, first = 1, []
+            continue
+        if depth:
+            if ch == "]":
+                out.append("".join(first).split(",")[0].split("-")[0])
+                depth = 0
+            else:
+                first.append(ch)
+            continue
+        out.append(ch)
+    return "".join(out)
 
 
 def _join_launcher_group(backend: str | None, world: int, rank: int = -1, port: int = 29500, timeout=None,

@@ -57,16 +57,24 @@ take, a crash) must not leave the others waiting for ever, and the rank that giv
   count is behind its own did not arrive; their report says where they are ("between backward() and step() of
   micro-step 3: backward() returned, step() not called yet", host, pid). With two ranks it is the other one. A
   closed connection (a peer that died) is said as such, naming the rank whose pid is gone where it ran on this host.
+- **Who exited.** A report is the rank's last position, not its fate: a rank whose script ended (or raised) reports
+  nothing more. So at interpreter exit each rank writes an exit record of its own (``exit/<rank>``, synchronously,
+  bounded, before its groups are destroyed: it is in the store before any peer sees the connection close), saying
+  whether an exception escaped the script and its last engine call. A peer that waited for it says "exited" with
+  that, not its last progress; a rank that left no record and whose pid is gone (same host) was killed or crashed
+  (SIGKILL, ``os._exit``, a segfault: its launcher's log has the status).
 - **Exit.** Nothing is left waiting: gloo's operations fail at the timeout, so a script that lets the error
   propagate exits (its process groups destroyed at exit, comm.py); the rank that stalled fails in its next collective
   once it resumes (its peers are gone).
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -382,12 +390,14 @@ class DataParallel:
         if reports is not None:
             reports[me] = self._entry()  # this rank's own, current (its last write may still be queued)
         lines = []
+        exits: dict = {}
         if reports is None:
             missing, dead = ([1 - me], []) if self.world == 2 else ([], [])  # two ranks: the other one
             lines.append("  (the other ranks' reports could not be read: the store's host -- rank 0 under a plain "
                          "launch, the launcher's agent under torchrun -- may be gone)")
         else:
-            dead = [r for r, e in reports.items() if r != me and not _alive(e)]
+            exits = {r: e["exit"] for r, e in reports.items() if r != me and "exit" in e}
+            dead = [r for r, e in reports.items() if r != me and (r in exits or not _alive(e))]
             order = (seq, self.position["c"])  # every rank makes the same calls and collectives in the same order
             behind = [r for r in range(self.world) if r != me and
                       (r not in reports or (reports[r]["seq"], reports[r].get("c", 0)) < order)]
@@ -400,20 +410,35 @@ class DataParallel:
                 if e is None:
                     lines.append(f"  rank {r}: no report (it never reached this engine's initialize())")
                     continue
+                if r in exits:
+                    x = exits[r]
+                    lines.append(f"  rank {r} (exited; host {e['host']}, pid {e['pid']}): {_exit_text(x)}, "
+                                 f"{now - x['t']:.1f} s ago; its last engine call: {_last_call(e)}")
+                    continue
                 state = _PHASES.get(e["phase"], e["phase"]).format(**e)
                 if e.get("in"):
                     state += f"; its last collective entered: {e['in']}"
-                tag = ("this rank" if r == me else "its process is gone" if r in dead else
-                       "did not arrive" if r in missing else "arrived")
+                tag = ("this rank" if r == me else "its process is gone: killed or crashed, no exit recorded"
+                       if r in dead else "did not arrive" if r in missing else "arrived")
                 lines.append(f"  rank {r} ({tag}; host {e['host']}, pid {e['pid']}): {state} "
                              f"[report {now - e['t']:.1f} s ago]")
         who = (", ".join(f"rank {r}" for r in missing) if missing else
                "no rank is behind by the reports (a rank stalled inside the same call)" if reports else "unknown")
-        if gone:
+        ended = [r for r in missing if r in exits and exits[r].get("raised") is None]
+        if gone or (missing and all(r in exits for r in missing)):
+            fate = ("exited" if missing and all(r in exits for r in missing) else
+                    "was killed or crashed (no exit recorded)" if missing and
+                    all(r in dead and r not in exits for r in missing) else "exited or crashed")
             what = (f"a peer's connection closed while rank {me} waited in {collective}, {where}: "
-                    f"{'the process of ' + who if missing else 'a peer process'} exited or crashed")
+                    f"{'the process of ' + who if missing else 'a peer process'} {fate}")
             todo = ("its own log says why; this run cannot go on without it: restart from the last checkpoint (every "
                     "rank exits)")
+            if ended:
+                scripts = "its script" if len(ended) == 1 else "their scripts"
+                todo = (f"{', '.join(f'rank {r}' for r in ended)} ended {scripts} while rank {me} still made engine "
+                        "calls: every rank must make the same engine calls in the same order -- save_checkpoint() "
+                        "and GatheredParameters on every rank, not only on rank 0 (as with DeepSpeed) -- and the "
+                        "same number of steps")
         else:
             what = (f"{collective}, {where}, did not complete within megatrain.collective_timeout = "
                     f"{self.timeout_s:g} s" + (f" (waited {waited:.1f} s)" if not timed_out else "") +
@@ -499,17 +524,72 @@ def _collective_failure(exc: BaseException) -> bool:
 
 
 def _alive(entry: dict) -> bool:
-    """False when the report's process is known to be gone (same host, no such pid); True when it lives or cannot be
-    checked from here."""
+    """False when the report's process is known to be gone (same host: no such pid, or a zombie its launcher has not
+    reaped yet -- torchrun's agent polls its workers); True when it lives or cannot be checked from here."""
     if entry.get("host") != socket.gethostname():
         return True
     try:
-        os.kill(int(entry["pid"]), 0)
+        pid = int(entry["pid"])
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (OSError, ValueError, KeyError):
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (not Linux): the pid exists
+        return True
+
+
+def _exit_text(x: dict) -> str:
+    """An exit record, said: how the script ended."""
+    if x.get("raised"):
+        return f"exited after an uncaught {x['raised']}" + (" (exit status 1)" if x.get("status") == 1 else "")
+    return "exited: its script ended without an uncaught exception (returned, or called sys.exit)"
+
+
+def _last_call(e: dict) -> str:
+    """A report's engine call, briefly: "step() returned (micro-step 4, global step 2)"."""
+    name = e["phase"].removesuffix("_done")
+    call = {"save": "save_checkpoint()", "load": "load_checkpoint()", "gather": "GatheredParameters",
+            "initialize": "initialize()"}.get(name, f"{name}()")
+    if name == "initialize":
+        return call
+    return call + (" returned" if e["phase"].endswith("_done") else "") + \
+        f" (micro-step {e.get('m', 0)}, global step {e.get('g', 0)})"
+
+
+class _Exit:
+    """How this process ends, for its exit records: the uncaught exception ``sys.excepthook`` saw (it runs before
+    ``atexit`` handlers), if any. Python gives an ``atexit`` handler no exit status, so a script's clean end and its
+    ``sys.exit(n)`` read the same ("without an uncaught exception")."""
+
+    raised: str | None = None  # "TypeName: first line of its message"
+    status: int | None = None  # 1 for an uncaught exception (Python's exit status), None when not known
+    boards: list = []  # the live boards of this process (one per engine), written at exit
+    _hooked = False
+
+    @classmethod
+    def watch(cls, board: "_Board") -> None:
+        cls.boards.append(board)
+        if cls._hooked:
+            return
+        cls._hooked = True
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            text = str(value).splitlines()[0][:200] if str(value) else ""
+            cls.raised = f"{kind.__name__}: {text}" if text else kind.__name__
+            cls.status = 1 if not issubclass(kind, KeyboardInterrupt) else None
+            previous(kind, value, tb)
+        sys.excepthook = hook
+        atexit.register(cls.write)  # after comm.destroy_at_exit's registration: runs before the groups go
+
+    @classmethod
+    def write(cls) -> None:
+        for board in cls.boards:
+            board.exited({"raised": cls.raised, "status": cls.status, "t": time.time()})
 
 
 class _Board:
@@ -528,10 +608,14 @@ class _Board:
             self.store = dist.PrefixStore(f"megatrain_ds/dp{instance}/", dist.distributed_c10d._get_default_store())
         except Exception:  # noqa: BLE001 - no store (a group made some other way): the message says "unknown"
             self.store = None
+        self.latest: dict | None = None  # the last report (its exit record repeats it)
+        if self.store is not None:
+            _Exit.watch(self)
 
     def report(self, entry: dict) -> None:
         if self.store is None:
             return
+        self.latest = entry
         with _Board._lock:
             _Board._pending[self] = entry
             if _Board._thread is None:
@@ -553,22 +637,45 @@ class _Board:
                 board.store = None
             time.sleep(WRITE_INTERVAL_S)  # at most this often: the reports of a burst of collectives coalesce
 
+    def exited(self, how: dict) -> None:
+        """At exit: this rank's exit record (``exit/<rank>``: ``how`` and its last report), written now, bounded (a
+        store whose host is gone cannot hold the exit up). Its own key: the writer thread may still be writing an
+        older report to ``<rank>``."""
+        store, latest = self.store, self.latest
+        if store is None or latest is None:
+            return
+        record = json.dumps({**latest, "exit": how})
+        _bounded(lambda: store.set(f"exit/{self.rank}", record), "megatrain-dp-board-exit")
+
     def read(self) -> dict[int, dict] | None:
-        """rank -> its last report (ranks that never reported are absent); None when the store cannot be read."""
-        if self.store is None:
+        """rank -> its last report (ranks that never reported are absent), with ``"exit"`` where the rank exited
+        (its exit record, which holds its last report); None when the store cannot be read."""
+        store = self.store
+        if store is None:
             return None
-        result = {}
 
         def read_all():
             out = {}
-            try:
-                for r in range(self.world):
-                    if self.store.check([str(r)]):
-                        out[r] = json.loads(self.store.get(str(r)))
-            except Exception:  # noqa: BLE001 - the store's host is gone: "could not be read"
-                return
-            result["reports"] = out
-        reader = threading.Thread(target=read_all, name="megatrain-dp-board-read", daemon=True)
-        reader.start()
-        reader.join(BOARD_READ_TIMEOUT_S)
-        return result.get("reports")
+            for r in range(self.world):
+                if store.check([f"exit/{r}"]):
+                    out[r] = json.loads(store.get(f"exit/{r}"))
+                elif store.check([str(r)]):
+                    out[r] = json.loads(store.get(str(r)))
+            return out
+        return _bounded(read_all, "megatrain-dp-board-read")
+
+
+def _bounded(work, name: str):
+    """``work()`` on a thread joined for at most ``BOARD_READ_TIMEOUT_S``: its result, or None if it raised (the
+    store's host is gone) or is still waiting."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = work()
+        except Exception:  # noqa: BLE001 - the store's host is gone: "could not be read"
+            pass
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(BOARD_READ_TIMEOUT_S)
+    return result.get("value")
