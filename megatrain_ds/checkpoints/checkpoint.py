@@ -22,16 +22,18 @@ files (one set serves both), as does DeepSpeed's ``zero_to_fp32``. Frozen parame
 their values), and ``deepspeed_resume`` why DeepSpeed could not resume it (empty: it can).
 
 Each rank plans its two files first (checkpoint_stream.py: the objects pickled, every record laid out), so their
-exact sizes are known before anything is written; rank 0 checks the free space against them (``prepare_folder``:
-an OSError naming the bytes needed and free, nothing written, where the disk cannot hold the checkpoint). Then each
-rank streams its files: the big tensors (fp32 sub-groups, moments, frozen fragments) are produced chunk by chunk
-from the host state while their records are written (views of it with one rank: nothing is copied, in memory or on
-disk; checkpoint_partition.py), so a save takes the disk of the checkpoint it writes and no more. With N ranks
+exact sizes are known before anything is written; rank 0 checks the free space against them (``prepare_folder``: an
+OSError naming the bytes needed and free, nothing written, where the disk cannot hold the checkpoint), then every
+rank has the file system give each of its files (and its manifest) its exact size (``reserve_files``,
+posix_fallocate: a ``DiskSpaceError`` naming the file and the bytes, nothing written, where it does not). Then each
+rank streams its files into them: the big tensors (fp32 sub-groups, moments, frozen fragments) are produced chunk by
+chunk from the host state while their records are written (views of it with one rank: nothing is copied, in memory
+or on disk; checkpoint_partition.py), so a save takes the disk of the checkpoint it writes and no more. With N ranks
 (data parallel, dp.py) a layer's state is held by its owner rank only, so the owner scatters each rank its
-partitions of the layer over the gloo group as the records are written (transient memory: one layer's partitions
-of one kind); a rank whose write fails keeps producing its chunks (the exchanges) until its files are done, then
-every rank raises. Resident parameters are replicated: each rank cuts its partitions locally. (megatrain_ds before
-the way back wrote one group per layer and its own flat moments; those files still load.)
+partitions of the layer over the gloo group as the records are written (transient memory: one layer's partitions of
+one kind); a rank whose write fails keeps producing its chunks (the exchanges) until its files are done, then every
+rank raises. Resident parameters are replicated: each rank cuts its partitions locally. (megatrain_ds before the way
+back wrote one group per layer and its own flat moments; those files still load.)
 
 Writing. A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
 file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
@@ -66,12 +68,13 @@ from .. import _version
 from . import wayback
 from ..log import log
 from .adapters import is_peft_model, save_adapter
-from .checksums import write_manifest
+from .checksums import MANIFEST, manifest_bytes, write_manifest
 from .checksums import verify as verify_checksums
 from .checkpoint_files import CheckpointMismatchError, CheckpointFiles, read_states, model_file, optim_file
 from .checkpoint_files import BF16_OPTIM_FILE, MODEL_FILE, OPTIM_FILE, fp32_state_dict  # noqa: F401 (re-exported)
 from .checkpoint_folder import RECOVERY_SCRIPTS, clean_stale  # noqa: F401 (re-exported)
-from .checkpoint_folder import checkpoint_path_of, commit_folder, fsync_dir, prepare_folder, CheckpointWorld
+from .checkpoint_folder import checkpoint_path_of, commit_folder, fsync_dir, prepare_folder, reserve_files
+from .checkpoint_folder import CheckpointWorld
 from .checkpoint_partition import PartitionParam, partition_plan, RankState
 from .checkpoint_stream import SaveTimes, StreamedFile, write_files
 from .step_counters import StepCounters
@@ -159,6 +162,14 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     tmp = world.broadcast(tmp)
     times, writing = SaveTimes(), time.perf_counter()
     try:
+        error = None
+        try:  # every byte of every rank's files is asked of the file system before any is written
+            reserve_files(tmp, {**{f.name: f.nbytes for f in files},
+                                MANIFEST.format(rank=world.rank): manifest_bytes(f.name for f in files)},
+                          tag, world.rank)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        world.agree(error, "reserve the disk for its checkpoint files (nothing was written)")
         error = None
         try:  # streamed from the host state; with N ranks a failed rank drains its exchanges so no rank waits
             digests = write_files(files, tmp, drain=world.size > 1, times=times)

@@ -6,14 +6,19 @@ runs on the main thread in the same order on every rank, and a rank that fails m
 
 Writing. Rank 0 first cleans the leftovers of killed saves and checks the free space against the bytes the new
 checkpoint needs (``prepare_folder``: each rank's files, sized exactly before they are written, and a margin for the
-small files). A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one folder), every
-file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into place (a
-previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``) and only then replaces ``latest``
-(through ``.latest.tmp-<pid>`` and ``os.replace``): ``commit_folder``. DeepSpeed's recovery scripts are copied beside
-it. A process killed at any moment leaves the previous checkpoint and ``latest`` intact; what it leaves behind is
-cleaned by the next save (``clean_stale``) or put back when the kill landed between the two renames
-(``_restore_moved_aside``). The one exception is a tag saved again on a disk that holds one copy of it but not
-two: the previous one is removed before the new one is written (``_drop_previous``, with a warning), as DeepSpeed
+small files; statvfs's ``f_bavail``, never root's reserved blocks). Then every rank asks the file system itself for
+its files' blocks before it writes a byte (``reserve_files``: each file created at its exact size with
+posix_fallocate, host/disk_space.py), rank 0 also for the small files it writes beside the folder at the commit (a
+scratch file in the folder, deleted by ``commit_folder`` right before they are written: another writer may take that
+room in between, and then ``latest`` is what fails, with the folder complete). A save that cannot fit fails there
+with nothing written. A save goes to ``save_dir/.<tag>.tmp-<pid>`` (rank 0's pid: every rank writes into one
+folder), every file is fsynced, the ranks agree that all files are written, then rank 0 renames the directory into
+place (a previous folder of the same tag is first moved aside to ``.<tag>.old-<pid>``) and only then replaces
+``latest`` (through ``.latest.tmp-<pid>`` and ``os.replace``): ``commit_folder``. DeepSpeed's recovery scripts are
+copied beside it. A process killed at any moment leaves the previous checkpoint and ``latest`` intact; what it
+leaves behind is cleaned by the next save (``clean_stale``) or put back when the kill landed between the two renames
+(``_restore_moved_aside``). The one exception is a tag saved again on a disk that holds one copy of it but not two:
+the previous one is removed before the new one is written (``_drop_previous``, with a warning), as DeepSpeed
 overwrites a tag in place.
 
 Reading. ``checkpoint_path_of``: the folder a tag, or ``latest``, names (putting back a moved-aside one).
@@ -31,6 +36,7 @@ import warnings
 
 import torch.distributed as dist
 
+from ..host.disk_space import DiskSpaceError, available_bytes, byte_count, reserve_file
 from .checkpoint_files import CheckpointMismatchError
 
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
@@ -38,6 +44,8 @@ _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<pid>\d+)$") 
 # beside the rank files a save writes its manifests, DeepSpeed's recovery scripts and latest (a few KiB), and each
 # file rounds up to the file system's blocks: the free space a save needs beyond its rank files
 SMALL_FILES_BYTES = 1 << 20
+SMALL_FILES_RESERVED = ".small-files.reserved"  # rank 0's scratch file in the temporary folder (reserve_files)
+_BLOCK = 4096  # what a small file takes on disk at least
 
 
 class CheckpointWorld:
@@ -254,8 +262,41 @@ def _drop_previous(save_dir: str, tag: str, needed: int, free: int, previous: in
     fsync_dir(save_dir)
 
 
+def small_files_bytes() -> int:
+    """The disk ``commit_folder`` writes beside the folder: DeepSpeed's recovery scripts (their new copies, made
+    before the old ones go) and ``latest``, each rounded up to a block."""
+    scripts = [_deepspeed_file(f"utils/{script}") for script in RECOVERY_SCRIPTS]
+    sizes = [os.path.getsize(s) for s in scripts if s is not None] + [_BLOCK]  # + latest
+    return sum(-(-n // _BLOCK) * _BLOCK for n in sizes)
+
+
+def reserve_files(tmp: str, sizes: dict[str, int], tag: str, rank: int) -> None:
+    """Every rank, before it writes a byte: each of its files (``sizes``: name in ``tmp`` -> exact bytes) created
+    at its final size, its blocks given by the file system (posix_fallocate; host/disk_space.py); rank 0 also holds
+    the room for the small files ``commit_folder`` writes (``SMALL_FILES_RESERVED``, deleted there). A file system
+    that does not give them is a ``DiskSpaceError`` naming the file, the bytes it needs, the rank's total and what
+    the file system has; the caller removes the folder (nothing was written)."""
+    wanted = dict(sizes)
+    if rank == 0:
+        wanted[SMALL_FILES_RESERVED] = small_files_bytes()
+    for name, nbytes in wanted.items():
+        try:
+            reserve_file(os.path.join(tmp, name), nbytes)
+        except DiskSpaceError as exc:
+            save_dir = os.path.dirname(os.path.abspath(tmp))
+            raise DiskSpaceError(exc.reason, path=exc.path, needed=exc.needed, available=exc.available, message=(
+                f"save_checkpoint: not enough disk space for checkpoint {tag!r} in {save_dir}: {exc.reason}; rank "
+                f"{rank}'s files need {byte_count(sum(wanted.values()))} in all. Nothing was written: the previous "
+                "checkpoint and 'latest' are as they were. Free space (older checkpoints?) or save to another "
+                "disk")) from None
+
+
 def commit_folder(save_dir: str, tmp: str, tag: str, save_latest: bool) -> None:
     """Rank 0, once every file is written: the folder into place, the recovery scripts, then ``latest``."""
+    try:  # the room reserve_files held for the files written below
+        os.remove(os.path.join(tmp, SMALL_FILES_RESERVED))
+    except FileNotFoundError:
+        pass
     fsync_dir(tmp)
     final = os.path.join(save_dir, tag)
     old = None
@@ -317,10 +358,6 @@ def checkpoint_path_of(load_dir: str, tag) -> str | None:
 
 def free_bytes(path: str) -> int:
     """Bytes a write by this process can still take on the file system of ``path`` (or of its nearest existing
-    parent): the blocks available to unprivileged users, or to root all free blocks (root may write into the
-    reserved ones, and DeepSpeed's save would)."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    st = os.statvfs(path)
-    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+    parent), as statvfs says: ``f_bavail``, for root too (a file system may keep its reserved blocks from root: the
+    disk of issue 47 did). The reservation (``reserve_files``) is the file system's own answer."""
+    return available_bytes(path)

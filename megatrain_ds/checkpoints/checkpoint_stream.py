@@ -20,13 +20,14 @@ from its owner rank; checkpoint_partition.py). The file is the archive torch.sav
   torch.load finds every record where it computes it (``calculate_storage_offsets``), and reads the file
   memory-mapped as well; so do DeepSpeed's ``load_checkpoint`` and ``zero_to_fp32``.
 
-Every size is known before the first byte is written (``StreamedFile.nbytes``: the save checks the free space
-against it). The bytes go to the file once, front to back, never seeking: SHA-256 (the manifest's, checksums.py)
-and CRC-32 (the zip's) run on two threads while the main thread writes the same piece (hashlib, zlib and write(2)
-release the GIL on large buffers), so a piece costs the slowest of the three instead of their sum. The disk writes
-start while the file is still being written (``Writeback``: a thread fdatasyncs every ``WRITEBACK_BYTES``), so the
-closing fsync waits for the tail only, not for the tens of GB the kernel would otherwise hold dirty. ``SaveTimes``
-adds up where a save's seconds went (producing the chunks, write(2), waiting for the hashes, the closing fsync).
+Every size is known before the first byte is written (``StreamedFile.nbytes``: the save reserves each file at it,
+checkpoint_folder.py's ``reserve_files``, and writes into the reserved file). The bytes go to the file once, front
+to back, never seeking: SHA-256 (the manifest's, checksums.py) and CRC-32 (the zip's) run on two threads while the
+main thread writes the same piece (hashlib, zlib and write(2) release the GIL on large buffers), so a piece costs
+the slowest of the three instead of their sum. The disk writes start while the file is still being written
+(``Writeback``: a thread fdatasyncs every ``WRITEBACK_BYTES``), so the closing fsync waits for the tail only, not
+for the tens of GB the kernel would otherwise hold dirty. ``SaveTimes`` adds up where a save's seconds went
+(producing the chunks, write(2), waiting for the hashes, the closing fsync).
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 
 import torch
+
+from ..host.disk_space import available_bytes
 
 ALIGNMENT = 64  # the data of every record starts on a multiple of this (torch's kFieldAlignment, .storage_alignment)
 PIECE_BYTES = 32 << 20  # bytes handed at once to the hashing threads and to write(2)
@@ -220,13 +223,14 @@ class StreamedFile:
 
     def write(self, path: str, pool: concurrent.futures.Executor, drain: bool = False,
               times: SaveTimes | None = None) -> str:
-        """Write the file at ``path``, fsynced; returns the SHA-256 of its bytes. A write that fails is an OSError
-        naming the file (and, for a full disk, the bytes needed and free); a KeyboardInterrupt is itself. ``drain``:
-        after a failed write, every streamed chunk is still produced (and dropped) before the error is raised.
-        ``times``: where the seconds went are added to it."""
+        """Write the file at ``path``, fsynced; returns the SHA-256 of its bytes. A file already at ``path`` (reserved
+        at ``nbytes``: checkpoint_folder.py's ``reserve_files``) is written into, not truncated first: its blocks
+        stay allocated. A write that fails is an OSError naming the file (and, for a full disk, the bytes needed and
+        free); a KeyboardInterrupt is itself. ``drain``: after a failed write, every streamed chunk is still produced
+        (and dropped) before the error is raised. ``times``: where the seconds went are added to it."""
         out, times = None, times if times is not None else SaveTimes()
         try:
-            with open(path, "wb") as f:
+            with open(path, "r+b" if os.path.exists(path) else "wb") as f:
                 writeback = Writeback(f.fileno())
                 try:
                     out = StreamWriter(f, pool, drain, times, writeback)
@@ -239,7 +243,7 @@ class StreamedFile:
                     raise out.error
                 if out.written != self.nbytes:  # the layout written is the one the sizes were planned with
                     raise AssertionError(f"{path}: wrote {out.written} bytes, planned {self.nbytes}")
-                f.flush()
+                f.truncate(out.written)  # (a file that was longer before)
                 start = time.perf_counter()
                 os.fsync(f.fileno())
                 times.fsync += time.perf_counter() - start
@@ -434,8 +438,7 @@ class StreamWriter:
 def _named(exc: OSError, path: str, nbytes: int) -> OSError:
     """An OSError of a checkpoint file's write, naming the file (write(2)'s errors name none)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        from .checkpoint_folder import free_bytes  # (the folder module imports this one)
-        free = free_bytes(os.path.dirname(path) or ".")
+        free = available_bytes(os.path.dirname(path) or ".")
         return OSError(exc.errno, f"save_checkpoint: the disk is full writing {path}: it needs about "
                        f"{nbytes / 2**30:.2f} GiB ({nbytes:,} bytes), {free / 2**30:.2f} GiB are free there. This "
                        "save is abandoned (its folder removed); the previous checkpoint and 'latest' are intact. Free "

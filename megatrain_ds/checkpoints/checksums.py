@@ -14,12 +14,17 @@ import errno
 import glob
 import hashlib
 import os
-import shutil
 
 import torch
 
+from ..host.disk_space import available_bytes, reserve_file
+
 MANIFEST = "zero_pp_rank_{rank}_checksums.sha256"
 _CHUNK = 1 << 24  # 16 MiB per read when verifying
+_DIGEST = 64  # hex digits of a SHA-256
+# what torch.save writes beyond its storages' bytes, at most: per record a header and a descriptor padded to 64 bytes
+# (and a central directory entry), and the pickle (the tensors' metadata; a model's few thousand names)
+_RECORD_BYTES, _PICKLE_BYTES = 512, 1 << 20
 
 
 class ChecksumError(RuntimeError):
@@ -50,18 +55,23 @@ class HashingWriter:
 
 
 def save_file(obj, path: str) -> str:
-    """Write ``obj`` with torch.save, fsynced; returns the SHA-256 of the bytes written (checksums.py). A full disk
-    (ENOSPC, or torch's "unexpected pos" once a write came up short) is an OSError naming the file, the bytes it
-    needs and those free; another write error is an OSError naming the file; the caller removes the unfinished
-    folder, and the previous checkpoint stays as it was. torch.save's zip writer turns whatever a write raised into
-    its RuntimeError "unexpected pos": the write's own exception is raised instead, so a Ctrl-C in the middle of a
-    file is the script's KeyboardInterrupt (the fault driver found it reported as a full disk)."""
+    """Write ``obj`` with torch.save into a file reserved first (host/disk_space.py), fsynced; returns the SHA-256 of
+    the bytes written (checksums.py). A full disk (ENOSPC, or torch's "unexpected pos" once a write came up short)
+    is an OSError naming the file, the bytes it needs and those free; another write error is an OSError naming the
+    file; the caller removes the unfinished folder, and the previous checkpoint stays as it was. torch.save's zip
+    writer turns whatever a write raised into its RuntimeError "unexpected pos": the write's own exception is raised
+    instead, so a Ctrl-C in the middle of a file is the script's KeyboardInterrupt (the fault driver found it
+    reported as a full disk)."""
     writer = None
+    # the disk asked for before a byte is written: the pickle's size is known only once it is written, so the file is
+    # reserved at a bound of it, written into from its start (torch.save writes a file object sequentially) and cut
+    # to the bytes written (a DiskSpaceError naming the file and the bytes, with no file left, where it cannot fit)
+    reserve_file(path, _saved_bytes_bound(obj))
     try:
-        with open(path, "wb") as f:
+        with open(path, "r+b") as f:
             writer = HashingWriter(f)
             torch.save(obj, writer)
-            f.flush()
+            f.truncate()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as exc:
         hidden = writer.error if writer is not None else None  # what the write raised, under torch's RuntimeError
@@ -80,7 +90,7 @@ def save_file(obj, path: str) -> str:
             if hidden is not None:
                 raise hidden from exc  # the write's own error, not torch's "unexpected pos"
             raise
-        free = shutil.disk_usage(os.path.dirname(path) or ".").free
+        free = available_bytes(os.path.dirname(path) or ".")
         raise OSError(errno.ENOSPC, f"save_checkpoint: the disk is full writing {path}: it needs about "
                       f"{_tensor_bytes(obj) / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free there. This save is "
                       "abandoned (its folder removed); the previous checkpoint and 'latest' are intact. Free space "
@@ -99,24 +109,45 @@ def _hidden_cause(exc: BaseException) -> BaseException | None:
     return None
 
 
-def _tensor_bytes(obj) -> int:
-    """Bytes of the tensors in a checkpoint payload (dicts, lists, tuples): about what torch.save writes."""
+def _storages(obj, found: dict) -> dict:
+    """The storages of the tensors in a checkpoint payload (dicts, lists, tuples), by address: what torch.save
+    writes (a view's whole storage, a storage shared by two tensors once)."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
+        storage = obj.untyped_storage()
+        found[(obj.device.type, storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _storages(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _storages(v, found)
+    return found
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the storages in a checkpoint payload: about what torch.save writes."""
+    return sum(_storages(obj, {}).values())
+
+
+def _saved_bytes_bound(obj) -> int:
+    """At least the bytes torch.save writes for ``obj`` (its storages, their records, the pickle)."""
+    storages = _storages(obj, {})
+    return sum(storages.values()) + _RECORD_BYTES * (len(storages) + 8) + _PICKLE_BYTES
+
+
+def manifest_bytes(names) -> int:
+    """The size of the manifest of the files ``names``: known before they are written (the save reserves it)."""
+    return sum(_DIGEST + 2 + len(name.encode()) + 1 for name in names)
 
 
 def write_manifest(folder: str, rank: int, digests: dict[str, str]) -> str:
-    """``digests``: file name (in ``folder``) -> SHA-256 hex. Written and fsynced; returns its path."""
+    """``digests``: file name (in ``folder``) -> SHA-256 hex. Written (into the file the save reserved, if there
+    is one: not truncated first) and fsynced; returns its path."""
     path = os.path.join(folder, MANIFEST.format(rank=rank))
-    with open(path, "w") as f:
+    with open(path, "r+" if os.path.exists(path) else "w") as f:
         for name, digest in sorted(digests.items()):
             f.write(f"{digest}  {name}\n")
-        f.flush()
+        f.truncate()  # (at the end written: the reserved size is this one)
         os.fsync(f.fileno())
     return path
 

@@ -14,10 +14,11 @@ buffer is then the same flat buffer as without the tier, cut short, so the GPU-h
 the norm the updates run in forward order, so the disk layers' reads have the RAM layers' updates to hide
 behind; with speculation (speculation.py) the trailing layers are updated first, during the backward.
 
-How. One file, ``<nvme_path>/megatrain_ds_swap/rank<r>-<pid>/moments.swp``, preallocated at start-up (a disk
-too small fails there, with the numbers, not mid-step), one region per disk layer: ``[exp_avg | exp_avg_sq]``
-(``[exp_avg | exp_avg_sq | master]`` with masters), each part padded to 4 KiB (O_DIRECT). ``buffer_count`` staging
-buffers (DeepSpeed's ``offload_optimizer.buffer_count``) in RAM form a write-back cache of layer regions:
+How. One file, ``<nvme_path>/megatrain_ds_swap/rank<r>-<pid>/moments.swp``, preallocated at start-up by the file
+system itself (posix_fallocate, disk_space.py: a disk too small fails there, with the numbers, not mid-step), one
+region per disk layer: ``[exp_avg | exp_avg_sq]`` (``[exp_avg | exp_avg_sq | master]`` with masters), each part
+padded to 4 KiB (O_DIRECT). ``buffer_count`` staging buffers (DeepSpeed's ``offload_optimizer.buffer_count``) in RAM
+form a write-back cache of layer regions:
 
 - ``acquire(i)`` hands the optimizer layer i's moments in a staging buffer (reading them if they are not there
   yet; a read already in flight is waited for), ``release(i, dirty)`` writes them back behind it
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .disk_space import DiskSpaceError, available_bytes, reserve_file
 from .host_memory import HostRegion
 
 ALIGN = 4096  # O_DIRECT wants buffer addresses, sizes and file offsets aligned to the device's block size
@@ -76,9 +78,9 @@ class NvmeSettings:
 
 
 def free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still put on ``path``'s filesystem (a hook for tests)."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    """Bytes this process may still put on ``path``'s filesystem as statvfs says (``f_bavail``: root's reserved
+    blocks are not counted; a hook for tests). The swap file's reservation is the file system's own answer."""
+    return available_bytes(path)
 
 
 def check_path(path: str, needed: int) -> None:
@@ -96,9 +98,9 @@ def check_path(path: str, needed: int) -> None:
     free = free_bytes(path)
     if needed > free:
         raise NvmeError(f"{where}={path!r} has {free / 2**30:.2f} GiB free; the layers placed on disk (their Adam "
-                        f"moments, and masters with offload_param nvme) need {needed / 2**30:.2f} GiB. Free space "
-                        "there, point nvme_path at a larger disk, or keep more layers in RAM (megatrain.nvme_layers / "
-                        "megatrain.host_memory_budget)")
+                        f"moments, and masters with offload_param nvme) need {needed / 2**30:.2f} GiB ({needed:,} "
+                        f"bytes, {free:,} free: statvfs f_bavail). Free space there, point nvme_path at a larger disk, "
+                        "or keep more layers in RAM (megatrain.nvme_layers / megatrain.host_memory_budget)")
 
 
 def _byte_view(t: torch.Tensor):
@@ -248,16 +250,16 @@ class NvmeMoments:
         os.makedirs(self.folder, exist_ok=True)
         self.path = os.path.join(self.folder, "moments.swp")
         self._finalizer = weakref.finalize(self, _remove_folder, self.folder)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:  # every block up front: a disk that fills up later fails here, not in the middle of a step
-            os.posix_fallocate(fd, 0, max(total, ALIGN))
+        try:  # every block up front, given by the file system: a disk that cannot hold them fails here, not mid-step
+            reserve_file(self.path, max(total, ALIGN), mode=0o600)
         except OSError as exc:
             _remove_folder(self.folder)
-            raise NvmeError(f"cannot allocate {total / 2**30:.2f} GiB for the NVMe layers' state in {self.path}: "
-                            f"{exc.strerror or exc} ({free_bytes(settings.nvme_path) / 2**30:.2f} GiB free "
-                            "there)") from exc
-        finally:
-            os.close(fd)
+            if not isinstance(exc, DiskSpaceError):
+                raise NvmeError(f"NVMe tier: cannot create {self.path}: {exc.strerror or exc}") from exc
+            raise NvmeError(f"NVMe tier: cannot allocate the state of the layers placed on disk (their Adam moments, "
+                            f"and masters with offload_param nvme): {exc.reason}. Free space there, "
+                            "point zero_optimization.offload_optimizer.nvme_path at a larger disk, or keep more layers "
+                            "in RAM (megatrain.nvme_layers / megatrain.host_memory_budget)") from exc
         self.io = open_backend(self.path, settings, backend)
         count = max(2, int(settings.buffer_count))  # one being updated, one being written or read
         self.staging = [HostRegion(self.region_bytes, torch.uint8, pin=False) for _ in range(count)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError, TrainConfig
+from ..host.disk_space import available_bytes
 from ..host.host_limits import CGROUP_ROOT, PROC_CGROUP, CgroupMemory, cgroup_memory, fmt_bytes, meminfo
 from ..model.model_map import LayerLayout
 from .plan_gpu import dtype_size
@@ -130,14 +131,9 @@ def host_budget_bytes(setting, freed_bytes: int = 0) -> int:
 
 
 def disk_free_bytes(path: str | None) -> int | None:
-    """Free bytes (for an unprivileged user) of the file system holding ``path`` (its nearest existing parent)."""
-    if not path:
-        return None
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    """Free bytes of the file system holding ``path`` (its nearest existing parent) for this process: statvfs's
+    ``f_bavail``, root's reserved blocks not counted (host/disk_space.py)."""
+    return available_bytes(path) if path else None
 
 
 # ------------------------------------------------------------------------------------------ the NVMe settings

@@ -228,10 +228,11 @@ def test_a_tag_the_disk_holds_only_once_replaces_the_previous_one(tmp_path, monk
 
 # ---------------------------------------------------------------------------------------------- faults and resume
 def test_a_full_disk_mid_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path):
-    """The fault driver's full disk (tests/fault_driver.py: every file opened for writing spends one byte budget)
-    half-way through the optimizer file: an OSError naming it; the previous checkpoint loads equal to what was
-    saved; a save once the disk has room resumes exactly: the loaded state, and two more steps, as the engine that
-    saved."""
+    """The fault driver's full disk (tests/fault_driver.py: every file opened for writing, and every fallocate,
+    spends one byte budget) with room for half the optimizer file: its reservation is refused before a byte is
+    written, an OSError naming it; the previous checkpoint loads equal to what was saved; a save once the disk has
+    room resumes exactly: the loaded state, and two more steps, as the engine that saved. (A disk that fills up
+    while a file is written: the two-rank test below.)"""
     engine = _engine()
     _train(engine, 0, 2)
     engine.save_checkpoint(str(tmp_path))
@@ -239,8 +240,9 @@ def test_a_full_disk_mid_save_keeps_the_previous_checkpoint_and_resume_is_exact(
     _train(engine, 2, 1)
     with FullDisk(os.path.getsize(tmp_path / "global_step2" / MODEL_FILE)
                   + os.path.getsize(tmp_path / "global_step2" / OPTIM_FILE) // 2) as disk:
-        with pytest.raises(OSError, match=rf"the disk is full writing {re.escape(str(tmp_path))}/\.global_step3\."
-                                          rf"tmp-\d+/{OPTIM_FILE}: it needs about"):
+        with pytest.raises(OSError, match=rf"not enough disk space for checkpoint 'global_step3' in .*: the file "
+                                          rf"system refused to reserve [\d,]+ bytes .* for {re.escape(str(tmp_path))}/"
+                                          rf"\.global_step3\.tmp-\d+/{OPTIM_FILE} \(No space left on device\)"):
             engine.save_checkpoint(str(tmp_path))
     assert disk.failed_path.endswith(OPTIM_FILE)
     assert (tmp_path / "latest").read_text() == "global_step2"
@@ -267,8 +269,8 @@ def test_the_disk_writes_start_during_the_save_and_their_error_fails_it(tmp_path
     real, synced = os.fdatasync, []
 
     def counted(fd):
-        synced.append(os.fstat(fd).st_size)  # the file's size when the write-back asked for the disk
-        return real(fd)
+        synced.append(os.lseek(fd, 0, os.SEEK_CUR))  # bytes written when the write-back asked for the disk (the
+        return real(fd)  # file is reserved at its final size: its size says nothing)
     monkeypatch.setattr(os, "fdatasync", counted)
     engine = _engine()
     _train(engine, 0, 1)
