@@ -56,10 +56,17 @@ def _launch_cmd(config: Path, out: Path, *extra) -> list:
             SCRIPTS / "dp_accelerate.py", "--out", out, "--batch_size", str(MICRO)]
 
 
-def _env_with_bin(**extra) -> dict:
-    """The switch on; this venv's ``bin`` first on PATH (accelerate's pdsh path runs ``deepspeed`` from PATH)."""
-    env = _env(switch=True, **extra)
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+def _env_with_bin(folder: Path) -> dict:
+    """The switch on, and this venv's ``deepspeed`` first on PATH (accelerate's pdsh path runs ``deepspeed`` by name).
+    Only that script: the venv's ``bin`` would also put its own ``ninja`` first, whose build-command hashes differ
+    from the system's, so every DeepSpeed op loaded afterwards would be compiled again (and again by the next
+    process that finds the other ninja)."""
+    (folder / "bin").mkdir(exist_ok=True)
+    link = folder / "bin" / "deepspeed"
+    if not link.exists():
+        link.symlink_to(Path(sys.executable).parent / "deepspeed")
+    env = _env(switch=True)
+    env["PATH"] = f"{folder / 'bin'}:{env.get('PATH', '')}"
     return env
 
 
@@ -78,7 +85,7 @@ def one_machine(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_machine")
     cmd = _launch_cmd(REPO / "examples" / "accelerate_ds.yaml", tmp / "out", "--num_processes", str(WORLD),
                       "--main_process_port", str(_port()))
-    proc = run_again_after_exit_abort(lambda: launch(cmd, _env_with_bin(), tmp))
+    proc = run_again_after_exit_abort(lambda: launch(cmd, _env_with_bin(tmp), tmp))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
     reports, _ = _reports(tmp / "out", proc.stdout + proc.stderr)
     return {"reports": reports, "weights": torch.load(tmp / "out" / "rank0.pt")}
@@ -109,7 +116,7 @@ def test_standard_launcher_two_machines(one_machine, tmp_path):
             logs.append(open(tmp_path / f"machine{machine}.log", "w+"))
             procs.append(subprocess.Popen(
                 [str(c) for c in _launch_cmd(config, out, "--machine_rank", str(machine))], cwd=tmp_path,
-                env=_env_with_bin(), stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+                env=_env_with_bin(tmp_path), stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
         wait_both(procs, limit=300)
         text = []
         for f in logs:
@@ -137,7 +144,7 @@ def test_pdsh_launcher_two_machines(ssh_hosts, one_machine, tmp_path):
     hostfile = ssh_hosts.hostfile(tmp_path / "hosts")
     config = _machines_yaml(tmp_path / "machines_pdsh.yaml", _port(), deepspeed_multinode_launcher="pdsh",
                             deepspeed_hostfile=str(hostfile))
-    proc = run_again_after_exit_abort(lambda: launch(_launch_cmd(config, out), ssh_hosts.env(_env_with_bin()),
+    proc = run_again_after_exit_abort(lambda: launch(_launch_cmd(config, out), ssh_hosts.env(_env_with_bin(tmp_path)),
                                                      tmp_path, hosts=ssh_hosts))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-8000:] + "\nsshd log:\n" + ssh_hosts.log()[-2000:]

@@ -9,7 +9,7 @@ The import swap needs nothing exported; the switch is exported by compat/launche
 reached it (tests/scripts/rank_env.py: ``MEGATRAIN_DS``, the address its ssh session came in on) and trains
 tests/scripts/dp_plain.py's tiny Qwen2 (CPU, gloo, ZeRO-3 config, GA 2, 2 steps); the losses, grad norms, batches
 and weights must equal ``torchrun --nproc_per_node 2`` running the same script on one host. The ``.deepspeed_env``
-in the launch folder carries what the ranks need besides (one OpenMP thread, no CUDA), as a cluster's would.
+in the launch folder carries what the ranks need besides (one OpenMP thread, no CUDA, this PATH), as a cluster's would.
 """
 import json
 import sys
@@ -48,11 +48,14 @@ def _pdsh(hosts, tmp_path: Path, *script_args: str, switch: bool) -> tuple[str, 
     """``[MEGATRAIN_DS=1] deepspeed --hostfile hosts --launcher pdsh`` from ``tmp_path``; the log, each rank's report
     and what reached each rank."""
     hostfile = hosts.hostfile(tmp_path / "hosts")
-    (tmp_path / ".deepspeed_env").write_text("OMP_NUM_THREADS=1\nDP_FORCE_CPU=1\n")  # read from the launch folder
+    env = hosts.env(_env(switch=switch))
+    # read by the runner from the launch folder; PATH as here, so the ranks load DeepSpeed's ops with the same ninja
+    # (the venv's and the system's hash build commands differently: the other one would compile them again)
+    (tmp_path / ".deepspeed_env").write_text(f"OMP_NUM_THREADS=1\nDP_FORCE_CPU=1\nPATH={env['PATH']}\n")
     out = tmp_path / "out"
     cmd = [DEEPSPEED, "--hostfile", hostfile, "--launcher", "pdsh", "--master_addr", "127.0.0.1",
            "--master_port", str(_port()), RANK_ENV, SCRIPTS / "dp_plain.py", "--out", out, *script_args]
-    proc = run_again_after_exit_abort(lambda: launch(cmd, hosts.env(_env(switch=switch)), tmp_path, hosts=hosts))
+    proc = run_again_after_exit_abort(lambda: launch(cmd, env, tmp_path, hosts=hosts))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-8000:] + "\nsshd log:\n" + hosts.log()[-2000:]
     return (log, *_reports(log, out))
