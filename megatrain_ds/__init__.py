@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from . import _moved
-_moved.install()  # the flat layout's import paths (megatrain_ds.config, ...) reach the same modules in their rooms
+_moved.install()  # the flat layout's import paths (megatrain_ds.config, ...) reach the same modules in their packages
 
 from . import ops, runtime
 from .api import checkpointing, utils, zero  # deepspeed.zero, deepspeed.utils, deepspeed.checkpointing
@@ -32,7 +32,7 @@ DeepSpeedEngine = MegaTrainEngine
 
 def __getattr__(name: str):
     """``megatrain_ds.<name>`` not defined here: a module of the flat layout (``megatrain_ds.config``, ...: the same
-    module in its room, _moved.py), else DeepSpeed's top-level name (``deepspeed.<name>``: DeepSpeed's own, or an
+    module in its package, _moved.py), else DeepSpeed's top-level name (``deepspeed.<name>``: DeepSpeed's own, or an
     error naming it; api/surface.py)."""
     if f"{__name__}.{name}" in _moved.MOVED:
         return importlib.import_module(f"{__name__}.{name}")

@@ -169,12 +169,6 @@ def _frozen(states: list[dict]) -> dict:
     return out
 
 
-def _unflatten(model_states: dict, groups: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Parameter name -> fp32 tensor (views of the loaded groups), as zero_to_fp32 reconstructs them: one rank's
-    files (``fp32_state_dict`` reads a folder of any rank count)."""
-    return {k: _whole(v) for k, v in _masters([model_states], [groups]).items()}
-
-
 def _masters(states: list[dict], groups: list[list]) -> dict:
     shapes = states[0].get("param_shapes")
     for r, rank_groups in enumerate(groups):

@@ -10,7 +10,7 @@ this: ``python -m benchmarks.host_adam --sweep``, results in docs/placement.md.
 
 Usage (the engine creates its worker this way)::
 
-    from megatrain_ds import placement as pl
+    from megatrain_ds.host import placement as pl
     plan = pl.resolve(mt.host_threads, device.index)    # on the main thread; None for "off" (or unreadable host)
     worker = ThreadPoolExecutor(1, initializer=pl.apply_placement, initargs=(plan,))
     pl.pin_main_thread(plan)                            # optional; see its docstring

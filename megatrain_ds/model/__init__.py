@@ -2,5 +2,5 @@
 
 ``model_map`` (the layout, the stateless layer templates), ``loss`` (LM head + cross-entropy without whole logits),
 ``tiling`` (sequence-tiled MLP), ``replay`` (what a recompute replays), ``recompute_check`` (the recompute checks
-itself). Imports nothing of the package's other rooms: every room may use it.
+itself). Imports nothing of megatrain_ds's other packages: every package may use it.
 """

@@ -377,24 +377,6 @@ class HostAdamW(torch.optim.Optimizer):
                 "resident_exp_avg": [cpu(t) for t in res.exp_avg],
                 "resident_exp_avg_sq": [cpu(t) for t in res.exp_avg_sq]}
 
-    def load_host_state_dict(self, state: dict) -> None:
-        ds, store, res = self.parts.states.device_state, self.parts.store, self.parts.resident
-        if state["exp_avg"].numel() != store.exp_avg.numel() or len(state["param_groups"]) != len(self.param_groups):
-            raise RuntimeError("optimizer state in the checkpoint does not match this model/optimizer "
-                               f"({state['exp_avg'].numel()} vs {store.exp_avg.numel()} trainable elements, "
-                               f"{len(state['param_groups'])} vs {len(self.param_groups)} param groups)")
-        store.exp_avg.copy_(state["exp_avg"])
-        store.exp_avg_sq.copy_(state["exp_avg_sq"])
-        for dst, src in zip(res.exp_avg + res.exp_avg_sq, state["resident_exp_avg"] + state["resident_exp_avg_sq"]):
-            if dst is not None:
-                dst.copy_(src)
-        if ds is not None:
-            ds.exp_avg.copy_(store.exp_avg[ds.train0:ds.train1])
-            ds.exp_avg_sq.copy_(store.exp_avg_sq[ds.train0:ds.train1])
-        self.step_count = state["step_count"]
-        for group, saved in zip(self.param_groups, state["param_groups"]):
-            group.update(saved)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients accumulated since the last step (the next landing overwrites)."""
         self.parts.schedule.reset_window()

@@ -20,18 +20,14 @@ import os
 import torch
 from torch import nn
 
-from .capacity import (CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACE_BYTES_PRE_HOPPER, CUDA_CONTEXT_BYTES,  # noqa: F401
-                       GPU_HEADROOM, NCCL_BYTES, CapacityError, Prediction, check_capacity)
+from .capacity import CapacityError, Prediction, check_capacity  # noqa: F401 (re-exported)
 from .config import ConfigError, TrainConfig, load_config_source, parse_config  # noqa: F401 (re-exported)
-from .decisions import Decisions, HostShare, liger_setting, resolve  # noqa: F401 (re-exported)
+from .decisions import liger_setting
 from ..parallel.dp import Topology, resident_positions
-from .host_bytes import (HOST_RESERVE_FRACTION, NVME_ALIGN, NVME_BUFFER_COUNT, GiB, MiB, align,  # noqa: F401
-                         disk_free_bytes, host_budget_bytes, layer_store_bytes, meminfo, nvme_layer_bytes,
-                         nvme_masters, nvme_settings, nvme_split, optimizer_scratch_bytes, resident_host_bytes,
-                         staging_buffers)
+from .host_bytes import GiB, host_budget_bytes, meminfo, nvme_layer_bytes, nvme_split  # noqa: F401 (re-exported)
 from ..model.loss import fused_loss_parts
 from ..model.model_map import build_layout, find_block_list, shared_parameter_ids
-from .plan_gpu import DTYPES, ActivationModel, liger_installed, meta_twin, dtype_size  # noqa: F401 (re-exported)
+from .plan_gpu import ActivationModel, liger_installed, meta_twin  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------------------------------------------ MODEL and the config

@@ -23,6 +23,7 @@ kernels). Results equal the recompute's: the same kernels on the same inputs, RN
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ class StreamedLayers(GradientLanding):
         # copy, its gradient accumulated into ``param.grad``): name in layer -> the model's parameter.
         self.shared = [{name: p for name, p in layer.named_parameters(remove_duplicate=False)
                         if name in layout.shared} for layer, layout in zip(layers, layouts)]
-        self.arg_names = [_positional_names(layer) for layer in layers]
+        self.arg_names = [positional_names(type(layer))[1:] for layer in layers]  # after the hidden states
         # every recompute compared with its forward while on ([Note: recompute check] in recompute_check.py)
         self.check = check if check is not None else RecomputeCheck(False, "auto", torch.float32, "", False)
         self._last_call: LayerCall | None = None
@@ -453,11 +454,12 @@ def _make_layer_forward(executor: StreamedLayers, index: int):
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def _positional_names(layer: nn.Module) -> tuple[str, ...]:
-    """Names of the layer forward's positional parameters after the hidden states (GPT-2 passes its cache
-    positionally)."""
+@functools.lru_cache(maxsize=None)
+def positional_names(cls: type) -> tuple[str, ...]:
+    """The parameter names ``cls.forward`` binds positional arguments to (after ``self``): a decoder layer's start
+    with its hidden states (GPT-2 passes its cache positionally after them), a model's with its inputs."""
     try:
-        params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return ()
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))

@@ -133,9 +133,6 @@ class LayerSchedule:
         self.has_grad = [False] * self.n
         self.sq_norm = [None] * self.n
 
-    def pending_landings(self) -> list[Future]:
-        return [f for f in self.sq_norm if f is not None]
-
     # --- forwards -----------------------------------------------------------------------------------
     def forward(self, i: int) -> None:
         self.forward_calls[i] += 1

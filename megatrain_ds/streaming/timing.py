@@ -98,10 +98,6 @@ class StepTimer:
         return sum(self.spans[kind])
 
     # host spans -----------------------------------------------------------------------------------
-    def add_host(self, key: str, seconds: float) -> None:
-        with self._lock:
-            self.host[key] += seconds
-
     @contextlib.contextmanager
     def host_span(self, key: str):
         """Time a host span. The body may put counts in the yielded dict (``span["updated_params"] = n``): they

@@ -30,12 +30,12 @@ TRL wrote it (per-token ``log_probs``, ``entropy``, temperature, ... exactly TRL
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 
 from ..log import log
 from ..model.loss import linear_cross_entropy
+from ..streaming.executor import positional_names
 
 # The decoder's inputs: the causal LM's forward hands them to the decoder (its ``**kwargs`` included), so the fused
 # path, which calls the decoder with them, computes the same hidden states.
@@ -87,7 +87,7 @@ def fused_loss_call(engine, args: tuple, kwargs: dict) -> dict | None:
     if engine._fused is None or not engine.config_settings.megatrain.fused_loss:
         return None
     model = engine.module
-    names = _positional_names(type(model))
+    names = positional_names(type(model))
     if len(args) > len(names) or any(n in kwargs for n in names[:len(args)]):
         return None  # the model's own forward takes (or refuses) them as it would without the engine
     call = {**dict(zip(names, args)), **kwargs}
@@ -166,16 +166,6 @@ def _keyword_refusal(call: dict, decoder) -> str | None:
     if call.get("return_dict") is False:
         return "return_dict=False"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _positional_names(cls) -> tuple[str, ...]:
-    """The parameter names ``cls.forward`` binds positional arguments to (after ``self``)."""
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return ()
-    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _defining_class(cls: type) -> type:

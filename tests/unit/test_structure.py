@@ -5,9 +5,9 @@
   (``megatrain-ds plan qwen2.5-7b``) resolve through megatrain_ds/planning/shapes.py, from any working directory.
 - No import circle inside the package, function-level imports included: a module that needs another's name imports it
   from a module below both (errors.py, _version.py, host_memory.py, checkpoint_folder.py are such modules).
-- The package is in rooms (docs/architecture.md), and the arrows between rooms point one way, down ``LAYERS``: a room
-  imports only rooms below it (and the base modules at the top level); the flat layout's import paths still reach
-  the same module objects (megatrain_ds/_moved.py).
+- The package is in packages (docs/architecture.md), and the arrows between them point one way, down ``LAYERS``: a
+  package imports only packages below it (and the base modules at the top level); the flat layout's import paths
+  still reach the same module objects, with a DeprecationWarning and an end date (megatrain_ds/_moved.py).
 - No file of the package over 700 lines, no function over 120, no ``print`` outside the command-line front ends (the
   library reports through warnings and logging).
 - One resolver of init-time decisions (decisions.py): the engine and the planner hold the same ``Decisions`` for a
@@ -339,39 +339,39 @@ def test_the_circle_checker_sees_every_import_form(tmp_path):
         (pkg / name).write_text(text)
     circles = _circles(_import_graph(str(pkg)))
     assert sorted(circles) == [["pkg", "pkg.a"], ["pkg.b", "pkg.c"], ["pkg.d", "pkg.sub.e"], ["pkg.f", "pkg.g"]]
-# ---------------------------------------------------------------------------------------------- rooms and arrows
-# top to bottom: a room may import the rooms after it, never one before it (docs/architecture.md draws it)
+# ------------------------------------------------------------------------------------------- packages and arrows
+# top to bottom: a package may import the packages after it, never one before it (docs/architecture.md draws it)
 LAYERS = ("top", "training", "api", "checkpoints", "planning", "optim", "streaming", "host", "parallel", "model",
           "base")
 TOP = {"megatrain_ds", "megatrain_ds.engine", "megatrain_ds.cli"}  # the front: initialize, the engine, the CLI
 BASE_MODULES = {"megatrain_ds._version", "megatrain_ds.errors", "megatrain_ds.log", "megatrain_ds.versions",
-        "megatrain_ds._moved"}  # below every room
-MAX_TOP_LEVEL_MODULES = 10  # the top level holds the front and the base; everything else lives in a room
+        "megatrain_ds._moved"}  # below every package
+MAX_TOP_LEVEL_MODULES = 10  # the top level holds the front and the base; everything else lives in a package
 
 
-def room_of(module: str) -> str:
-    """The layer a module of the package belongs to: its room (first folder under the package), or top / base."""
+def package_of(module: str) -> str:
+    """The layer a module of megatrain_ds belongs to: its package (first folder under megatrain_ds), or top / base."""
     if module in TOP:
         return "top"
     if module in BASE_MODULES:
         return "base"
-    room = module.split(".")[1]
-    return "top" if room in ("ops", "runtime") else room  # deepspeed.ops / deepspeed.runtime mirrors: the front
+    package = module.split(".")[1]
+    return "top" if package in ("ops", "runtime") else package  # deepspeed.ops / deepspeed.runtime mirrors: the front
 
 
 def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
-    """Every import from a module to a module in a room above its own (or in no known room)."""
+    """Every import from a module to a module in a package above its own (or in no known package)."""
     out = []
     for module, targets in graph.items():
-        here = room_of(module)
+        here = package_of(module)
         for target in targets:
-            there = room_of(target)
+            there = package_of(target)
             if here not in LAYERS or there not in LAYERS or LAYERS.index(there) < LAYERS.index(here):
                 out.append(f"{module} ({here}) imports {target} ({there})")
     return sorted(out)
 
 
-def test_rooms_import_only_rooms_below():
+def test_packages_import_only_packages_below():
     bad = upward_arrows(_import_graph(PACKAGE))
     assert not bad, "imports against the arrows of docs/architecture.md (move the name down, or the module up): " \
         + "; ".join(bad)
@@ -380,11 +380,11 @@ def test_rooms_import_only_rooms_below():
 def test_top_level_holds_the_front_and_the_base_only():
     top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
-    rooms = sorted(d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py")))
-    assert set(rooms) == set(LAYERS[1:-1]) | {"ops", "runtime"}, rooms
-    for room in LAYERS[1:-1]:  # each room says what it holds
-        with open(os.path.join(PACKAGE, room, "__init__.py")) as f:
-            assert ast.get_docstring(ast.parse(f.read())), f"megatrain_ds/{room}/__init__.py has no docstring"
+    packages = sorted(d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py")))
+    assert set(packages) == set(LAYERS[1:-1]) | {"ops", "runtime"}, packages
+    for package in LAYERS[1:-1]:  # each package says what it holds
+        with open(os.path.join(PACKAGE, package, "__init__.py")) as f:
+            assert ast.get_docstring(ast.parse(f.read())), f"megatrain_ds/{package}/__init__.py has no docstring"
 
 
 def test_the_arrow_checker_sees_an_upward_import():
@@ -395,8 +395,9 @@ def test_the_arrow_checker_sees_an_upward_import():
                                     "megatrain_ds.model.loss (model) imports megatrain_ds.engine (top)"]
 
 
+@pytest.mark.filterwarnings("ignore:megatrain_ds.* moved to:DeprecationWarning")
 def test_the_flat_layout_paths_are_the_same_modules():
-    """``megatrain_ds.<module>`` of the flat layout is the module in its room (one object: a patch through either
+    """``megatrain_ds.<module>`` of the flat layout is the module in its package (one object: a patch through either
     name is seen by the engine), and every old name is mapped to a module that exists."""
     import importlib
 
@@ -560,7 +561,7 @@ def test_the_field_checker_sees_late_assignments():
 
 def test_the_flat_layout_names_are_attributes_of_the_package_too():
     """``from megatrain_ds import checkpoint`` (a name DeepSpeed's top level also has: ``deepspeed.checkpoint``) and
-    ``megatrain_ds.config`` as an attribute give megatrain_ds's module, as they did before the rooms, in a fresh
+    ``megatrain_ds.config`` as an attribute give megatrain_ds's module, as they did before the packages, in a fresh
     process where nothing imported them under the old name first."""
     code = ("import megatrain_ds\n"
             "from megatrain_ds import checkpoint\n"
@@ -576,6 +577,30 @@ def test_the_flat_layout_names_are_attributes_of_the_package_too():
                          text=True, timeout=300)
     assert out.returncode != 0 and "run python -m megatrain_ds.planning.plan_cli" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
+
+
+def test_the_flat_layout_paths_warn_with_their_end_date():
+    """An old path warns (DeprecationWarning naming the new path and the end date) at the line that named it, so a
+    script sees it under Python's default filters; the DeepSpeed mirrors (``megatrain_ds.zero``, ...) do not warn."""
+    code = ("import warnings\n"
+            "import megatrain_ds\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import megatrain_ds.config\n"
+            "    x = megatrain_ds.executor\n"
+            "    from megatrain_ds import checkpoint\n"
+            "    import megatrain_ds.zero, megatrain_ds.utils, megatrain_ds.checkpointing\n"
+            "    from megatrain_ds.comm import get_rank\n"
+            "for w in caught:\n"
+            "    if issubclass(w.category, DeprecationWarning) and 'megatrain_ds' in str(w.message):\n"
+            "        print(w.filename, w.lineno, w.message)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    end = "(the old path is removed after 2027-03-01)"
+    assert out.stdout.splitlines() == [
+        f"<string> 5 megatrain_ds.config moved to megatrain_ds.planning.config: import it from there {end}",
+        f"<string> 6 megatrain_ds.executor moved to megatrain_ds.streaming.executor: import it from there {end}",
+        f"<string> 7 megatrain_ds.checkpoint moved to megatrain_ds.checkpoints.checkpoint: import it from there {end}"]
 
 
 def _private_imports(package_dir: str) -> list[str]:
@@ -594,6 +619,6 @@ def _private_imports(package_dir: str) -> list[str]:
 
 
 def test_no_private_name_is_imported_across_modules():
-    """What another module needs is its module's public name (issue 41: 34 private imports before the rooms)."""
+    """What another module needs is its module's public name (issue 41: 34 private imports before the packages)."""
     found = _private_imports(PACKAGE)
     assert not found, found
