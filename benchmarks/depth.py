@@ -1,22 +1,35 @@
-"""The depth figure: model TFLOPS against decoder layers at a fixed width, every system, on one GPU box.
+"""The depth figure: model TFLOPS against decoder layers at a fixed width, every system, on one GPU
+box.
 
-    python -m benchmarks.depth --systems megatrain-host,megatrain --depths 28,56,84,120,180 --deadline-s 540 \
+    python -m benchmarks.depth --systems megatrain-host,megatrain --depths 28,56,84,120,180
+    --deadline-s 540 \
         --out runs/depth_a                                            # one device call's share
-    python -m benchmarks.depth --plot runs/depth_a runs/depth_b --out runs/depth   # depth.png + depth.md, no GPU
+    python -m benchmarks.depth --plot runs/depth_a runs/depth_b --out runs/depth   # depth.png +
+    depth.md, no GPU
 
-Width: Qwen2.5-1.5B (hidden 1536, inter 8960, 12 heads, 2 KV heads, vocab 151936, tied), depth from ``--layers``
-of the ``qwen2.5-1.5b`` shape; 16 x 1024 tokens/step, clip 1.0, bf16, liger for every system, 2 warm-up + 3
-measured steps (median). Systems (each run is its own process, benchmarks.h2h.run_one, with the harness's host
-pre-check and OOM records): ``megatrain-host`` (megatrain_ds --host-only), ``megatrain`` (engine defaults),
+Width: Qwen2.5-1.5B (hidden 1536, inter 8960, 12 heads, 2 KV heads, vocab 151936, tied), depth from
+``--layers``
+of the ``qwen2.5-1.5b`` shape; 16 x 1024 tokens/step, clip 1.0, bf16, liger for every system, 2
+warm-up + 3
+measured steps (median). Systems (each run is its own process, benchmarks.h2h.run_one, with the
+harness's host
+pre-check and OOM records): ``megatrain-host`` (megatrain_ds --host-only), ``megatrain`` (engine
+defaults),
 ``zero3``, ``fsdp`` (benchmarks/fsdp_system.py), ``gemini`` (benchmarks/gemini_system.py).
 
-A system that does not finish a depth (OOM on the GPU or the host, a host pre-check that says it will not fit,
-"did not run", the call's time or ``--run-cap-s`` running out) is recorded as a marked point and not run deeper.
-``--deadline-s`` bounds the whole call: each run gets the time left (less a margin for writing results) and is
-stopped at it; runs never started are listed under "not_run". ``--order depth`` runs every system at one depth before the next
-(peers that compete for the same call's time reach equal depths); ``--order system`` one system's depths in a row.
+A system that does not finish a depth (OOM on the GPU or the host, a host pre-check that says it
+will not fit,
+"did not run", the call's time or ``--run-cap-s`` running out) is recorded as a marked point and not
+run deeper.
+``--deadline-s`` bounds the whole call: each run gets the time left (less a margin for writing
+results) and is
+stopped at it; runs never started are listed under "not_run". ``--order depth`` runs every system at
+one depth before the next
+(peers that compete for the same call's time reach equal depths); ``--order system`` one system's
+depths in a row.
 Writes ``OUT/depth.json`` after every run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,19 +47,39 @@ SYSTEM_ARGS = {  # depth.py's name -> (h2h system, host_only)
     "fsdp": ("fsdp", False),
     "gemini": ("gemini", False),
 }
-LABELS = {"megatrain-host": "megatrain_ds host-only", "megatrain": "megatrain_ds defaults",
-          "zero3": "DeepSpeed ZeRO-3 offload", "fsdp": "FSDP2 CPU offload", "gemini": "ColossalAI Gemini"}
+LABELS = {
+    "megatrain-host": "megatrain_ds host-only",
+    "megatrain": "megatrain_ds defaults",
+    "zero3": "DeepSpeed ZeRO-3 offload",
+    "fsdp": "FSDP2 CPU offload",
+    "gemini": "ColossalAI Gemini",
+}
 MARGIN_S = 25  # left at the end of a call for the last run's teardown and the results
 
 
 def run_args(name: str, a: argparse.Namespace, timeout_s: float) -> SimpleNamespace:
     """The h2h arguments one run of system ``name`` takes (benchmarks.h2h.run_one reads these)."""
     _, host_only = SYSTEM_ARGS[name]
-    return SimpleNamespace(model=a.model, seq=a.seq, steps=a.steps, warmup=a.warmup, device=a.device, liger=a.liger,
-                           gpu_optimizer_fraction=0.0, host_only=host_only, closing_step=a.closing_step,
-                           init="auto", gpu_memory_limit=None, lora=0, lora_targets="default",
-                           host_mem_gib=a.host_mem_gib, gpus=1, ds_config=None, zero3_ds_config=None,
-                           run_timeout_s=timeout_s)
+    return SimpleNamespace(
+        model=a.model,
+        seq=a.seq,
+        steps=a.steps,
+        warmup=a.warmup,
+        device=a.device,
+        liger=a.liger,
+        gpu_optimizer_fraction=0.0,
+        host_only=host_only,
+        closing_step=a.closing_step,
+        init="auto",
+        gpu_memory_limit=None,
+        lora=0,
+        lora_targets="default",
+        host_mem_gib=a.host_mem_gib,
+        gpus=1,
+        ds_config=None,
+        zero3_ds_config=None,
+        run_timeout_s=timeout_s,
+    )
 
 
 def plan_runs(systems: list[str], depths: list[int], order: str) -> list[tuple[str, int]]:
@@ -68,8 +101,19 @@ def sweep(a: argparse.Namespace) -> int:
     def write() -> None:
         path = os.path.join(a.out, "depth.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"hardware": info, "argv": sys.argv[1:], "model": a.model, "tokens_per_step": a.tokens_per_step,
-                       "results": results, "not_run": not_run}, f, indent=2, default=str)
+            json.dump(
+                {
+                    "hardware": info,
+                    "argv": sys.argv[1:],
+                    "model": a.model,
+                    "tokens_per_step": a.tokens_per_step,
+                    "results": results,
+                    "not_run": not_run,
+                },
+                f,
+                indent=2,
+                default=str,
+            )
         os.replace(path + ".tmp", path)
 
     for name, layers in plan_runs(a.systems, a.depths, a.order):
@@ -91,12 +135,15 @@ def sweep(a: argparse.Namespace) -> int:
             stopped[name] = f"L={layers}: {res.get('status')}"
         write()
     write()
-    print(f"wrote {a.out}/depth.json ({len(results)} runs, {len(not_run)} not run) in "
-          f"{time.monotonic() - start:.0f} s")
+    print(
+        f"wrote {a.out}/depth.json ({len(results)} runs, {len(not_run)} not run) in "
+        f"{time.monotonic() - start:.0f} s"
+    )
     return 0
 
 
-# ---------------------------------------------------------------------------------------------- plot
+# ----------------------------------------------------------------------------------------------
+# plot
 def load(folders: list[str]) -> tuple[list[dict], list[dict], dict]:
     results, not_run, hardware = [], [], {}
     for folder in folders:
@@ -109,21 +156,29 @@ def load(folders: list[str]) -> tuple[list[dict], list[dict], dict]:
 
 
 def table(results: list[dict], not_run: list[dict]) -> str:
-    out = ["| system | layers | params | status | s/step | tokens/s | TFLOPS | peak GPU GB | peak host RSS GB |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| system | layers | params | status | s/step | tokens/s | TFLOPS | peak GPU GB | peak host RSS GB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(results, key=lambda r: (r["depth_system"], r.get("layers") or 0)):
         label = LABELS.get(r["depth_system"], r["depth_system"])
         if r.get("status") == "ok":
-            out.append(f"| {label} | {r['layers']} | {r['n_params'] / 1e9:.2f} B | ok | {r['median_step_s']:.3f} | "
-                       f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['peak_gpu_bytes'] / 1e9:.1f} | "
-                       f"{r['peak_host_rss_bytes'] / 1e9:.1f} |")
+            out.append(
+                f"| {label} | {r['layers']} | {r['n_params'] / 1e9:.2f} B | ok | {r['median_step_s']:.3f} | "
+                f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['peak_gpu_bytes'] / 1e9:.1f} | "
+                f"{r['peak_host_rss_bytes'] / 1e9:.1f} |"
+            )
         else:
             why = str(r.get("error") or "").strip().splitlines()[-1:] or [""]
-            out.append(f"| {label} | {r.get('layers')} | | **{r.get('status')}** | | | | | "
-                       f"{(r.get('peak_host_rss_bytes') or 0) / 1e9:.1f} |")
+            out.append(
+                f"| {label} | {r.get('layers')} | | **{r.get('status')}** | | | | | "
+                f"{(r.get('peak_host_rss_bytes') or 0) / 1e9:.1f} |"
+            )
             out.append(f"|  | | | {why[0][:160]} | | | | | |")
     for n in not_run:
-        out.append(f"| {LABELS.get(n['system'], n['system'])} | {n['layers']} | | not run: {n['why']} | | | | | |")
+        out.append(
+            f"| {LABELS.get(n['system'], n['system'])} | {n['layers']} | | not run: {n['why']} | | | | | |"
+        )
     return "\n".join(out)
 
 
@@ -137,15 +192,26 @@ def plot(results: list[dict], path: str) -> None:
     for name in [n for n in SYSTEM_ARGS if any(r["depth_system"] == n for r in results)]:
         rows = sorted((r for r in results if r["depth_system"] == name), key=lambda r: r["layers"])
         ok = [r for r in rows if r.get("status") == "ok"]
-        line, = ax.plot([r["layers"] for r in ok], [r["tflops"] for r in ok], marker="o", label=LABELS[name])
+        (line,) = ax.plot(
+            [r["layers"] for r in ok], [r["tflops"] for r in ok], marker="o", label=LABELS[name]
+        )
         for r in rows:
             if r.get("status") != "ok":  # where it stopped: an x on the axis, its status beside it
                 status = str(r.get("status"))
-                short = "OOM" if "oom" in status.lower() or "host" in status.lower() else status.split(" (")[0]
+                short = (
+                    "OOM"
+                    if "oom" in status.lower() or "host" in status.lower()
+                    else status.split(" (")[0]
+                )
                 ax.plot([r["layers"]], [0], marker="x", markersize=10, color=line.get_color())
-                ax.annotate(f"{LABELS[name].split()[0]}: {short}", (r["layers"], 0), textcoords="offset points",
-                            xytext=(4, 6 + 10 * list(SYSTEM_ARGS).index(name)), fontsize=7,
-                            color=line.get_color())
+                ax.annotate(
+                    f"{LABELS[name].split()[0]}: {short}",
+                    (r["layers"], 0),
+                    textcoords="offset points",
+                    xytext=(4, 6 + 10 * list(SYSTEM_ARGS).index(name)),
+                    fontsize=7,
+                    color=line.get_color(),
+                )
     ax.set_xlabel("decoder layers (hidden 1536, Qwen2.5-1.5B width)")
     ax.set_ylabel("model TFLOPS (ANCHORS formula)")
     top = max([r["tflops"] for r in results if r.get("status") == "ok"] + [10.0])
@@ -158,10 +224,17 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="megatrain-host,megatrain,zero3,fsdp,gemini",
-                   help=f"comma-separated, from {', '.join(SYSTEM_ARGS)}")
-    p.add_argument("--depths", default="28,56,84,120,180", help="comma-separated decoder-layer counts")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--systems",
+        default="megatrain-host,megatrain,zero3,fsdp,gemini",
+        help=f"comma-separated, from {', '.join(SYSTEM_ARGS)}",
+    )
+    p.add_argument(
+        "--depths", default="28,56,84,120,180", help="comma-separated decoder-layer counts"
+    )
     p.add_argument("--order", default="depth", choices=["depth", "system"])
     p.add_argument("--deadline-s", type=float, default=540.0, help="seconds for the whole call")
     p.add_argument("--run-cap-s", type=float, default=None, help="seconds one run may take at most")
@@ -171,13 +244,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--liger", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--closing-step", default="tiny", choices=["full", "tiny"],
-                   help="megatrain: what closes the last step's breakdown (tiny: no extra full step)")
+    p.add_argument(
+        "--closing-step",
+        default="tiny",
+        choices=["full", "tiny"],
+        help="megatrain: what closes the last step's breakdown (tiny: no extra full step)",
+    )
     p.add_argument("--host-mem-gib", type=float, default=None)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the driver")
-    p.add_argument("--model", default=MODEL, help="the shape whose depth is swept (a smoke run: tiny)")
-    p.add_argument("--plot", nargs="+", default=None, metavar="DIR",
-                   help="no runs: merge these folders' depth.json into OUT/depth.png and OUT/depth.md")
+    p.add_argument(
+        "--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the driver"
+    )
+    p.add_argument(
+        "--model", default=MODEL, help="the shape whose depth is swept (a smoke run: tiny)"
+    )
+    p.add_argument(
+        "--plot",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="no runs: merge these folders' depth.json into OUT/depth.png and OUT/depth.md",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.plot:

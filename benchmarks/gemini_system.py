@@ -1,23 +1,34 @@
-"""ColossalAI Gemini as a peer of the benchmark harness (``run_system --system gemini``), the paper's other peer.
+"""ColossalAI Gemini as a peer of the benchmark harness (``run_system --system gemini``), the
+paper's other peer.
 
-    python -m benchmarks.run_system --system gemini --model qwen2.5-1.5b --layers 56 --tokens-per-step 16384 \
+    python -m benchmarks.run_system --system gemini --model qwen2.5-1.5b --layers 56
+    --tokens-per-step 16384 \
         --steps 3 --warmup 2 --json gemini.json
 
 What it runs when ColossalAI imports (recorded under "settings"):
 
-- ``GeminiPlugin(placement_policy="static", shard_param_frac=1.0, offload_optim_frac=1.0, offload_param_frac=1.0,
-  pin_memory=True, precision="bf16", max_norm=H2H_CLIP)``: the plugin docstring's "old cpu placement", every
-  parameter shard and all optimizer state in (pinned) host memory, the placement its docs give for the largest
-  model a GPU can train; ``GEMINI_PLACEMENT=auto`` runs ``placement_policy="auto"`` (Gemini's runtime memory
+- ``GeminiPlugin(placement_policy="static", shard_param_frac=1.0, offload_optim_frac=1.0,
+offload_param_frac=1.0,
+  pin_memory=True, precision="bf16", max_norm=H2H_CLIP)``: the plugin docstring's "old cpu
+  placement", every
+  parameter shard and all optimizer state in (pinned) host memory, the placement its docs give for
+  the largest
+  model a GPU can train; ``GEMINI_PLACEMENT=auto`` runs ``placement_policy="auto"`` (Gemini's
+  runtime memory
   tracer moves chunks between the GPU and the host) instead. Clipping is the plugin's ``max_norm``.
-- ``HybridAdam`` (AdamW mode, benchmarks.common.OPTIMIZER) through ``Booster(plugin=...)``; HF activation
+- ``HybridAdam`` (AdamW mode, benchmarks.common.OPTIMIZER) through ``Booster(plugin=...)``; HF
+activation
   checkpointing; liger-kernel as HF Trainer applies it (``liger=True``), before boosting.
 
-ColossalAI's newest release (0.5.0) pins ``torch>=2.2.0,<=2.5.1`` and ``transformers==4.51.3``; the lent GPU box
-has torch 2.11 and transformers 5.x. When the import (or the plugin's setup) fails, the run is not attempted: the
-result has status "did not run" with the exact error and the installed release's pins (``requirements``), so the
+ColossalAI's newest release (0.5.0) pins ``torch>=2.2.0,<=2.5.1`` and ``transformers==4.51.3``; the
+lent GPU box
+has torch 2.11 and transformers 5.x. When the import (or the plugin's setup) fails, the run is not
+attempted: the
+result has status "did not run" with the exact error and the installed release's pins
+(``requirements``), so the
 depth figure and the tables show why the peer is missing rather than leaving it out.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +37,25 @@ import traceback
 import torch
 
 from benchmarks import build
-from benchmarks.common import (HF_CHECKPOINTING, LIGER_KERNELS, OPTIMIZER, apply_hf_liger, cleanup, data_rank,
-                               enable_hf_checkpointing, h2h_clip, is_oom, make_batches, measure, micro_batch_for,
-                               report_phase, reset_memory_stats, result_dict, set_single_process_env, settings_dict)
+from benchmarks.common import (
+    HF_CHECKPOINTING,
+    LIGER_KERNELS,
+    OPTIMIZER,
+    apply_hf_liger,
+    cleanup,
+    data_rank,
+    enable_hf_checkpointing,
+    h2h_clip,
+    is_oom,
+    make_batches,
+    measure,
+    micro_batch_for,
+    report_phase,
+    reset_memory_stats,
+    result_dict,
+    set_single_process_env,
+    settings_dict,
+)
 
 DID_NOT_RUN = "did not run"
 HF_LOSS = "HF ForCausalLMLoss (full logits, torch cross-entropy)"
@@ -36,15 +63,19 @@ LIGER_LOSS = "liger fused linear cross-entropy (no logits)"
 
 
 def colossalai_pins() -> dict:
-    """The installed ColossalAI's version and its declared torch/transformers requirements ({} if not installed)."""
+    """The installed ColossalAI's version and its declared torch/transformers requirements ({} if
+    not installed)."""
     from importlib import metadata
 
     try:
         version = metadata.version("colossalai")
     except metadata.PackageNotFoundError:
         return {}
-    reqs = [r for r in (metadata.requires("colossalai") or []) if r.split("[")[0].split(";")[0].strip()
-            .lower().startswith(("torch", "transformers"))]
+    reqs = [
+        r
+        for r in (metadata.requires("colossalai") or [])
+        if r.split("[")[0].split(";")[0].strip().lower().startswith(("torch", "transformers"))
+    ]
     return {"colossalai": version, "requires": reqs, "torch_here": torch.__version__}
 
 
@@ -60,29 +91,57 @@ def import_gemini():
 
 
 def plugin_kwargs(placement: str | None = None) -> dict:
-    """GeminiPlugin's arguments (module docstring); ``placement`` (default GEMINI_PLACEMENT, else "static")."""
+    """GeminiPlugin's arguments (module docstring); ``placement`` (default GEMINI_PLACEMENT, else
+    "static")."""
     placement = placement or os.environ.get("GEMINI_PLACEMENT", "static")
     if placement not in ("static", "auto"):
         raise ValueError(f"GEMINI_PLACEMENT must be static or auto, got {placement!r}")
-    kwargs = {"placement_policy": placement, "precision": "bf16", "pin_memory": True, "max_norm": h2h_clip()}
+    kwargs = {
+        "placement_policy": placement,
+        "precision": "bf16",
+        "pin_memory": True,
+        "max_norm": h2h_clip(),
+    }
     if placement == "static":
         kwargs.update(shard_param_frac=1.0, offload_optim_frac=1.0, offload_param_frac=1.0)
     return kwargs
 
 
-def gemini_settings(micro_batch: int, seq: int, steps: int, warmup: int, liger: bool, kwargs: dict) -> dict:
+def gemini_settings(
+    micro_batch: int, seq: int, steps: int, warmup: int, liger: bool, kwargs: dict
+) -> dict:
     return settings_dict(
-        precision="bf16 params and compute, fp32 master (Gemini bf16)", optimizer="colossalai HybridAdam (AdamW mode)",
-        opt_params=OPTIMIZER, clip=kwargs["max_norm"], warmup=warmup, steps=steps, seq=seq, micro_batch=micro_batch,
-        kernels=list(LIGER_KERNELS) if liger else [], loss_kernel=LIGER_LOSS if liger else HF_LOSS,
+        precision="bf16 params and compute, fp32 master (Gemini bf16)",
+        optimizer="colossalai HybridAdam (AdamW mode)",
+        opt_params=OPTIMIZER,
+        clip=kwargs["max_norm"],
+        warmup=warmup,
+        steps=steps,
+        seq=seq,
+        micro_batch=micro_batch,
+        kernels=list(LIGER_KERNELS) if liger else [],
+        loss_kernel=LIGER_LOSS if liger else HF_LOSS,
         gradient_checkpointing=HF_CHECKPOINTING,
-        offload_optimizer_ratio=kwargs.get("offload_optim_frac") if kwargs["placement_policy"] == "static" else None,
-        gemini_plugin=kwargs)
+        offload_optimizer_ratio=kwargs.get("offload_optim_frac")
+        if kwargs["placement_policy"] == "static"
+        else None,
+        gemini_plugin=kwargs,
+    )
 
 
-def run_gemini(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, warmup: int = 2, device: str = "cuda",
-               seed: int = 0, liger: bool = False, init: str = "auto") -> dict:
-    """ColossalAI Gemini (module docstring); status "did not run" with the reason when ColossalAI cannot run here."""
+def run_gemini(
+    config,
+    tokens_per_step: int,
+    seq: int = 1024,
+    steps: int = 8,
+    warmup: int = 2,
+    device: str = "cuda",
+    seed: int = 0,
+    liger: bool = False,
+    init: str = "auto",
+) -> dict:
+    """ColossalAI Gemini (module docstring); status "did not run" with the reason when ColossalAI
+    cannot run here."""
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
     kwargs = plugin_kwargs()
@@ -92,8 +151,17 @@ def run_gemini(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, wa
     if error is None and not device.startswith("cuda"):
         error = "Gemini needs CUDA (its chunks and HybridAdam's GPU path); this run's device is cpu"
     if error is not None:
-        return result_dict("gemini", config, layers, micro_batch, seq, device, status=DID_NOT_RUN, error=error,
-                           settings=settings)
+        return result_dict(
+            "gemini",
+            config,
+            layers,
+            micro_batch,
+            seq,
+            device,
+            status=DID_NOT_RUN,
+            error=error,
+            settings=settings,
+        )
     set_single_process_env()
     reset_memory_stats(device)
     n_params = 0
@@ -107,8 +175,14 @@ def run_gemini(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, wa
             apply_hf_liger(model)
         enable_hf_checkpointing(model)
         n_params = sum(p.numel() for p in model.parameters())
-        optimizer = HybridAdam(model.parameters(), lr=OPTIMIZER["lr"], weight_decay=OPTIMIZER["weight_decay"],
-                               betas=OPTIMIZER["betas"], eps=OPTIMIZER["eps"], adamw_mode=True)
+        optimizer = HybridAdam(
+            model.parameters(),
+            lr=OPTIMIZER["lr"],
+            weight_decay=OPTIMIZER["weight_decay"],
+            betas=OPTIMIZER["betas"],
+            eps=OPTIMIZER["eps"],
+            adamw_mode=True,
+        )
         booster = Booster(plugin=GeminiPlugin(**kwargs))
         model, optimizer, *_ = booster.boost(model, optimizer)
         settings["build_s"] = report_phase("model built and boosted")["phase_s"]
@@ -121,15 +195,49 @@ def run_gemini(config, tokens_per_step: int, seq: int = 1024, steps: int = 8, wa
             optimizer.zero_grad()
             return loss
 
-        batches = make_batches(config.vocab_size, micro_batch, seq, warmup + steps, seed, rank=data_rank())
+        batches = make_batches(
+            config.vocab_size, micro_batch, seq, warmup + steps, seed, rank=data_rank()
+        )
         warm, times, losses = measure(step, batches, warmup, device)
         report_phase("steps done")
     except Exception as exc:  # noqa: BLE001 - an OOM is a result; a setup failure is the finding recorded
         if is_oom(exc):
             cleanup()
-            return result_dict("gemini", config, layers, micro_batch, seq, device, n_params, status="oom",
-                               error=str(exc)[:4000], settings=settings)
-        return result_dict("gemini", config, layers, micro_batch, seq, device, n_params, status=DID_NOT_RUN,
-                           error=traceback.format_exc()[-4000:], settings=settings)
-    return result_dict("gemini", config, layers, micro_batch, seq, device, n_params, warm, times, losses,
-                       precision=settings["precision"], settings=settings)
+            return result_dict(
+                "gemini",
+                config,
+                layers,
+                micro_batch,
+                seq,
+                device,
+                n_params,
+                status="oom",
+                error=str(exc)[:4000],
+                settings=settings,
+            )
+        return result_dict(
+            "gemini",
+            config,
+            layers,
+            micro_batch,
+            seq,
+            device,
+            n_params,
+            status=DID_NOT_RUN,
+            error=traceback.format_exc()[-4000:],
+            settings=settings,
+        )
+    return result_dict(
+        "gemini",
+        config,
+        layers,
+        micro_batch,
+        seq,
+        device,
+        n_params,
+        warm,
+        times,
+        losses,
+        precision=settings["precision"],
+        settings=settings,
+    )

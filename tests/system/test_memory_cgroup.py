@@ -1,13 +1,18 @@
-"""The host budget under a real memory cgroup (DESIGN.md, "Honest limits"): a process in a cgroup with a memory limit
-plans against the limit, and a run the cgroup cannot hold is refused at ``initialize`` with the numbers, never killed
+"""The host budget under a real memory cgroup (DESIGN.md, "Honest limits"): a process in a cgroup
+with a memory limit
+plans against the limit, and a run the cgroup cannot hold is refused at ``initialize`` with the
+numbers, never killed
 by the cgroup's OOM killer.
 
 Each test makes a cgroup of its own (v1: /sys/fs/cgroup/memory/megatrain_test_<pid>_<n>; v2 when
 /sys/fs/cgroup/cgroup.controllers exists), writes its limit, starts a child that moves itself in
-(``sh -c 'echo $$ > .../cgroup.procs; exec python ...'``) and removes the cgroup afterwards. The children import torch
-(about 250-300 MB resident): the limits leave room for that, and the refused model's host state (about 2.1 GB) is
+(``sh -c 'echo $$ > .../cgroup.procs; exec python ...'``) and removes the cgroup afterwards. The
+children import torch
+(about 250-300 MB resident): the limits leave room for that, and the refused model's host state
+(about 2.1 GB) is
 larger than the whole limit.
 """
+
 import os
 import subprocess
 import sys
@@ -19,7 +24,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CGROUP = "/sys/fs/cgroup"
 V2 = os.path.exists(os.path.join(CGROUP, "cgroup.controllers"))
-MiB = 2 ** 20
+MiB = 2**20
 _serial = count()
 
 
@@ -41,7 +46,9 @@ class MemoryCgroup:
         else:
             self._write("memory.limit_in_bytes", limit)
             if os.path.exists(os.path.join(self.dir, "memory.memsw.limit_in_bytes")):
-                self._write("memory.memsw.limit_in_bytes", limit)  # no swap: over the limit is an OOM kill
+                self._write(
+                    "memory.memsw.limit_in_bytes", limit
+                )  # no swap: over the limit is an OOM kill
 
     def _write(self, name: str, value) -> None:
         with open(os.path.join(self.dir, name), "w") as f:
@@ -54,12 +61,19 @@ class MemoryCgroup:
         return int(fields.get("oom_kill", 0))
 
     def run(self, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-        """``argv`` in this cgroup (the child moves itself in before exec), from the repository root."""
+        """``argv`` in this cgroup (the child moves itself in before exec), from the repository
+        root."""
         procs = os.path.join(self.dir, "cgroup.procs")
         command = f'echo $$ > {procs} && exec "$@"'
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-        return subprocess.run(["sh", "-c", command, "sh", *argv], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            ["sh", "-c", command, "sh", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def remove(self) -> None:
         if os.path.isdir(self.dir):
@@ -87,12 +101,17 @@ def _script(tmp_path, body: str) -> str:
 
 def test_plan_budget_is_the_cgroup_room(cgroup):
     group = cgroup(1536 * MiB)
-    out = group.run([sys.executable, "-m", "megatrain_ds.cli", "plan", "tiny", "--device", "cpu", "--json"])
+    out = group.run(
+        [sys.executable, "-m", "megatrain_ds.cli", "plan", "tiny", "--device", "cpu", "--json"]
+    )
     assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: does not fit; either way no kill
     import json
+
     plan = json.loads(out.stdout)
     assert 0 < plan["host_budget_bytes"] <= 1536 * MiB
-    assert plan["host_budget_source"].startswith(f"memory cgroup {group.name} limit 1.50 GiB - "), plan
+    assert plan["host_budget_source"].startswith(f"memory cgroup {group.name} limit 1.50 GiB - "), (
+        plan
+    )
     assert group.oom_kills() == 0
 
 
@@ -117,10 +136,16 @@ REFUSED = """
 def test_initialize_refuses_what_the_cgroup_cannot_hold(cgroup, tmp_path):
     group = cgroup(1536 * MiB)
     out = group.run([sys.executable, _script(tmp_path, REFUSED)])
-    assert out.returncode == 3, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])  # not -9: no OOM kill
+    assert out.returncode == 3, (
+        out.returncode,
+        out.stdout[-2000:],
+        out.stderr[-3000:],
+    )  # not -9: no OOM kill
     message = out.stdout.split("REFUSED:", 1)[1]
     first = message.splitlines()[0]
-    assert "host RAM: needs 2.0" in first and f"(memory cgroup {group.name} limit 1.50 GiB - " in first, first
+    assert (
+        "host RAM: needs 2.0" in first and f"(memory cgroup {group.name} limit 1.50 GiB - " in first
+    ), first
     assert "ask the scheduler for more memory" in first
     assert group.oom_kills() == 0
 

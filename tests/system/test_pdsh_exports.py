@@ -1,11 +1,16 @@
-"""The switch crosses hosts: with ``MEGATRAIN_DS=1`` in the ``deepspeed`` runner's environment, the command its pdsh
-runs on every host exports it (compat/launcher_env.py). A drift test (tests/drift.py): it rests on how DeepSpeed's
+"""The switch crosses hosts: with ``MEGATRAIN_DS=1`` in the ``deepspeed`` runner's environment, the
+command its pdsh
+runs on every host exports it (compat/launcher_env.py). A drift test (tests/drift.py): it rests on
+how DeepSpeed's
 runner builds its exports, which a release may change.
 
-No services: a stand-in ``pdsh`` first on PATH writes the arguments it was given (the remote command among them) and
-exits 0, so the real runner runs to its end (``--no_ssh_check``: no ssh either). The launches with real sshd and pdsh
+No services: a stand-in ``pdsh`` first on PATH writes the arguments it was given (the remote command
+among them) and
+exits 0, so the real runner runs to its end (``--no_ssh_check``: no ssh either). The launches with
+real sshd and pdsh
 are in test_pdsh_launch.py.
 """
+
 import os
 import shlex
 import shutil
@@ -35,24 +40,47 @@ def _remote_command(tmp_path: Path, switch: bool) -> str:
     (tmp_path / "hosts").write_text("node0 slots=1\nnode1 slots=1\n")
     (tmp_path / "train.py").write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRAIN_DS")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(REPO),
+        CUDA_VISIBLE_DEVICES="",
+    )
     if switch:
         env["MEGATRAIN_DS"] = "1"
-    proc = subprocess.run([_deepspeed(), "--hostfile", "hosts", "--launcher", "pdsh", "--no_ssh_check",
-                           "--master_addr", "127.0.0.1", "train.py"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            _deepspeed(),
+            "--hostfile",
+            "hosts",
+            "--launcher",
+            "pdsh",
+            "--no_ssh_check",
+            "--master_addr",
+            "127.0.0.1",
+            "train.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     args = (tmp_path / "pdsh.args").read_text().splitlines()
     assert args[args.index("-w") + 1] == "node0,node1"
-    return " ".join(args[args.index("-w") + 2:])
+    return " ".join(args[args.index("-w") + 2 :])
 
 
 def test_switch_is_exported_to_every_host(tmp_path):
     command = _remote_command(tmp_path, switch=True)
-    exports = [part.strip() for part in command.split(";")[:-1] if part.strip().startswith("export ")]
+    exports = [
+        part.strip() for part in command.split(";")[:-1] if part.strip().startswith("export ")
+    ]
     assert "export MEGATRAIN_DS=1" in exports, command
     assert command.index("export MEGATRAIN_DS=1") < command.index("deepspeed.launcher.launch")
-    python = Path(shlex.split(command.split(";")[-1])[0])  # every host runs the runner's own python (its venv)
+    python = Path(
+        shlex.split(command.split(";")[-1])[0]
+    )  # every host runs the runner's own python (its venv)
     assert python.parent == Path(_deepspeed()).parent, command
 
 
@@ -69,13 +97,20 @@ def test_runner_still_builds_exports_from_export_envs():
     assert launcher_env.drift(runner) is None
 
 
-@pytest.mark.parametrize("runner", [
-    types.SimpleNamespace(main=lambda: None),  # EXPORT_ENVS gone
-    types.SimpleNamespace(EXPORT_ENVS=("MLFLOW",), main=lambda: None),  # no longer a list
-    types.SimpleNamespace(EXPORT_ENVS=["MLFLOW"], main=lambda: ["NCCL"]),  # main builds its exports otherwise
-], ids=["no-export-envs", "tuple", "main-ignores-it"])
+@pytest.mark.parametrize(
+    "runner",
+    [
+        types.SimpleNamespace(main=lambda: None),  # EXPORT_ENVS gone
+        types.SimpleNamespace(EXPORT_ENVS=("MLFLOW",), main=lambda: None),  # no longer a list
+        types.SimpleNamespace(
+            EXPORT_ENVS=["MLFLOW"], main=lambda: ["NCCL"]
+        ),  # main builds its exports otherwise
+    ],
+    ids=["no-export-envs", "tuple", "main-ignores-it"],
+)
 def test_a_drifted_runner_refuses_to_launch(runner):
-    """A runner that no longer builds its exports from EXPORT_ENVS: its main stops, saying what to do, instead of
+    """A runner that no longer builds its exports from EXPORT_ENVS: its main stops, saying what to
+    do, instead of
     launching every other host on real DeepSpeed."""
     from compat import launcher_env
 

@@ -1,6 +1,9 @@
-"""The harness's FSDP2 and Gemini peers and the depth driver (benchmarks/fsdp_system.py, gemini_system.py, depth.py),
-on the CPU: FSDP2 (gloo, one rank, CPU offload, fp32) trains a tiny model with the same losses as plain PyTorch
+"""The harness's FSDP2 and Gemini peers and the depth driver (benchmarks/fsdp_system.py,
+gemini_system.py, depth.py),
+on the CPU: FSDP2 (gloo, one rank, CPU offload, fp32) trains a tiny model with the same losses as
+plain PyTorch
 AdamW; Gemini records why it did not run; the depth driver's order, records and figure."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +20,8 @@ DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 @pytest.fixture
 def one_process_world(monkeypatch):
-    """The systems fill in a one-process torch.distributed env; undo it and the process group afterwards."""
+    """The systems fill in a one-process torch.distributed env; undo it and the process group
+    afterwards."""
     for key in DIST_ENV:
         monkeypatch.delenv(key, raising=False)
     yield
@@ -37,7 +41,8 @@ def test_fsdp_losses_match_plain_adamw(one_process_world, monkeypatch):
     assert fsdp["status"] == "ok", fsdp.get("error")
     plain = run_resident(config, 256, seq=64, steps=3, warmup=1, device="cpu", seed=3)
     assert len(fsdp["losses"]) == 4
-    # the same init, data, AdamW and clip: steps 2-4 see the updates, so equal losses mean equal updates
+    # the same init, data, AdamW and clip: steps 2-4 see the updates, so equal losses mean equal
+    # updates
     assert fsdp["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6)
     assert fsdp["n_params"] == plain["n_params"]
     s = fsdp["settings"]
@@ -55,8 +60,9 @@ def test_fsdp_wraps_each_layer_with_checkpointing_and_offload(one_process_world)
 
     model, optimizer, facts = build_fsdp(make_config("tiny"), "cpu", seed=0, init="hf")
     layers = list(model.model.layers)
-    assert layers and all(isinstance(layer, CheckpointWrapper) and isinstance(layer, FSDPModule)
-                          for layer in layers)
+    assert layers and all(
+        isinstance(layer, CheckpointWrapper) and isinstance(layer, FSDPModule) for layer in layers
+    )
     assert isinstance(model, FSDPModule)
     assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in model.parameters())
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -68,34 +74,78 @@ def test_gemini_records_why_it_did_not_run(monkeypatch):
     from benchmarks import gemini_system
 
     monkeypatch.setenv("H2H_CLIP", "1.0")
-    res = gemini_system.run_gemini(make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu")
+    res = gemini_system.run_gemini(
+        make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu"
+    )
     assert res["status"] == gemini_system.DID_NOT_RUN
     assert res["error"]  # the import error, or that it needs CUDA
     plugin = res["settings"]["gemini_plugin"]
-    assert plugin["placement_policy"] == "static" and plugin["precision"] == "bf16" and plugin["max_norm"] == 1.0
+    assert (
+        plugin["placement_policy"] == "static"
+        and plugin["precision"] == "bf16"
+        and plugin["max_norm"] == 1.0
+    )
     assert plugin["offload_optim_frac"] == 1.0 and plugin["offload_param_frac"] == 1.0
     monkeypatch.setenv("GEMINI_PLACEMENT", "auto")
-    assert gemini_system.plugin_kwargs() == {"placement_policy": "auto", "precision": "bf16", "pin_memory": True,
-                                             "max_norm": 1.0}
+    assert gemini_system.plugin_kwargs() == {
+        "placement_policy": "auto",
+        "precision": "bf16",
+        "pin_memory": True,
+        "max_norm": 1.0,
+    }
 
 
 def test_run_system_knows_the_new_systems():
     from benchmarks import h2h, run_system
 
-    assert {"fsdp", "gemini"} <= set(run_system.SYSTEMS) and {"fsdp", "gemini"} <= set(h2h.HOST_BYTES_PER_PARAM)
-    args = run_system.parse_args(["--system", "fsdp", "--model", "tiny", "--tokens-per-step", "64",
-                                  "--device", "cpu", "--json", "x.json", "--init", "fast"])
+    assert {"fsdp", "gemini"} <= set(run_system.SYSTEMS) and {"fsdp", "gemini"} <= set(
+        h2h.HOST_BYTES_PER_PARAM
+    )
+    args = run_system.parse_args(
+        [
+            "--system",
+            "fsdp",
+            "--model",
+            "tiny",
+            "--tokens-per-step",
+            "64",
+            "--device",
+            "cpu",
+            "--json",
+            "x.json",
+            "--init",
+            "fast",
+        ]
+    )
     assert run_system.system_kwargs(args) == {"liger": False, "init": "fast"}
     with pytest.raises(ValueError, match="no LoRA path"):
-        run_system.system_kwargs(run_system.parse_args(["--system", "fsdp", "--model", "tiny", "--tokens-per-step",
-                                                        "64", "--device", "cpu", "--json", "x", "--lora", "4"]))
+        run_system.system_kwargs(
+            run_system.parse_args(
+                [
+                    "--system",
+                    "fsdp",
+                    "--model",
+                    "tiny",
+                    "--tokens-per-step",
+                    "64",
+                    "--device",
+                    "cpu",
+                    "--json",
+                    "x",
+                    "--lora",
+                    "4",
+                ]
+            )
+        )
 
 
 def test_a_run_past_its_time_is_stopped_and_recorded():
     from benchmarks import h2h
 
     watch = {"timeout_s": 1.0}
-    h2h._run_with_progress([sys.executable, "-c", "import time; time.sleep(60)"], "sleeper", watch=watch)
+    h2h._run_with_progress(
+        [sys.executable, "-c", "import time; time.sleep(60)"], "sleeper", watch=watch
+    )
     assert watch["timed_out"] and watch["returncode"] != 0
     rec = h2h.failed_run("fsdp", "tiny", 2, 64, [], watch, 0)
     assert rec["status"].startswith("timed out")
@@ -111,16 +161,34 @@ def test_depth_order_stops_a_system_after_its_first_failure(tmp_path, monkeypatc
     def fake_run_one(system, args, layers, tokens, path):
         calls.append((system, args.host_only, layers, args.run_timeout_s > 0))
         oom = system == "zero3" and layers >= 56
-        return {"system": system, "layers": layers, "tokens_per_step": tokens, "status": "oom" if oom else "ok",
-                "n_params": layers * 1e8, "median_step_s": 1.0, "tokens_per_s": 16384.0, "tflops": 100.0 + layers,
-                "peak_gpu_bytes": 1e9, "peak_host_rss_bytes": 2e9, "error": "CUDA out of memory" if oom else ""}
+        return {
+            "system": system,
+            "layers": layers,
+            "tokens_per_step": tokens,
+            "status": "oom" if oom else "ok",
+            "n_params": layers * 1e8,
+            "median_step_s": 1.0,
+            "tokens_per_s": 16384.0,
+            "tflops": 100.0 + layers,
+            "peak_gpu_bytes": 1e9,
+            "peak_host_rss_bytes": 2e9,
+            "error": "CUDA out of memory" if oom else "",
+        }
 
     monkeypatch.setattr(h2h, "run_one", fake_run_one)
     monkeypatch.setattr(h2h, "hardware", lambda: {"gpu": None})
     out = tmp_path / "a"
-    assert depth.main(["--systems", "megatrain-host,zero3", "--depths", "28,56,84", "--out", str(out)]) == 0
-    assert calls == [("megatrain", True, 28, True), ("zero3", False, 28, True), ("megatrain", True, 56, True),
-                     ("zero3", False, 56, True), ("megatrain", True, 84, True)]
+    assert (
+        depth.main(["--systems", "megatrain-host,zero3", "--depths", "28,56,84", "--out", str(out)])
+        == 0
+    )
+    assert calls == [
+        ("megatrain", True, 28, True),
+        ("zero3", False, 28, True),
+        ("megatrain", True, 56, True),
+        ("zero3", False, 56, True),
+        ("megatrain", True, 84, True),
+    ]
     data = json.loads((out / "depth.json").read_text())
     assert data["not_run"] == [{"system": "zero3", "layers": 84, "why": "L=56: oom"}]
     assert depth.main(["--plot", str(out), "--out", str(tmp_path / "fig")]) == 0
