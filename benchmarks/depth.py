@@ -144,14 +144,23 @@ def sweep(a: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # plot
-def load(folders: list[str]) -> tuple[list[dict], list[dict], dict]:
-    results, not_run, hardware = [], [], {}
+def load(folders: list[str], supersede: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], dict]:
+    """The runs of ``folders`` in order; a later folder's run of a (system, depth) replaces an earlier one's
+    (a point run again in a later call), and a system in ``supersede`` is taken only from the last folder
+    that ran it (its earlier rows had a cause since fixed)."""
+    runs, not_run, hardware = {}, [], {}
     for folder in folders:
         with open(os.path.join(folder, "depth.json")) as f:
             data = json.load(f)
-        results += data["results"]
+        fresh = {r.get("depth_system") for r in data["results"]} & set(supersede)
+        runs = {k: v for k, v in runs.items() if k[0] not in fresh}
+        for r in data["results"]:
+            runs[(r.get("depth_system"), r["layers"])] = r
         not_run += data.get("not_run", [])
         hardware = hardware or data.get("hardware", {})
+    results = list(runs.values())
+    ran = set(runs)
+    not_run = [n for n in not_run if (n.get("depth_system", n.get("system")), n.get("layers")) not in ran]
     return results, not_run, hardware
 
 
@@ -264,10 +273,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="no runs: merge these folders' depth.json into OUT/depth.png and OUT/depth.md",
     )
+    p.add_argument(
+        "--supersede",
+        default="",
+        metavar="SYSTEMS",
+        help="with --plot: comma-separated systems taken only from the last folder that ran them",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.plot:
-        results, not_run, hardware = load(a.plot)
+        results, not_run, hardware = load(a.plot, tuple(filter(None, a.supersede.split(","))))
         os.makedirs(a.out, exist_ok=True)
         plot(results, os.path.join(a.out, "depth.png"))
         with open(os.path.join(a.out, "depth.md"), "w") as f:

@@ -59,6 +59,12 @@ from benchmarks.common import (
 
 DID_NOT_RUN = "did not run"
 HF_LOSS = "HF ForCausalLMLoss (full logits, torch cross-entropy)"
+# GEMINI_LIGER=0 runs Gemini without liger, and the result says why (liger_off)
+LIGER_OFF_WHY = (
+    "liger's RMSNorm backward launches its Triton kernel on the norm's weight, which Gemini "
+    "(offload_param_frac=1.0) has already moved back to host memory: ValueError: Pointer argument "
+    "(at 7) cannot be accessed from Triton (cpu tensor?)"
+)
 LIGER_LOSS = "liger fused linear cross-entropy (no logits)"
 
 
@@ -145,7 +151,11 @@ def run_gemini(
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
     kwargs = plugin_kwargs()
+    liger_off = liger and os.environ.get("GEMINI_LIGER") == "0"
+    liger = liger and not liger_off
     settings = gemini_settings(micro_batch, seq, steps, warmup, liger, kwargs)
+    if liger_off:
+        settings["liger_off"] = LIGER_OFF_WHY
     settings["colossalai"] = colossalai_pins()
     Booster, GeminiPlugin, HybridAdam, error = import_gemini()
     if error is None and not device.startswith("cuda"):

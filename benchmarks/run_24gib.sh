@@ -7,6 +7,7 @@
 #   bash benchmarks/run_24gib.sh 3b OUTDIR    megatrain host-only, defaults, ZeRO-3, FSDP2        (~9 min)
 #   bash benchmarks/run_24gib.sh 7b OUTDIR    megatrain defaults, host-only, then ZeRO-3 and FSDP2's rows (the
 #                                             harness's host pre-check records them as not fitting 128 GiB)
+#   bash benchmarks/run_24gib.sh 7b-defaults OUTDIR   megatrain defaults alone
 set -u
 phase=${1:?phase 3b|7b}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
@@ -25,5 +26,6 @@ case $phase in
       g24 200 defaults --systems megatrain
       g24 200 hostonly --systems megatrain --host-only
       g24 60 peers --systems zero3,fsdp ;;
+  7b-defaults) model=qwen2.5-7b; g24 200 defaults --systems megatrain ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -7,7 +7,8 @@
 #   python3 -m benchmarks.depth --plot OUT_A/depth_a OUT_B/depth_b --out DIR      (here: depth.png, depth.md)
 #
 # Each phase is one device `run` (carry .wheels: ../shared/tools/gpu-wheels.sh + benchmarks/gemini_wheels.sh) of at
-# most DEADLINE seconds of runs (default 525; the setup takes ~20 s more). DEPTHS overrides the layer list.
+# most DEADLINE seconds of runs (default 525; the setup takes ~20 s more). DEPTHS overrides the layer list, SYSTEMS
+# the phase's systems.
 set -u
 phase=${1:?phase a|b}; out=${2:?outdir}
 mkdir -p "$out"
@@ -16,8 +17,8 @@ export TORCH_EXTENSIONS_DIR=$PWD/.site/ext  # DeepSpeed's and ColossalAI's JIT o
 free -g
 depths=${DEPTHS:-28,56,84,120,180}
 case $phase in
-  a) systems=megatrain-host,megatrain ;;
-  b) systems=gemini,zero3,fsdp ;;  # Gemini first: an import error costs seconds, a JIT build at most the cap
+  a) systems=${SYSTEMS:-megatrain-host,megatrain} ;;
+  b) systems=${SYSTEMS:-gemini,zero3,fsdp} ;;  # Gemini first: an import error costs seconds, a JIT build at most the cap
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 python3 -m benchmarks.depth --systems "$systems" --depths "$depths" --order depth --deadline-s "${DEADLINE:-525}" \

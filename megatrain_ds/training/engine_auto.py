@@ -9,16 +9,15 @@ two steps). Off CUDA nothing is measured, so nothing is placed.
 
 [Note: auto placement order] A kept layer (no recompute) saves its recompute, at most a quarter of its compute, and
 takes its largest activation graph (about 2 GB per 3B layer at 16K tokens/step). A layer whose optimizer state is on
-the GPU takes 16 bytes per parameter (1.2 GB per 3B layer) and leaves the host update: when the next forward waits for
-the host update (exact clipping: every update follows the norm), each such layer takes its update's time off the
-step. The second step's forward is the first that waits for a host update, so the placement is made after it:
-``exposure`` is the time that forward waited for the host AdamW, ``update`` a layer's host update time at the rate the
-AdamW thread measured meanwhile, and ``recompute`` an upper bound on a layer's recompute (the second step's wall time
-over 4 layers' worth of compute per layer). Optimizer state goes first when the host update was exposed (at least 5%
-of the step) and saves more per byte than a kept layer could (``update / state bytes > recompute / keep bytes``), and
-then only for as many layers as the exposure pays for; kept layers take what is left. Otherwise kept layers go first
-(the host update is hidden: long sequences). Measured on one H100, 3B at 16K tokens/step, clip 1.0:
-benchmarks/results/2026-11-27_h100_host_timeline.
+the GPU takes 16 bytes per parameter (1.2 GB per 3B layer) and leaves the host update. The second step's forward is
+the first that waits for a host update, so the placement is made after it: ``exposure`` is the time that forward
+waited for the host AdamW, ``update`` a layer's host update time at the rate the AdamW thread measured meanwhile.
+When the host update was exposed (the forward waited at least half a layer's update), the step is bound by the host: the GPU sat waiting, so
+a shorter GPU schedule (a kept layer) would only wait longer, while each layer whose state moves takes its update
+off the critical path. Optimizer state then goes first, for as many layers as the exposure pays for
+(``ceil(exposure / update)``), and kept layers take what is left. Otherwise (the host update is hidden: long
+sequences) kept layers go first. The second step's wall time measures neither a layer's recompute nor the step:
+that step still carries warm-up work, so neither rule reads it.
 """
 from __future__ import annotations
 
@@ -100,15 +99,14 @@ class AutoPlacer:
                 "smaller count), or raise megatrain.gpu_memory_reserve")
 
 
-def host_update_exposure(wall: float, delta: dict, layer_params: list[int]) -> tuple[float, float, float]:
-    """(exposure s, one layer's host update s, an upper bound on one layer's recompute s) from the second step's wall
-    time and its host spans ``delta`` ([Note: auto placement order])."""
+def host_update_exposure(wall: float, delta: dict, layer_params: list[int]) -> tuple[float, float]:
+    """(exposure s, one layer's host update s) from the second step's host spans ``delta`` ([Note: auto placement
+    order]); ``wall`` is unused by the rule and kept for the caller's record."""
     busy = delta.get("optimizer_s", 0.0) + delta.get("speculative_s", 0.0)
     params = delta.get("updated_params", 0.0)
     per_layer = max(layer_params) if layer_params else 0
     update = per_layer * busy / params if params > 0 and busy > 0 else 0.0
-    recompute = wall / (4 * len(layer_params)) if layer_params else 0.0
-    return delta.get("wait_for_optimizer_s", 0.0), update, recompute
+    return delta.get("wait_for_optimizer_s", 0.0), update
 
 
 def _place(engine, auto_state: bool, auto_keep: bool, budget: int, wall: float, delta: dict) -> str:
@@ -133,13 +131,11 @@ def _place(engine, auto_state: bool, auto_keep: bool, budget: int, wall: float, 
     state_ok = auto_state and engine.optimizer is not None and engine.layer_states.gpu_layers() is None and \
         store.master_dtype == torch.float32
     n_layers = min(len(store.layouts), store.disk_from)  # not the NVMe tier's (they trail)
-    exposure, update, recompute = host_update_exposure(wall, delta, [lay.n_train for lay in store.layouts])
+    exposure, update = host_update_exposure(wall, delta, [lay.n_train for lay in store.layouts])
     cap = n_layers
     state_first = False
-    if state_ok and auto_keep and n_layers and exposure >= 0.05 * wall and update > 0:
-        state_bytes = DeviceOptimizerState.nbytes(store, 1)
-        keep_bytes = _keep_bytes_per_layer(engine)
-        state_first = keep_bytes == 0 or update / state_bytes > recompute / keep_bytes
+    if state_ok and auto_keep and n_layers and update > 0 and exposure >= 0.5 * update:
+        state_first = True  # a host-bound step: the GPU waited ([Note: auto placement order])
         cap = min(n_layers, math.ceil(exposure / update))
     state_first = bool(engine.dp.min_int(int(state_first)))  # every rank the same order, and the same cap
     cap = engine.dp.min_int(cap)
@@ -153,7 +149,8 @@ def _place(engine, auto_state: bool, auto_keep: bool, budget: int, wall: float, 
         budget -= _state_layers(engine, budget, n_layers, placed)
     log(f"placed from the first steps' peak ({max(start, 0) / 2**30:.1f} GiB free above it "
         f"and the reserve): {'; '.join(placed) or 'nothing'}", ranks=ALL_RANKS)
-    return "; ".join(p for p in placed if not p.startswith("0 of"))
+    done = "; ".join(p for p in placed if not p.startswith("0 of"))
+    return f"{done} (of {max(start, 0) / 2**30:.1f} GiB free above the peak and the reserve)" if done else ""
 
 
 def _state_layers(engine, budget: int, limit: int, placed: list[str]) -> int:
