@@ -17,7 +17,10 @@ PY := $(VENV)/bin/python
 ENV_DEP := $(STAMP)
 endif
 
-.PHONY: demo test test-system env clean canary oldest
+.PHONY: demo test lint test-system env clean canary oldest
+
+# the Python sources ruff checks: every line at most 100 characters, and ruff's format (pyproject.toml [tool.ruff])
+LINT_PATHS := megatrain_ds tests benchmarks compat examples setup.py
 
 env: $(ENV_DEP)
 
@@ -31,9 +34,14 @@ $(STAMP):
 demo: $(ENV_DEP)
 	$(PY) examples/finetune.py
 
+# the lint first (seconds): a line over 100 characters or an unformatted file fails `make test`
+lint: $(ENV_DEP)
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+
 # two workers (pytest-xdist), each test file whole on one worker (its module fixtures built once): half the suite
 # waits on subprocesses (DeepSpeed, torchrun, the harness), so two workers fill the 2-core CI machine
-test: $(ENV_DEP)
+test: $(ENV_DEP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests --ignore=tests/system
 
 # the system tests (tests/system): real cgroups, small filesystems, sshd + pdsh, SLURM, elastic restarts; root and

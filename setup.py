@@ -1,10 +1,12 @@
 """Build hook only (the project's metadata is in pyproject.toml): install the MEGATRAIN_DS switch.
 
-The switch is one line in ``megatrain_ds_switch.pth`` at the root of site-packages. Python runs it at every
-interpreter start; it costs one environment lookup and imports ``compat.switch`` only when MEGATRAIN_DS=1
-(see compat/switch.py). A ``.pth`` must sit in site-packages itself, so ``build_py`` writes it at the root of
-what becomes the wheel, for a normal install (build_lib) and an editable one (the editable wheel's own files).
+The switch is one line in ``megatrain_ds_switch.pth`` at the root of site-packages. Python runs it
+at every interpreter start; it costs one environment lookup and imports ``compat.switch`` only when
+MEGATRAIN_DS=1 (see compat/switch.py). A ``.pth`` must sit in site-packages itself, so ``build_py``
+writes it at the root of what becomes the wheel, for a normal install (build_lib) and an editable
+one (the editable wheel's own files).
 """
+
 import os
 
 from setuptools import setup
@@ -17,7 +19,8 @@ PTH_LINE = "import os; os.environ.get('MEGATRAIN_DS') == '1' and __import__('com
 class build_py_with_switch(build_py):
     def run(self):
         super().run()
-        if self.editable_mode:  # setuptools' editable_wheel packs install_lib (its unpacked wheel), not build_lib
+        # setuptools' editable_wheel packs install_lib (its unpacked wheel), not build_lib
+        if self.editable_mode:
             root = self.get_finalized_command("install").install_lib
         else:
             root = self.build_lib

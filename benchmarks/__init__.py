@@ -1,1 +1,2 @@
-"""Benchmark harness for megatrain_ds: model shapes, baseline systems and a one-system-per-process CLI."""
+"""Benchmark harness for megatrain_ds: model shapes, baseline systems and a one-system-per-process
+CLI."""

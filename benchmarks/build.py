@@ -1,24 +1,28 @@
-"""Building the benchmark models on the host: Hugging Face's init (``hf``), or a fast init for big shapes
-(``fast``), and LoRA adapters (peft) on top.
+"""Building the benchmark models on the host: Hugging Face's init (``hf``), or a fast init for big
+shapes (``fast``), and LoRA adapters (peft) on top.
 
     model = build_model(config, dtype=torch.bfloat16, init="fast", seed=0)
     model = apply_lora(model, r=16)                      # only the adapters train
 
-``hf``: ``AutoModelForCausalLM.from_config`` on ``device`` with the model's own init, then cast: the path every
-earlier result used (bit-identical for full fine-tuning: built in fp32 there). Every weight gets its own storage
-and its own random values; at 72B that is 145 GB in bf16 and minutes of single-threaded ``normal_``.
+``hf``: ``AutoModelForCausalLM.from_config`` on ``device`` with the model's own init, then cast: the
+path every earlier result used (bit-identical for full fine-tuning: built in fp32 there). Every
+weight gets its own storage and its own random values; at 72B that is 145 GB in bf16 and minutes of
+single-threaded ``normal_``.
 
-``fast`` (default for shapes of >= 14 B parameters): the model is constructed with its parameters on the meta
-device (buffers such as the rotary ``inv_freq`` are computed for real on the CPU by the modules' own
-``__init__``), then materialized in ``dtype``: the decoder layers on the CPU, the parameters outside them
-(embeddings, final norm, LM head) on ``device`` (the GPU in a GPU run: megatrain_ds keeps them there, so their
-host copy never exists). The first decoder layer of each structure and every parameter outside the layers get
-the model's own ``_init_weights`` (normal draws spread over the CPU's cores on the CPU), and every other layer's
-parameters are new ``nn.Parameter`` objects that share the first layer's storage. "layer 0 values repeated": throughput does not depend on the values, and the host holds one layer plus
-the embeddings until the training system copies the layers into its own state (megatrain_ds's host store copies
-each layer, then frees the module's view). Anything that writes a layer's weights in place before that copy
-would write every layer: nothing in the harness does.
+``fast`` (default for shapes of >= 14 B parameters): the model is constructed with its parameters on
+the meta device (buffers such as the rotary ``inv_freq`` are computed for real on the CPU by the
+modules' own ``__init__``), then materialized in ``dtype``: the decoder layers on the CPU, the
+parameters outside them (embeddings, final norm, LM head) on ``device`` (the GPU in a GPU run:
+megatrain_ds keeps them there, so their host copy never exists). The first decoder layer of each
+structure and every parameter outside the layers get the model's own ``_init_weights`` (normal draws
+spread over the CPU's cores on the CPU), and every other layer's parameters are new ``nn.Parameter``
+objects that share the first layer's storage. "layer 0 values repeated": throughput does not depend
+on the values, and the host holds one layer plus the embeddings until the training system copies the
+layers into its own state (megatrain_ds's host store copies each layer, then frees the module's
+view). Anything that writes a layer's weights in place before that copy would write every layer:
+nothing in the harness does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,9 +37,13 @@ from transformers import AutoModelForCausalLM
 from benchmarks.shapes import LORA_TARGETS, n_params
 
 INIT_CHOICES = ("auto", "fast", "hf")
-FAST_INIT_MIN_PARAMS = 14e9  # "auto": fast from this many parameters on (qwen2.5-14b and up, qwen1.5-moe-a2.7b)
-FAST_INIT = "layer 0 values repeated (HF init of the first layer of each structure and of everything outside the " \
-            "layers; the other layers share its storage until the engine copies them)"
+# "auto": fast from this many parameters on (qwen2.5-14b and up, qwen1.5-moe-a2.7b)
+FAST_INIT_MIN_PARAMS = 14e9
+FAST_INIT = (
+    "layer 0 values repeated (HF init of the first layer of each structure and of everything "
+    "outside the "
+    "layers; the other layers share its storage until the engine copies them)"
+)
 HF_INIT = "hf (the model's own init, every weight drawn)"
 _CHUNK = 1 << 24  # elements per parallel normal draw (64 MB in fp32)
 
@@ -52,9 +60,10 @@ def resolve_init(init: str, config) -> str:
 def build_model(config, dtype: torch.dtype, init: str, seed: int, device: str = "cpu") -> nn.Module:
     """The random-init causal LM of ``config`` with parameters in ``dtype``, in training mode.
 
-    ``init`` "hf": built on ``device`` (seeded with ``seed``); fp32 is built as before (``from_config`` then
-    ``.float()``), other dtypes are built in that dtype. "fast": built on the CPU whatever ``device`` (module
-    docstring; the parameters outside the decoder layers on ``device``). "auto": see :func:`resolve_init`."""
+    ``init`` "hf": built on ``device`` (seeded with ``seed``); fp32 is built as before
+    (``from_config`` then ``.float()``), other dtypes are built in that dtype. "fast": built on the
+    CPU whatever ``device`` (module docstring; the parameters outside the decoder layers on
+    ``device``). "auto": see :func:`resolve_init`."""
     init = resolve_init(init, config)
     torch.manual_seed(seed)
     if init == "hf":
@@ -74,12 +83,13 @@ def init_description(init: str) -> str:
     return FAST_INIT if init == "fast" else HF_INIT
 
 
-# ---------------------------------------------------------------------------------------------- fast init
+# ---------------------------------------------------------------------------------------- fast init
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Every parameter registered inside goes to the meta device (no storage); buffers stay where they were made
-    (the CPU), so non-persistent ones (rotary ``inv_freq``) hold their real values. The parameter's CPU tensor is
-    allocated by the module's constructor and dropped at once: no page of it is ever touched."""
+    """Every parameter registered inside goes to the meta device (no storage); buffers stay where
+    they were made (the CPU), so non-persistent ones (rotary ``inv_freq``) hold their real values.
+    The parameter's CPU tensor is allocated by the module's constructor and dropped at once: no page
+    of it is ever touched."""
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param) -> None:
@@ -95,17 +105,21 @@ def _parameters_on_meta():
 
 
 def _materialize_fast(model: nn.Module, rest_device: torch.device) -> None:
-    """Give every meta parameter storage (see the module docstring): the layers' on the CPU, the others' on
-    ``rest_device``. The first layer of each structure and the parameters outside the layers get the model's
-    ``_init_weights``, the other layers share storage with the first layer of their structure. Tied parameters
-    stay tied."""
+    """Give every meta parameter storage (see the module docstring): the layers' on the CPU, the
+    others' on ``rest_device``. The first layer of each structure and the parameters outside the
+    layers get the model's ``_init_weights``, the other layers share storage with the first layer of
+    their structure. Tied parameters stay tied."""
     layers = model.model.layers
     in_layers = {id(m) for m in layers.modules()}
-    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta param) -> (meta param, new param)
+    # id(meta param) -> (meta param, new param)
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     first_of: dict[tuple, nn.Module] = {}
     with torch.no_grad(), _parallel_normal():
         for layer in layers:
-            signature = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters(remove_duplicate=False))
+            signature = tuple(
+                (n, tuple(p.shape), p.dtype)
+                for n, p in layer.named_parameters(remove_duplicate=False)
+            )
             first = first_of.get(signature)
             if first is None:
                 first_of[signature] = layer
@@ -122,23 +136,30 @@ def _materialize_fast(model: nn.Module, rest_device: torch.device) -> None:
             model._init_weights(module)
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
-        raise RuntimeError(f"fast init left {len(meta)} parameter(s) on the meta device, e.g. {meta[:3]}")
+        raise RuntimeError(
+            f"fast init left {len(meta)} parameter(s) on the meta device, e.g. {meta[:3]}"
+        )
 
 
-def _materialize(module: nn.Module, replaced: dict, device: torch.device = torch.device("cpu")) -> None:
-    """``module``'s own meta parameters -> new parameters on ``device`` (uninitialized); one new parameter per
-    meta one."""
+def _materialize(
+    module: nn.Module, replaced: dict, device: torch.device = torch.device("cpu")
+) -> None:
+    """``module``'s own meta parameters -> new parameters on ``device`` (uninitialized); one new
+    parameter per meta one."""
     for name, p in list(module._parameters.items()):
         if p is None or p.device.type != "meta":
             continue
         if id(p) not in replaced:
-            new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+            new = nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+            )
             replaced[id(p)] = (p, new)
         module._parameters[name] = replaced[id(p)][1]
 
 
 def _share(layer: nn.Module, first: nn.Module, replaced: dict) -> None:
-    """``layer``'s parameters -> new parameters viewing ``first``'s storage (same names and shapes)."""
+    """``layer``'s parameters -> new parameters viewing ``first``'s storage (same names and
+    shapes)."""
     source = {n: p for n, p in first.named_parameters(remove_duplicate=False)}
     for prefix, module in layer.named_modules():
         for name, p in list(module._parameters.items()):
@@ -150,18 +171,26 @@ def _share(layer: nn.Module, first: nn.Module, replaced: dict) -> None:
             module._parameters[name] = replaced[id(p)][1]
 
 
-def _parallel_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator=None, *, original):
-    """``normal_`` drawn in 16M-element chunks on all cores, each chunk from its own generator seeded from the
-    global one (reproducible for a given seed, whatever the core count). Small, strided or non-CPU tensors, or a
-    given generator: ``original``."""
-    if (generator is not None or tensor.device.type != "cpu" or not tensor.is_contiguous()
-            or tensor.numel() < 2 * _CHUNK):
+def _parallel_normal_(
+    tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator=None, *, original
+):
+    """``normal_`` drawn in 16M-element chunks on all cores, each chunk from its own generator
+    seeded from the global one (reproducible for a given seed, whatever the core count). Small,
+    strided or non-CPU tensors, or a given generator: ``original``."""
+    if (
+        generator is not None
+        or tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+        or tensor.numel() < 2 * _CHUNK
+    ):
         return original(tensor, mean=mean, std=std, generator=generator)
     seed = int(torch.randint(2**62, (1,)))
     flat, chunks = tensor.detach().view(-1), math.ceil(tensor.numel() / _CHUNK)
 
     def fill(k: int) -> None:  # grad mode is per thread: detached above, no graph in any thread
-        flat[k * _CHUNK:(k + 1) * _CHUNK].normal_(mean, std, generator=torch.Generator().manual_seed(seed + k))
+        flat[k * _CHUNK : (k + 1) * _CHUNK].normal_(
+            mean, std, generator=torch.Generator().manual_seed(seed + k)
+        )
 
     with ThreadPoolExecutor(max_workers=min(chunks, os.cpu_count() or 1)) as pool:
         list(pool.map(fill, range(chunks)))  # each normal_ releases the GIL
@@ -170,27 +199,30 @@ def _parallel_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0,
 
 @contextlib.contextmanager
 def _parallel_normal():
-    """Inside: transformers' init helpers draw normal values with :func:`_parallel_normal_` (best effort: a
-    transformers without ``initialization.TORCH_INIT_FUNCTIONS`` keeps its own single-threaded draws)."""
+    """Inside: transformers' init helpers draw normal values with :func:`_parallel_normal_` (best
+    effort: a transformers without ``initialization.TORCH_INIT_FUNCTIONS`` keeps its own
+    single-threaded draws)."""
     try:
         from transformers import initialization
+
         table = initialization.TORCH_INIT_FUNCTIONS
         original = table["normal_"]
     except (ImportError, AttributeError, KeyError):
         yield
         return
     table["normal_"] = lambda tensor, mean=0.0, std=1.0, generator=None: _parallel_normal_(
-        tensor, mean, std, generator, original=original)
+        tensor, mean, std, generator, original=original
+    )
     try:
         yield
     finally:
         table["normal_"] = original
 
 
-# ---------------------------------------------------------------------------------------------- LoRA
+# --------------------------------------------------------------------------------------------- LoRA
 def lora_targets(spec: str) -> list[str] | str:
-    """h2h --lora-targets: "default" (q, k, v, o, gate, up, down), "all-linear" (peft's own choice: every linear
-    but the output layer) or a comma-separated list of module names."""
+    """h2h --lora-targets: "default" (q, k, v, o, gate, up, down), "all-linear" (peft's own choice:
+    every linear but the output layer) or a comma-separated list of module names."""
     if spec == "default":
         return list(LORA_TARGETS)
     if spec == "all-linear":
@@ -199,28 +231,39 @@ def lora_targets(spec: str) -> list[str] | str:
 
 
 def apply_lora(model: nn.Module, r: int, targets: str = "default") -> nn.Module:
-    """peft LoRA on ``model``: rank ``r``, alpha 2r, dropout 0, on ``lora_targets(targets)``; only the adapters
-    train. The adapters are made in the base weights' dtype (``autocast_adapter_dtype=False``: bf16 in a bf16
-    run, the dtype DeepSpeed's bf16 mode and megatrain_ds's bf16 wire compute them in); each system's optimizer
-    keeps their fp32 masters."""
+    """peft LoRA on ``model``: rank ``r``, alpha 2r, dropout 0, on ``lora_targets(targets)``; only
+    the adapters train. The adapters are made in the base weights' dtype
+    (``autocast_adapter_dtype=False``: bf16 in a bf16 run, the dtype DeepSpeed's bf16 mode and
+    megatrain_ds's bf16 wire compute them in); each system's optimizer keeps their fp32 masters."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=int(r), lora_alpha=2 * int(r), lora_dropout=0.0, target_modules=lora_targets(targets),
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=int(r),
+        lora_alpha=2 * int(r),
+        lora_dropout=0.0,
+        target_modules=lora_targets(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
 def lora_settings(r: int, targets: str, model: nn.Module) -> dict:
     """The recorded LoRA settings of a run."""
     adapters = [p for n, p in model.named_parameters() if "lora_" in n]
-    return {"r": int(r), "alpha": 2 * int(r), "dropout": 0.0, "targets": lora_targets(targets),
-            "adapter_dtype": str(adapters[0].dtype).replace("torch.", "") if adapters else None,
-            "peft": "get_peft_model(LoraConfig(task_type=CAUSAL_LM), autocast_adapter_dtype=False)"}
+    return {
+        "r": int(r),
+        "alpha": 2 * int(r),
+        "dropout": 0.0,
+        "targets": lora_targets(targets),
+        "adapter_dtype": str(adapters[0].dtype).replace("torch.", "") if adapters else None,
+        "peft": "get_peft_model(LoraConfig(task_type=CAUSAL_LM), autocast_adapter_dtype=False)",
+    }
 
 
 def param_counts(model: nn.Module) -> dict:
-    """Parameter counts (distinct parameters; ZeRO-3 partitioned ones by ``ds_numel``): trainable, frozen,
-    adapters (peft ``lora_*``) and base (= all - adapters)."""
+    """Parameter counts (distinct parameters; ZeRO-3 partitioned ones by ``ds_numel``): trainable,
+    frozen, adapters (peft ``lora_*``) and base (= all - adapters)."""
     seen: set[int] = set()
     out = {"trainable_params": 0, "frozen_params": 0, "adapter_params": 0, "base_params": 0}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -5,6 +5,7 @@ A system module (resident, zero3, megatrain) builds its model and a ``step(input
 callable, then hands both to :func:`measure`, which returns the result dict described in
 :func:`result_dict`.
 """
+
 from __future__ import annotations
 
 import gc
@@ -20,15 +21,18 @@ import torch
 
 from benchmarks.shapes import model_flops_per_token
 
-# ANCHORS "Fair comparison rules": every system trains with these AdamW hyperparameters (weight decay included)
+# ANCHORS "Fair comparison rules": every system trains with these AdamW hyperparameters (weight
+# decay included)
 OPTIMIZER = {"lr": 1e-5, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
-# liger-kernel's defaults for Qwen2 (``apply_liger_kernel_to_qwen2``), i.e. what HF Trainer's use_liger_kernel applies
+# liger-kernel's defaults for Qwen2 (``apply_liger_kernel_to_qwen2``), i.e. what HF Trainer's
+# use_liger_kernel applies
 LIGER_KERNELS = ("rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")
 HF_CHECKPOINTING = "HF per decoder layer (non-reentrant torch.utils.checkpoint)"
 
 
 def h2h_clip() -> float:
-    """gradient_clipping for every system: h2h's --clip, passed to each child as H2H_CLIP (ANCHORS: 1.0)."""
+    """gradient_clipping for every system: h2h's --clip, passed to each child as H2H_CLIP (ANCHORS:
+    1.0)."""
     return float(os.environ.get("H2H_CLIP", "1.0"))
 
 
@@ -42,8 +46,8 @@ def liger_importable() -> bool:
 
 
 def resolve_liger(mode: str, device: str) -> bool:
-    """h2h --liger: "off" -> False; "on" -> True (CUDA and liger-kernel required); "auto" -> on CUDA with
-    liger-kernel importable."""
+    """h2h --liger: "off" -> False; "on" -> True (CUDA and liger-kernel required); "auto" -> on CUDA
+    with liger-kernel importable."""
     if mode == "off":
         return False
     cuda = device.startswith("cuda")
@@ -59,47 +63,76 @@ def resolve_liger(mode: str, device: str) -> bool:
 
 
 def apply_hf_liger(model: torch.nn.Module) -> None:
-    """liger-kernel exactly as HF Trainer's ``use_liger_kernel=True`` applies it (liger_kernel_config None):
-    ``_apply_liger_kernel_to_instance(model=model)`` with liger's defaults, i.e. RMSNorm, SwiGLU MLP and RoPE
-    patched in, and the causal-LM forward replaced by one using the fused linear cross-entropy (no logits)."""
+    """liger-kernel exactly as HF Trainer's ``use_liger_kernel=True`` applies it
+    (liger_kernel_config None): ``_apply_liger_kernel_to_instance(model=model)`` with liger's
+    defaults, i.e. RMSNorm, SwiGLU MLP and RoPE patched in, and the causal-LM forward replaced by
+    one using the fused linear cross-entropy (no logits)."""
     try:
         from transformers.integrations.liger import apply_liger_kernel
     except ImportError:  # older transformers: Trainer calls liger directly
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
         _apply_liger_kernel_to_instance(model=model)
     else:
         apply_liger_kernel(model, None)
 
 
-def settings_dict(*, precision: str, optimizer: str, opt_params: dict, clip: float, warmup: int, steps: int,
-                  seq: int, micro_batch: int, kernels: list[str], loss_kernel: str, gradient_checkpointing: str,
-                  offload_optimizer_ratio: float | None, **extra) -> dict:
+def settings_dict(
+    *,
+    precision: str,
+    optimizer: str,
+    opt_params: dict,
+    clip: float,
+    warmup: int,
+    steps: int,
+    seq: int,
+    micro_batch: int,
+    kernels: list[str],
+    loss_kernel: str,
+    gradient_checkpointing: str,
+    offload_optimizer_ratio: float | None,
+    **extra,
+) -> dict:
     """A run's settings as recorded under "settings": what the fairness rules ask to be equal, flat.
 
     ``opt_params`` are the AdamW hyperparameters actually used (lr, weight_decay, betas, eps);
-    ``kernels`` the liger kernels applied ([] = the model's own); ``offload_optimizer_ratio`` the fraction of
-    optimizer state on the CPU (None: no offload, everything on the GPU).
+    ``kernels`` the liger kernels applied ([] = the model's own); ``offload_optimizer_ratio`` the
+    fraction of optimizer state on the CPU (None: no offload, everything on the GPU).
     """
     out = {
-        "precision": precision, "optimizer": optimizer,
-        "lr": float(opt_params["lr"]), "weight_decay": float(opt_params["weight_decay"]),
-        "betas": [float(b) for b in opt_params["betas"]], "eps": float(opt_params["eps"]),
-        "clip": float(clip), "warmup": int(warmup), "steps": int(steps), "seq": int(seq),
-        "micro_batch": int(micro_batch), "tokens_per_step": int(seq) * int(micro_batch),
-        "liger": bool(kernels), "kernels": list(kernels), "loss_kernel": loss_kernel,
-        "gradient_checkpointing": gradient_checkpointing, "offload_optimizer_ratio": offload_optimizer_ratio,
+        "precision": precision,
+        "optimizer": optimizer,
+        "lr": float(opt_params["lr"]),
+        "weight_decay": float(opt_params["weight_decay"]),
+        "betas": [float(b) for b in opt_params["betas"]],
+        "eps": float(opt_params["eps"]),
+        "clip": float(clip),
+        "warmup": int(warmup),
+        "steps": int(steps),
+        "seq": int(seq),
+        "micro_batch": int(micro_batch),
+        "tokens_per_step": int(seq) * int(micro_batch),
+        "liger": bool(kernels),
+        "kernels": list(kernels),
+        "loss_kernel": loss_kernel,
+        "gradient_checkpointing": gradient_checkpointing,
+        "offload_optimizer_ratio": offload_optimizer_ratio,
     }
     out.update(extra)
     return out
 
 
 def micro_batch_for(tokens_per_step: int, seq: int) -> int:
-    """Sequences per micro-batch (count) for ``tokens_per_step`` tokens at ``seq`` tokens each (>= 1)."""
+    """Sequences per micro-batch (count) for ``tokens_per_step`` tokens at ``seq`` tokens each (>=
+    1)."""
     return max(1, int(tokens_per_step) // int(seq))
 
 
-def make_batches(vocab: int, micro_batch: int, seq: int, n: int, seed: int, rank: int = 0) -> list[torch.Tensor]:
-    """``n`` CPU int64 tensors of shape (micro_batch, seq) holding seeded random token ids in [0, vocab).
+def make_batches(
+    vocab: int, micro_batch: int, seq: int, n: int, seed: int, rank: int = 0
+) -> list[torch.Tensor]:
+    """``n`` CPU int64 tensors of shape (micro_batch, seq) holding seeded random token ids in [0,
+    vocab).
 
     ``rank``: a data-parallel rank's own micro-batches (rank 0 gets the one-process data)."""
     gen = torch.Generator().manual_seed(seed + 1_000_003 * int(rank))
@@ -107,8 +140,8 @@ def make_batches(vocab: int, micro_batch: int, seq: int, n: int, seed: int, rank
 
 
 def peak_host_rss_bytes(pid: int | str = "self") -> int:
-    """Peak resident set size of process ``pid`` (this one by default) in bytes (VmHWM of /proc/PID/status; 0 if
-    unavailable)."""
+    """Peak resident set size of process ``pid`` (this one by default) in bytes (VmHWM of
+    /proc/PID/status; 0 if unavailable)."""
     return _proc_status_bytes("VmHWM", pid)
 
 
@@ -128,20 +161,27 @@ def _proc_status_bytes(key: str, pid: int | str) -> int:
     return 0
 
 
-# Phases of a run (model built, engine initialized, steps done) with the host memory at their end: recorded in the
-# result under "phases", and printed (``@@h2h-phase {json}``, with --progress) so that benchmarks.h2h keeps them
-# even when the process is killed before it writes its result (the kernel's OOM killer).
+# Phases of a run (model built, engine initialized, steps done) with the host memory at their end:
+# recorded in the result under "phases", and printed (``@@h2h-phase {json}``, with --progress) so
+# that benchmarks.h2h keeps them even when the process is killed before it writes its result (the
+# kernel's OOM killer).
 PHASE_TAG = "@@h2h-phase"
 PHASES: list[dict] = []
 _T0 = time.perf_counter()
 
 
 def report_phase(name: str, **extra) -> dict:
-    """Record the end of phase ``name``: seconds since the process started (t_s) and since the last phase
-    (phase_s), current and peak host RSS (bytes), plus ``extra``."""
+    """Record the end of phase ``name``: seconds since the process started (t_s) and since the last
+    phase (phase_s), current and peak host RSS (bytes), plus ``extra``."""
     now = time.perf_counter() - _T0
-    entry = {"phase": name, "t_s": round(now, 3), "phase_s": round(now - (PHASES[-1]["t_s"] if PHASES else 0.0), 3),
-             "rss_bytes": host_rss_bytes(), "peak_rss_bytes": peak_host_rss_bytes(), **extra}
+    entry = {
+        "phase": name,
+        "t_s": round(now, 3),
+        "phase_s": round(now - (PHASES[-1]["t_s"] if PHASES else 0.0), 3),
+        "rss_bytes": host_rss_bytes(),
+        "peak_rss_bytes": peak_host_rss_bytes(),
+        **extra,
+    }
     PHASES.append(entry)
     if STEP_PROGRESS is not None:  # --progress (rank 0): for the driver
         print(f"{PHASE_TAG} {json.dumps(entry, default=str)}", flush=True)
@@ -152,36 +192,49 @@ _GPU_BLOCKER = None  # --gpu-memory-limit: the process that holds the rest of th
 
 
 def hold_gpu_memory(limit_gib: float) -> int:
-    """Leave only ``limit_gib`` GiB of this GPU free, as another process holding the rest would (a consumer GPU's
-    memory on a big one): a child process allocates the difference and holds it until this process ends (its
-    stdin closes). Held outside this process, the bytes are not in its caching allocator: the engine's "auto"
-    placements and the peers' allocators see only the limit, as on a card of that size. Returns the bytes held."""
+    """Leave only ``limit_gib`` GiB of this GPU free, as another process holding the rest would (a
+    consumer GPU's memory on a big one): a child process allocates the difference and holds it until
+    this process ends (its stdin closes). Held outside this process, the bytes are not in its
+    caching allocator: the engine's "auto" placements and the peers' allocators see only the limit,
+    as on a card of that size. Returns the bytes held."""
     global _GPU_BLOCKER
     import subprocess
 
     free, _ = torch.cuda.mem_get_info()
-    # the child's own CUDA context takes some of what it frees; it allocates until only the limit is left
-    code = ("import sys, torch\n"
-            f"limit = int({limit_gib!r} * 2**30)\n"
-            f"torch.cuda.set_device({torch.cuda.current_device()})\n"
-            "free, _ = torch.cuda.mem_get_info()\n"
-            "held = torch.empty(max(free - limit, 0), dtype=torch.uint8, device='cuda')\n"
-            "print(held.numel(), flush=True)\n"
-            "sys.stdin.read()\n")
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # the child's own CUDA context takes some of what it frees; it allocates until only the limit is
+    # left
+    code = (
+        "import sys, torch\n"
+        f"limit = int({limit_gib!r} * 2**30)\n"
+        f"torch.cuda.set_device({torch.cuda.current_device()})\n"
+        "free, _ = torch.cuda.mem_get_info()\n"
+        "held = torch.empty(max(free - limit, 0), dtype=torch.uint8, device='cuda')\n"
+        "print(held.numel(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     line = child.stdout.readline()
     if not line.strip().isdigit():
-        raise RuntimeError(f"--gpu-memory-limit: the process holding the GPU memory failed (exit {child.poll()})")
+        raise RuntimeError(
+            f"--gpu-memory-limit: the process holding the GPU memory failed (exit {child.poll()})"
+        )
     _GPU_BLOCKER = child
     now_free, _ = torch.cuda.mem_get_info()
-    print(f"[gpu-memory-limit] another process holds {int(line) / 2**30:.1f} GiB; {now_free / 2**30:.1f} GiB free "
-          f"(was {free / 2**30:.1f})", file=sys.stderr, flush=True)
+    print(
+        f"[gpu-memory-limit] another process holds {int(line) / 2**30:.1f} GiB; "
+        f"{now_free / 2**30:.1f} GiB free "
+        f"(was {free / 2**30:.1f})",
+        file=sys.stderr,
+        flush=True,
+    )
     return int(line)
 
 
 def peak_gpu_bytes(device: str) -> int:
-    """Peak bytes allocated by the torch CUDA caching allocator since the last reset (0 on CPU); what
-    ``hold_gpu_memory`` holds is another process's."""
+    """Peak bytes allocated by the torch CUDA caching allocator since the last reset (0 on CPU);
+    what ``hold_gpu_memory`` holds is another process's."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
     return 0
@@ -225,7 +278,8 @@ def set_single_process_env() -> None:
 def enable_hf_checkpointing(model: torch.nn.Module) -> None:
     """Turn on HF per-decoder-layer activation checkpointing (non-reentrant torch.utils.checkpoint).
 
-    Newer transformers name it ``activation_checkpointing_enable``; older ones ``gradient_checkpointing_enable``.
+    Newer transformers name it ``activation_checkpointing_enable``; older ones
+    ``gradient_checkpointing_enable``.
     """
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
@@ -245,8 +299,9 @@ def count_params(model: torch.nn.Module) -> int:
     return total
 
 
-# Called after every step with (steps done, steps in all, that step's seconds); benchmarks.run_system sets it
-# to print a progress line that benchmarks.h2h turns into a progress bar per system.
+# Called after every step with (steps done, steps in all, that step's seconds);
+# benchmarks.run_system sets it to print a progress line that benchmarks.h2h turns into a progress
+# bar per system.
 STEP_PROGRESS: Callable[[int, int, float], None] | None = None
 PROGRESS_TAG = "@@h2h-step"
 
@@ -258,12 +313,15 @@ def print_step_progress(done: int, total: int, seconds: float) -> None:
 
 def data_rank() -> int:
     """This process's data-parallel rank (0 without a launcher, or in a world of one)."""
-    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else 0
+    return (
+        int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else 0
+    )
 
 
 def step_barrier():
-    """A callable that waits for every rank (a gloo group of its own, so it never queues behind the systems'
-    NCCL work), or None in one process. Every rank must call this at the same point (it makes a group)."""
+    """A callable that waits for every rank (a gloo group of its own, so it never queues behind the
+    systems' NCCL work), or None in one process. Every rank must call this at the same point (it
+    makes a group)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -272,13 +330,17 @@ def step_barrier():
     return lambda: dist.barrier(group=group)
 
 
-def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], warmup: int,
-            device: str) -> tuple[list[float], list[float], list[float]]:
+def measure(
+    step: Callable[[torch.Tensor], torch.Tensor],
+    batches: list[torch.Tensor],
+    warmup: int,
+    device: str,
+) -> tuple[list[float], list[float], list[float]]:
     """Run ``step`` on every batch; return (warm-up step times s, measured step times s, losses).
 
     Each step is timed with time.perf_counter between device synchronisations; the batch is moved to
-    ``device`` before the clock starts. Losses are read after the clock stops.
-    Data parallel (several ranks): every rank starts each step after a barrier and ends it with its device sync
+    ``device`` before the clock starts. Losses are read after the clock stops. Data parallel
+    (several ranks): every rank starts each step after a barrier and ends it with its device sync
     and a barrier, so each rank's step time is the slowest rank's (h2h reports rank 0's).
     """
     barrier = step_barrier()
@@ -301,17 +363,30 @@ def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Te
     return warm_times, times, losses
 
 
-def result_dict(system: str, config, layers: int, micro_batch: int, seq: int, device: str,
-                n_params: int = 0, warm_times: list[float] | None = None, times: list[float] | None = None,
-                losses: list[float] | None = None, status: str = "ok", error: str = "",
-                lora_params: int | None = None, **extra) -> dict:
+def result_dict(
+    system: str,
+    config,
+    layers: int,
+    micro_batch: int,
+    seq: int,
+    device: str,
+    n_params: int = 0,
+    warm_times: list[float] | None = None,
+    times: list[float] | None = None,
+    losses: list[float] | None = None,
+    status: str = "ok",
+    error: str = "",
+    lora_params: int | None = None,
+    **extra,
+) -> dict:
     """The JSON-ready result of one run.
 
     Keys: system, model, layers, seq, micro_batch, tokens_per_step (tokens), warmup_step_times_s,
     step_times_s (measured steps, s), median_step_s (s), tokens_per_s, flops_per_token (FLOP),
-    tflops (benchmarks.shapes formula: full fine-tuning, or LoRA when ``lora_params`` (adapter count) is given),
-    losses, peak_gpu_bytes, peak_host_rss_bytes (bytes), n_params (count), host_bytes_per_param (bytes/param),
-    device, status ("ok" | "oom" | "error"), error, phases (see report_phase), plus ``extra``.
+    tflops (benchmarks.shapes formula: full fine-tuning, or LoRA when ``lora_params`` (adapter
+    count) is given), losses, peak_gpu_bytes, peak_host_rss_bytes (bytes), n_params (count),
+    host_bytes_per_param (bytes/param), device, status ("ok" | "oom" | "error"), error, phases (see
+    report_phase), plus ``extra``.
     """
     tokens = micro_batch * seq
     median = statistics.median(times) if times else None
@@ -319,22 +394,35 @@ def result_dict(system: str, config, layers: int, micro_batch: int, seq: int, de
     flops = model_flops_per_token(config, seq, lora_params)
     rss = peak_host_rss_bytes()
     out = {
-        "system": system, "model": getattr(config, "name_or_path", "") or "?", "layers": int(layers),
-        "seq": int(seq), "micro_batch": int(micro_batch), "tokens_per_step": int(tokens),
-        "warmup_step_times_s": list(warm_times or []), "step_times_s": list(times or []),
+        "system": system,
+        "model": getattr(config, "name_or_path", "") or "?",
+        "layers": int(layers),
+        "seq": int(seq),
+        "micro_batch": int(micro_batch),
+        "tokens_per_step": int(tokens),
+        "warmup_step_times_s": list(warm_times or []),
+        "step_times_s": list(times or []),
         "median_step_s": median,  # None when no step ran
-        "tokens_per_s": tok_s, "flops_per_token": flops,
-        "tflops": flops * tok_s / 1e12, "losses": list(losses or []),
-        "peak_gpu_bytes": peak_gpu_bytes(device), "peak_host_rss_bytes": rss, "n_params": int(n_params),
-        "host_bytes_per_param": rss / n_params if n_params else 0.0, "device": device,
-        "status": status, "error": error, "phases": list(PHASES),
+        "tokens_per_s": tok_s,
+        "flops_per_token": flops,
+        "tflops": flops * tok_s / 1e12,
+        "losses": list(losses or []),
+        "peak_gpu_bytes": peak_gpu_bytes(device),
+        "peak_host_rss_bytes": rss,
+        "n_params": int(n_params),
+        "host_bytes_per_param": rss / n_params if n_params else 0.0,
+        "device": device,
+        "status": status,
+        "error": error,
+        "phases": list(PHASES),
     }
     out.update(extra)
     return out
 
 
 def cleanup() -> None:
-    """Collect garbage and return cached CUDA memory to the driver (best effort, e.g. after an OOM)."""
+    """Collect garbage and return cached CUDA memory to the driver (best effort, e.g. after an
+    OOM)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

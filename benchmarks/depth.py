@@ -144,10 +144,12 @@ def sweep(a: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # plot
-def load(folders: list[str], supersede: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], dict]:
-    """The runs of ``folders`` in order; a later folder's run of a (system, depth) replaces an earlier one's
-    (a point run again in a later call), and a system in ``supersede`` is taken only from the last folder
-    that ran it (its earlier rows had a cause since fixed)."""
+def load(
+    folders: list[str], supersede: tuple[str, ...] = ()
+) -> tuple[list[dict], list[dict], dict]:
+    """The runs of ``folders`` in order; a later folder's run of a (system, depth) replaces an
+    earlier one's (a point run again in a later call), and a system in ``supersede`` is taken only
+    from the last folder that ran it (its earlier rows had a cause since fixed)."""
     runs, not_run, hardware = {}, [], {}
     for folder in folders:
         with open(os.path.join(folder, "depth.json")) as f:
@@ -160,20 +162,24 @@ def load(folders: list[str], supersede: tuple[str, ...] = ()) -> tuple[list[dict
         hardware = hardware or data.get("hardware", {})
     results = list(runs.values())
     ran = set(runs)
-    not_run = [n for n in not_run if (n.get("depth_system", n.get("system")), n.get("layers")) not in ran]
+    not_run = [
+        n for n in not_run if (n.get("depth_system", n.get("system")), n.get("layers")) not in ran
+    ]
     return results, not_run, hardware
 
 
 def table(results: list[dict], not_run: list[dict]) -> str:
     out = [
-        "| system | layers | params | status | s/step | tokens/s | TFLOPS | peak GPU GB | peak host RSS GB |",
+        "| system | layers | params | status | s/step | tokens/s | TFLOPS | peak GPU GB | peak "
+        "host RSS GB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(results, key=lambda r: (r["depth_system"], r.get("layers") or 0)):
         label = LABELS.get(r["depth_system"], r["depth_system"])
         if r.get("status") == "ok":
             out.append(
-                f"| {label} | {r['layers']} | {r['n_params'] / 1e9:.2f} B | ok | {r['median_step_s']:.3f} | "
+                f"| {label} | {r['layers']} | {r['n_params'] / 1e9:.2f} B | ok | "
+                f"{r['median_step_s']:.3f} | "
                 f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['peak_gpu_bytes'] / 1e9:.1f} | "
                 f"{r['peak_host_rss_bytes'] / 1e9:.1f} |"
             )
@@ -186,7 +192,8 @@ def table(results: list[dict], not_run: list[dict]) -> str:
             out.append(f"|  | | | {why[0][:160]} | | | | | |")
     for n in not_run:
         out.append(
-            f"| {LABELS.get(n['system'], n['system'])} | {n['layers']} | | not run: {n['why']} | | | | | |"
+            f"| {LABELS.get(n['system'], n['system'])} | {n['layers']} | | not run: {n['why']} | | "
+            "| | | |"
         )
     return "\n".join(out)
 

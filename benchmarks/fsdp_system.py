@@ -61,7 +61,10 @@ from benchmarks.common import (
     settings_dict,
 )
 
-FSDP_CHECKPOINTING = "checkpoint_wrapper per decoder layer (non-reentrant torch.utils.checkpoint), before fully_shard"
+FSDP_CHECKPOINTING = (
+    "checkpoint_wrapper per decoder layer (non-reentrant torch.utils.checkpoint), before "
+    "fully_shard"
+)
 HF_LOSS = "HF ForCausalLMLoss (full logits, torch cross-entropy)"
 LIGER_LOSS = "liger fused linear cross-entropy (no logits)"
 
@@ -148,7 +151,8 @@ def fsdp_settings(
     """The recorded settings of an ``fsdp`` run."""
     cuda = device.startswith("cuda")
     return settings_dict(
-        precision="fp32 params (sharded, CPU-offloaded), MixedPrecisionPolicy(param bf16, reduce fp32)"
+        precision="fp32 params (sharded, CPU-offloaded), MixedPrecisionPolicy(param bf16, reduce "
+        "fp32)"
         if cuda
         else "fp32 (cpu, no mixed precision)",
         optimizer="torch.optim.AdamW (fused, CPU, on the offloaded DTensor shards)",

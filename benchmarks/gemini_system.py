@@ -210,7 +210,8 @@ def run_gemini(
         )
         warm, times, losses = measure(step, batches, warmup, device)
         report_phase("steps done")
-    except Exception as exc:  # noqa: BLE001 - an OOM is a result; a setup failure is the finding recorded
+    # an OOM is a result; a setup failure is the finding recorded
+    except Exception as exc:  # noqa: BLE001
         if is_oom(exc):
             cleanup()
             return result_dict(

@@ -1,13 +1,17 @@
-"""Where a step's GPU peak comes from: one optimizer step of a Qwen2-shaped model under megatrain_ds, with torch's
-allocation history recorded, and the live allocations at the peak grouped by the megatrain_ds / model frame that
-made them; next to it, what ``megatrain-ds plan`` predicts for the same model and config.
+"""Where a step's GPU peak comes from: one optimizer step of a Qwen2-shaped model under
+megatrain_ds, with torch's allocation history recorded, and the live allocations at the peak grouped
+by the megatrain_ds / model frame that made them; next to it, what ``megatrain-ds plan`` predicts
+for the same model and config.
 
-    python -m benchmarks.gpu_memory_trace --ga 2 --megatrain '{"stream_fp32_master": false}' --out DIR
+    python -m benchmarks.gpu_memory_trace --ga 2 --megatrain '{"stream_fp32_master": false}'
+        --out DIR
 
-Prints the predicted and measured peaks and the live bytes at the peak by origin (largest first); writes the
-snapshot (``torch.cuda.memory._snapshot()``, loadable at pytorch.org/memory_viz) and the table as JSON to DIR.
-Defaults: the model of tests/unit/test_plan.py's GPU cases (hidden 2048, 6 layers, micro-batch 8 x 2048 tokens).
+Prints the predicted and measured peaks and the live bytes at the peak by origin (largest first);
+writes the snapshot (``torch.cuda.memory._snapshot()``, loadable at pytorch.org/memory_viz) and the
+table as JSON to DIR. Defaults: the model of tests/unit/test_plan.py's GPU cases (hidden 2048, 6
+layers, micro-batch 8 x 2048 tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +22,8 @@ from collections import defaultdict
 
 
 def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
-    """Replay the device's allocation trace: the largest total of live blocks, and those blocks (size, frames)."""
+    """Replay the device's allocation trace: the largest total of live blocks, and those blocks
+    (size, frames)."""
     live: dict[int, dict] = {}
     total = peak = 0
     at_peak: list[dict] = []
@@ -34,18 +39,21 @@ def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
 
 
 def origin(frames: list[dict]) -> str:
-    """The innermost frame in megatrain_ds, transformers, liger or torch.nn (else the innermost Python frame)."""
+    """The innermost frame in megatrain_ds, transformers, liger or torch.nn (else the innermost
+    Python frame)."""
     for key in ("megatrain_ds/", "liger_kernel/", "transformers/", "torch/nn/", "torch/autograd/"):
         for f in frames:
             name = f.get("filename", "")
             if key in name and not name.endswith(".cpp") and "<" not in name:
-                return f"{name[name.index(key):]}:{f.get('line')} {f.get('name')}"
+                return f"{name[name.index(key) :]}:{f.get('line')} {f.get('name')}"
     py = [f for f in frames if f.get("filename", "").endswith(".py")]
     return f"{py[0]['filename']}:{py[0]['line']} {py[0]['name']}" if py else "(no Python frame)"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ga", type=int, default=1)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
@@ -61,14 +69,29 @@ def main(argv=None) -> int:
     from megatrain_ds.planning import plan
 
     os.makedirs(args.out, exist_ok=True)
-    cfg = tf.Qwen2Config(hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,
-                         num_attention_heads=16, num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False,
-                         use_cache=False)
+    cfg = tf.Qwen2Config(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=args.layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = tf.Qwen2ForCausalLM(cfg)
-    ds = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.ga,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
-          "megatrain": {"gpu_optimizer_layers": 0, "keep_activations": 0, **json.loads(args.megatrain)}}
+    ds = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.ga,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": True},
+        "megatrain": {
+            "gpu_optimizer_layers": 0,
+            "keep_activations": 0,
+            **json.loads(args.megatrain),
+        },
+    }
     pred = plan.plan_model(model, plan.load_train_config(ds), seq=args.seq, device="cuda")
     engine, *_ = megatrain_ds.initialize(model=model, config=ds)
     torch.cuda.synchronize()
@@ -94,19 +117,34 @@ def main(argv=None) -> int:
         by_origin[key] += b["size"]
         count[key] += 1
     rows = sorted(by_origin.items(), key=lambda kv: -kv[1])
-    mib = 2 ** 20
-    print(f"ga {args.ga}, megatrain {args.megatrain}: predicted {pred.gpu_allocated_bytes / mib:,.1f} MiB "
-          f"(peak in {pred.gpu_phase}), measured {measured / mib:,.1f} MiB; allocated before the step "
-          f"{base / mib:,.1f} MiB; traced peak (allocations made during the step) {traced_peak / mib:,.1f} MiB")
+    mib = 2**20
+    print(
+        f"ga {args.ga}, megatrain {args.megatrain}: predicted {pred.gpu_allocated_bytes / mib:,.1f}"
+        " MiB "
+        f"(peak in {pred.gpu_phase}), measured {measured / mib:,.1f} MiB; allocated before the "
+        "step "
+        f"{base / mib:,.1f} MiB; traced peak (allocations made during the step) "
+        f"{traced_peak / mib:,.1f} MiB"
+    )
     print(pred.table())
     print(f"{'MiB':>10}  {'blocks':>6}  origin (live at the traced peak)")
-    for key, size in rows[:args.top]:
+    for key, size in rows[: args.top]:
         print(f"{size / mib:10.1f}  {count[key]:6d}  {key}")
     with open(os.path.join(args.out, "peak.json"), "w") as f:
-        json.dump({"ga": args.ga, "megatrain": json.loads(args.megatrain), "predicted_bytes": pred.gpu_allocated_bytes,
-                   "predicted_parts": pred.gpu_parts, "measured_bytes": measured, "before_step_bytes": base,
-                   "traced_peak_bytes": traced_peak,
-                   "live_at_peak": [{"origin": k, "bytes": v, "blocks": count[k]} for k, v in rows]}, f, indent=1)
+        json.dump(
+            {
+                "ga": args.ga,
+                "megatrain": json.loads(args.megatrain),
+                "predicted_bytes": pred.gpu_allocated_bytes,
+                "predicted_parts": pred.gpu_parts,
+                "measured_bytes": measured,
+                "before_step_bytes": base,
+                "traced_peak_bytes": traced_peak,
+                "live_at_peak": [{"origin": k, "bytes": v, "blocks": count[k]} for k, v in rows],
+            },
+            f,
+            indent=1,
+        )
     engine.destroy()
     return 0
 

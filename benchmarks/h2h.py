@@ -1,50 +1,63 @@
-"""Head-to-head: megatrain_ds vs DeepSpeed ZeRO-3 CPU offload vs the whole model on the GPU, one command.
+"""Head-to-head: megatrain_ds vs DeepSpeed ZeRO-3 CPU offload vs the whole model on the GPU, one
+command.
 
     python -m benchmarks.h2h --model qwen2.5-3b --tokens-per-step 16384 --out runs/3b
     python -m benchmarks.h2h --model qwen2.5-3b --best-batch --out runs/3b-best
-    python -m benchmarks.h2h --model qwen2.5-14b --depth-sweep 28,56,84 --systems megatrain,zero3 --out runs/sweep
+    python -m benchmarks.h2h --model qwen2.5-14b --depth-sweep 28,56,84 --systems megatrain,zero3
+        --out runs/sweep
     python -m benchmarks.h2h --model tiny --device cpu --systems megatrain,resident --seq 64 \
         --tokens-per-step 256 --out runs/h2h-smoke    # CPU smoke test
-    python -m benchmarks.h2h --model qwen2.5-3b --gpus 2 --scaling --tokens-per-step 16384 --out runs/dp
-        # data parallel: every system with 2 ranks (torchrun), plus megatrain on 1 GPU for the scaling ratio
-    python -m benchmarks.h2h --model qwen2.5-3b --gpus 2 --nodes 2 --systems megatrain --out runs/nodes
-        # two torchrun "nodes" of one GPU each on this box (--nnodes 2 over localhost; NCCL over sockets between them)
-    python -m benchmarks.h2h --model qwen2.5-72b --lora 16 --systems megatrain,zero3 --out runs/72b-lora
+    python -m benchmarks.h2h --model qwen2.5-3b --gpus 2 --scaling --tokens-per-step 16384
+        --out runs/dp
+        # data parallel: every system with 2 ranks (torchrun), plus megatrain on 1 GPU for the
+        # scaling ratio
+    python -m benchmarks.h2h --model qwen2.5-3b --gpus 2 --nodes 2 --systems megatrain
+        --out runs/nodes
+        # two torchrun "nodes" of one GPU each on this box (--nnodes 2 over localhost; NCCL over
+        # sockets between them)
+    python -m benchmarks.h2h --model qwen2.5-72b --lora 16 --systems megatrain,zero3
+        --out runs/72b-lora
         # LoRA r16 (alpha 32) on q,k,v,o,gate,up,down: frozen bf16 base, only the adapters train
-    python -m benchmarks.h2h --model olmoe-1b-7b --systems megatrain,zero3 --liger off --out runs/moe
+    python -m benchmarks.h2h --model olmoe-1b-7b --systems megatrain,zero3 --liger off
+        --out runs/moe
         # mixture of experts, full fine-tuning, router aux loss in the loss
 
-LoRA (``--lora R``, ``--lora-targets``): megatrain and ZeRO-3 wrap the same model with peft (benchmarks.build);
-the base is frozen and built in bf16 (megatrain: never upcast; ZeRO-3: under zero.Init, partitioned as
-constructed), FLOPs by the LoRA formula of benchmarks.shapes (4 N + 6 N_lora + 6 L h s). Every result records
-trainable_params, base_params, host_bytes_per_base_param (peak RSS / base parameters) and, for megatrain,
-engine_host_bytes_per_base_param (its host state / base parameters). ``--init`` picks megatrain's model init
-(benchmarks.build: hf, or fast = layer 0's values repeated, the default from 14 B parameters: a 72B model builds
-in seconds, holding one layer until the engine copies the layers). Each run records its phases (model built,
-engine initialized, steps done: seconds and host RSS at each); a system whose process the kernel kills (host
-out of memory) is recorded as "killed (host OOM)" with the peak RSS the harness saw and the phases it reached,
-and the next system runs.
+LoRA (``--lora R``, ``--lora-targets``): megatrain and ZeRO-3 wrap the same model with peft
+(benchmarks.build); the base is frozen and built in bf16 (megatrain: never upcast; ZeRO-3: under
+zero.Init, partitioned as constructed), FLOPs by the LoRA formula of benchmarks.shapes (4 N + 6
+N_lora + 6 L h s). Every result records trainable_params, base_params, host_bytes_per_base_param
+(peak RSS / base parameters) and, for megatrain, engine_host_bytes_per_base_param (its host state /
+base parameters). ``--init`` picks megatrain's model init (benchmarks.build: hf, or fast = layer 0's
+values repeated, the default from 14 B parameters: a 72B model builds in seconds, holding one layer
+until the engine copies the layers). Each run records its phases (model built, engine initialized,
+steps done: seconds and host RSS at each); a system whose process the kernel kills (host out of
+memory) is recorded as "killed (host OOM)" with the peak RSS the harness saw and the phases it
+reached, and the next system runs.
 
-Data parallel (``--gpus N``, N > 1): every system runs as N processes, one per GPU, launched by torchrun, each
-rank on its own micro-batch of ``--tokens-per-step`` tokens (per rank); megatrain_ds, DeepSpeed ZeRO-3 (N ranks)
-and the whole-on-GPU bound (DDP over N ranks; ``--resident-mode``). tokens/s is summed over the ranks (tokens
-per rank × N / rank 0's step time), TFLOPS are per GPU, host RSS summed over the ranks' processes, also per
-parameter; ``--scaling`` adds megatrain on one GPU and prints N GPUs / 1 GPU. Details: benchmarks/multi_gpu.py.
-``--gpus 1`` (the default) is the one-process harness, unchanged.
+Data parallel (``--gpus N``, N > 1): every system runs as N processes, one per GPU, launched by
+torchrun, each rank on its own micro-batch of ``--tokens-per-step`` tokens (per rank); megatrain_ds,
+DeepSpeed ZeRO-3 (N ranks) and the whole-on-GPU bound (DDP over N ranks; ``--resident-mode``).
+tokens/s is summed over the ranks (tokens per rank × N / rank 0's step time), TFLOPS are per GPU,
+host RSS summed over the ranks' processes, also per parameter; ``--scaling`` adds megatrain on one
+GPU and prints N GPUs / 1 GPU. Details: benchmarks/multi_gpu.py. ``--gpus 1`` (the default) is the
+one-process harness, unchanged.
 
-Fair peers (ANCHORS.md "Fair comparison rules"): every system trains with AdamW lr 1e-5, weight decay 0.01,
-betas (0.9, 0.999), eps 1e-8, the same --clip, warm-up and measured steps; ``--liger`` gives all of them (or none)
-liger-kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy (ZeRO-3 and whole-on-GPU as HF Trainer's
-use_liger_kernel applies them); ``--gpu-optimizer-fraction F`` keeps the same share of optimizer state on the GPU
-for megatrain and ZeRO-3 (offload_optimizer.ratio = 1 - F). Each run records its settings under "settings", and
-results.md shows one settings line per run.
+Fair peers (ANCHORS.md "Fair comparison rules"): every system trains with AdamW lr 1e-5, weight
+decay 0.01, betas (0.9, 0.999), eps 1e-8, the same --clip, warm-up and measured steps; ``--liger``
+gives all of them (or none) liger-kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy
+(ZeRO-3 and whole-on-GPU as HF Trainer's use_liger_kernel applies them); ``--gpu-optimizer-fraction
+F`` keeps the same share of optimizer state on the GPU for megatrain and ZeRO-3
+(offload_optimizer.ratio = 1 - F). Each run records its settings under "settings", and results.md
+shows one settings line per run.
 
-Each system runs in its own process (``benchmarks.run_system``), one after another, on the same model shape and
-data. Before a run, host memory is checked against what the system needs (bytes/param below) and the run is
-skipped with the numbers when it does not fit; a device OOM is recorded as "oom", not a crash. Writes
-``results.json`` (per run: tokens_per_s, tflops, peak_gpu_bytes, peak_host_rss_bytes, host_bytes_per_param,
-breakdown where the system has one; plus the hardware), ``results.md`` (tables) and ``results.png`` (plot).
+Each system runs in its own process (``benchmarks.run_system``), one after another, on the same
+model shape and data. Before a run, host memory is checked against what the system needs
+(bytes/param below) and the run is skipped with the numbers when it does not fit; a device OOM is
+recorded as "oom", not a crash. Writes ``results.json`` (per run: tokens_per_s, tflops,
+peak_gpu_bytes, peak_host_rss_bytes, host_bytes_per_param, breakdown where the system has one; plus
+the hardware), ``results.md`` (tables) and ``results.png`` (plot).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,24 +76,42 @@ from benchmarks.build import INIT_CHOICES
 from benchmarks.common import PHASE_TAG, PROGRESS_TAG, peak_host_rss_bytes
 from benchmarks.shapes import SHAPE_NAMES, is_moe, make_config, n_params
 
-# Peak host bytes per parameter each system needs (measured: 3B on the H200 box, benchmarks/results/):
-# model build (fp32, 4 B) + state. megatrain 17.3, zero3 25.9, resident builds on the GPU.
-HOST_BYTES_PER_PARAM = {"megatrain": 18.0, "zero3": 27.0, "resident": 1.0,
-                        # predictions, not yet measured: fp32 shard + fp32 gradient + Adam moments (16) and the
-                        # pinned allocator's rounding (fsdp); Gemini's fp32 master + moments + its chunks (gemini)
-                        "fsdp": 20.0, "gemini": 18.0}
-# LoRA (per base parameter; predictions, not yet measured): megatrain_ds keeps the frozen base in bf16 only
-# (2 B) + the adapters' state, and the fast init holds one layer while building; ZeRO-3 holds the bf16 partitions
-# in pinned host memory, which torch's caching host allocator rounds up to powers of two (about 2.22 B at 72B).
+# Peak host bytes per parameter each system needs (measured: 3B on the H200 box,
+# benchmarks/results/): model build (fp32, 4 B) + state. megatrain 17.3, zero3 25.9, resident builds
+# on the GPU.
+HOST_BYTES_PER_PARAM = {
+    "megatrain": 18.0,
+    "zero3": 27.0,
+    "resident": 1.0,
+    # predictions, not yet measured: fp32 shard + fp32 gradient + Adam moments (16) and the
+    # pinned allocator's rounding (fsdp); Gemini's fp32 master + moments + its chunks (gemini)
+    "fsdp": 20.0,
+    "gemini": 18.0,
+}
+# LoRA (per base parameter; predictions, not yet measured): megatrain_ds keeps the frozen base in
+# bf16 only (2 B) + the adapters' state, and the fast init holds one layer while building; ZeRO-3
+# holds the bf16 partitions in pinned host memory, which torch's caching host allocator rounds up to
+# powers of two (about 2.22 B at 72B).
 LORA_HOST_BYTES_PER_PARAM = {"megatrain": 2.4, "zero3": 2.5}
 
 
 def hardware() -> dict:
-    info = {"cpu_cores": os.cpu_count(), "platform": platform.platform(), "host_mem_bytes": _meminfo("MemTotal")}
+    info = {
+        "cpu_cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "host_mem_bytes": _meminfo("MemTotal"),
+    }
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,pcie.link.gen.current,"
-                              "pcie.link.width.current", "--format=csv,noheader"], capture_output=True, text=True,
-                             timeout=30)
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         info["gpu"] = out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         info["gpu"] = None
@@ -102,21 +133,24 @@ def _n_params(config) -> int:
     return n_params(config)
 
 
-# megatrain with its NVMe tier (--ds-config with offload_optimizer.device nvme): fp32 master + fp32 gradient stay in
-# RAM (8), the Adam moments of as many layers as needed go to disk
+# megatrain with its NVMe tier (--ds-config with offload_optimizer.device nvme): fp32 master + fp32
+# gradient stay in RAM (8), the Adam moments of as many layers as needed go to disk
 NVME_HOST_BYTES_PER_PARAM = 8.0
-# ZeRO-3 with DeepSpeed's bf16 master weights and optimizer states (--zero3-ds-config): a prediction, not a
-# measurement (bf16 offloaded params 2 + master 2 + gradient 2 + moments 4, and its buffers): checked loosely
+# ZeRO-3 with DeepSpeed's bf16 master weights and optimizer states (--zero3-ds-config): a
+# prediction, not a measurement (bf16 offloaded params 2 + master 2 + gradient 2 + moments 4, and
+# its buffers): checked loosely
 ZERO3_BF16_STATE_HOST_BYTES_PER_PARAM = 14.0
-# Data parallel: host bytes one more process costs beyond the model's state (libraries, CUDA context)
+# Data parallel: host bytes one more process costs beyond the model's state (libraries, CUDA
+# context)
 PER_PROCESS_HOST_BYTES = 3 * 2**30
 
 
 def planned_megatrain_host_bytes(args, config, tokens: int, gpus: int) -> int | None:
-    """The host bytes megatrain_ds's planner (the check ``initialize`` runs) predicts for this run's config, summed
-    over ``gpus`` ranks (``--nodes``: over the "nodes" on this box, each one's own plan): engine state, NVMe staging,
-    optimizer scratch. None where the plan does not apply here
-    (LoRA: the harness applies peft after building; an NVMe config: the engine places layers on disk itself)."""
+    """The host bytes megatrain_ds's planner (the check ``initialize`` runs) predicts for this run's
+    config, summed over ``gpus`` ranks (``--nodes``: over the "nodes" on this box, each one's own
+    plan): engine state, NVMe staging, optimizer scratch. None where the plan does not apply here
+    (LoRA: the harness applies peft after building; an NVMe config: the engine places layers on disk
+    itself)."""
     if getattr(args, "lora", 0) or '"nvme"' in (getattr(args, "ds_config", None) or ""):
         return None
     from benchmarks.common import micro_batch_for, resolve_liger
@@ -125,52 +159,114 @@ def planned_megatrain_host_bytes(args, config, tokens: int, gpus: int) -> int | 
     from megatrain_ds.planning.plan import meta_model, plan_model
 
     device = "cuda" if args.device.startswith("cuda") else "cpu"
-    ds = megatrain_ds_config(micro_batch_for(tokens, args.seq), device, resolve_liger(args.liger, args.device),
-                             args.gpu_optimizer_fraction, args.host_only)
-    nodes = int(getattr(args, "nodes", 1) or 1) if gpus > 1 else 1  # h2h --nodes: every "node" is on this box
-    pred = plan_model(meta_model(config), parse_config(ds, world_size=gpus, warn=False), device=device,
-                      world=gpus // nodes, nodes=nodes, host_budget=1e9)  # (GiB: no budget; compared with what is free)
+    ds = megatrain_ds_config(
+        micro_batch_for(tokens, args.seq),
+        device,
+        resolve_liger(args.liger, args.device),
+        args.gpu_optimizer_fraction,
+        args.host_only,
+    )
+    # h2h --nodes: every "node" is on this box
+    nodes = int(getattr(args, "nodes", 1) or 1) if gpus > 1 else 1
+    pred = plan_model(
+        meta_model(config),
+        parse_config(ds, world_size=gpus, warn=False),
+        device=device,
+        # (GiB: no budget; compared with what is free)
+        world=gpus // nodes,
+        nodes=nodes,
+        host_budget=1e9,
+    )
     return int(pred.host_need_bytes) * nodes
 
 
 def host_precheck(system: str, args, config, tokens: int, gpus: int) -> str | None:
-    """Why ``system`` would not fit this host's memory (the skip message), or None. megatrain: its own planner
-    with this run's config; the others (and megatrain under LoRA or NVMe): measured bytes per parameter. The
-    resident system builds on each GPU (1 B/param of host per process); the offloading systems partition their
-    state."""
-    per_param = LORA_HOST_BYTES_PER_PARAM[system] if getattr(args, "lora", 0) else HOST_BYTES_PER_PARAM[system]
+    """Why ``system`` would not fit this host's memory (the skip message), or None. megatrain: its
+    own planner with this run's config; the others (and megatrain under LoRA or NVMe): measured
+    bytes per parameter. The resident system builds on each GPU (1 B/param of host per process); the
+    offloading systems partition their state."""
+    per_param = (
+        LORA_HOST_BYTES_PER_PARAM[system]
+        if getattr(args, "lora", 0)
+        else HOST_BYTES_PER_PARAM[system]
+    )
     if system == "megatrain" and '"nvme"' in (getattr(args, "ds_config", None) or ""):
-        per_param = NVME_HOST_BYTES_PER_PARAM  # the moments may go to disk; the engine's own check (plan.py) decides
-    if system == "zero3" and "bf16_optimizer_states" in (getattr(args, "zero3_ds_config", None) or ""):
+        # the moments may go to disk; the engine's own check (plan.py) decides
+        per_param = NVME_HOST_BYTES_PER_PARAM
+    if system == "zero3" and "bf16_optimizer_states" in (
+        getattr(args, "zero3_ds_config", None) or ""
+    ):
         per_param = ZERO3_BF16_STATE_HOST_BYTES_PER_PARAM
-    need = per_param * _n_params(config) * (gpus if system == "resident" else 1) \
+    need = (
+        per_param * _n_params(config) * (gpus if system == "resident" else 1)
         + (gpus - 1) * PER_PROCESS_HOST_BYTES
+    )
     source = f"{per_param:g} B/param"
-    planned = planned_megatrain_host_bytes(args, config, tokens, gpus) if system == "megatrain" else None
-    if planned is not None:  # the engine's own planner, with this run's config (precision, masters, placements)
-        need, source = planned + gpus * PER_PROCESS_HOST_BYTES, "megatrain_ds's plan + 3 GiB per process"
-    have = int(args.host_mem_gib * 2**30) if getattr(args, "host_mem_gib", None) else _meminfo("MemAvailable")
+    planned = (
+        planned_megatrain_host_bytes(args, config, tokens, gpus) if system == "megatrain" else None
+    )
+    # the engine's own planner, with this run's config (precision, masters, placements)
+    if planned is not None:
+        need, source = (
+            planned + gpus * PER_PROCESS_HOST_BYTES,
+            "megatrain_ds's plan + 3 GiB per process",
+        )
+    have = (
+        int(args.host_mem_gib * 2**30)
+        if getattr(args, "host_mem_gib", None)
+        else _meminfo("MemAvailable")
+    )
     if have and need > have:
         return f"needs ~{need / 2**30:.0f} GiB host memory ({source}), {have / 2**30:.0f} GiB free"
     return None
 
 
-def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus: int | None = None) -> dict:
-    """One system in its own process (``gpus`` > 1: torchrun with that many ranks, see run_dp); returns its
-    result dict (or a 'skipped' record). ``gpus`` defaults to ``args.gpus``."""
+def run_one(
+    system: str, args, layers: int | None, tokens: int, path: str, gpus: int | None = None
+) -> dict:
+    """One system in its own process (``gpus`` > 1: torchrun with that many ranks, see run_dp);
+    returns its result dict (or a 'skipped' record). ``gpus`` defaults to ``args.gpus``."""
     gpus = int(getattr(args, "gpus", 1) if gpus is None else gpus)
     config = make_config(args.model, layers=layers)
     why = host_precheck(system, args, config, tokens, gpus)
     if why is not None:
-        skipped = {"system": system, "model": args.model, "layers": config.num_hidden_layers,
-                   "tokens_per_step": tokens, "status": "skipped", "error": why}
+        skipped = {
+            "system": system,
+            "model": args.model,
+            "layers": config.num_hidden_layers,
+            "tokens_per_step": tokens,
+            "status": "skipped",
+            "error": why,
+        }
         if gpus > 1:
             skipped.update(gpus=gpus, name=os.path.splitext(os.path.basename(path))[0])
         return skipped
-    cmd = [sys.executable, "-m", "benchmarks.run_system", "--system", system, "--model", args.model,
-           "--tokens-per-step", str(tokens), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--device", args.device, "--json", path, "--progress",
-           "--liger", args.liger, "--gpu-optimizer-fraction", repr(args.gpu_optimizer_fraction)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run_system",
+        "--system",
+        system,
+        "--model",
+        args.model,
+        "--tokens-per-step",
+        str(tokens),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--device",
+        args.device,
+        "--json",
+        path,
+        "--progress",
+        "--liger",
+        args.liger,
+        "--gpu-optimizer-fraction",
+        repr(args.gpu_optimizer_fraction),
+    ]
     if args.host_only:
         cmd.append("--host-only")
     if getattr(args, "closing_step", "full") != "full" and system == "megatrain":
@@ -185,30 +281,51 @@ def run_one(system: str, args, layers: int | None, tokens: int, path: str, gpus:
         cmd += ["--gpu-memory-limit", repr(args.gpu_memory_limit)]
     if gpus > 1:
         bind = getattr(args, "bind_cores", "on") == "on"
-        return run_dp(system, cmd[3:], config, tokens, path, gpus, bind_cores=bind, nodes=getattr(args, "nodes", 1))
-    if os.path.exists(path):  # a stale file from an earlier run must not stand in for a process that died
+        return run_dp(
+            system,
+            cmd[3:],
+            config,
+            tokens,
+            path,
+            gpus,
+            bind_cores=bind,
+            nodes=getattr(args, "nodes", 1),
+        )
+    # a stale file from an earlier run must not stand in for a process that died
+    if os.path.exists(path):
         os.remove(path)
     watch: dict = {}
-    watch["timeout_s"] = getattr(args, "run_timeout_s", None)  # benchmarks.depth: the call's time left
+    # benchmarks.depth: the call's time left
+    watch["timeout_s"] = getattr(args, "run_timeout_s", None)
     tail = _run_with_progress(cmd, f"{system} L={config.num_hidden_layers} T={tokens}", watch=watch)
     if os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
     else:
-        host = max(int(args.host_mem_gib * 2**30) if getattr(args, "host_mem_gib", None) else 0,
-                   _meminfo("MemTotal"))
+        host = max(
+            int(args.host_mem_gib * 2**30) if getattr(args, "host_mem_gib", None) else 0,
+            _meminfo("MemTotal"),
+        )
         result = failed_run(system, args.model, config.num_hidden_layers, tokens, tail, watch, host)
     result["name"] = os.path.splitext(os.path.basename(path))[0]
     return result
 
 
-def failed_run(system: str, model: str, layers: int, tokens: int, tail: list[str], watch: dict,
-               host_mem_bytes: int) -> dict:
-    """The record of a system process that ended without writing its result: "interrupted (time limit or
-    Ctrl-C)" when the driver was interrupted; "killed (host OOM)" when the kernel killed it (SIGKILL) and its
-    OOM-kill counter rose during the run, or (counter unreadable) the process had used >= 80% of the host memory;
-    "killed (SIGKILL)" / "killed (signal NAME)" otherwise; else "error". Keeps the peak RSS the driver saw, the
-    phases the process reported, the step times it printed and the end of its output."""
+def failed_run(
+    system: str,
+    model: str,
+    layers: int,
+    tokens: int,
+    tail: list[str],
+    watch: dict,
+    host_mem_bytes: int,
+) -> dict:
+    """The record of a system process that ended without writing its result: "interrupted (time
+    limit or Ctrl-C)" when the driver was interrupted; "killed (host OOM)" when the kernel killed it
+    (SIGKILL) and its OOM-kill counter rose during the run, or (counter unreadable) the process had
+    used >= 80% of the host memory; "killed (SIGKILL)" / "killed (signal NAME)" otherwise; else
+    "error". Keeps the peak RSS the driver saw, the phases the process reported, the step times it
+    printed and the end of its output."""
     rc = watch.get("returncode")
     peak = int(watch.get("peak_rss_bytes") or 0)
     status = "error"
@@ -224,32 +341,60 @@ def failed_run(system: str, model: str, layers: int, tokens: int, tail: list[str
         status = f"killed (signal {name})"
         if -rc == signal.SIGKILL:
             kills = watch.get("oom_kills")
-            oom = kills > 0 if kills is not None else bool(host_mem_bytes) and peak >= 0.8 * host_mem_bytes
+            oom = (
+                kills > 0
+                if kills is not None
+                else bool(host_mem_bytes) and peak >= 0.8 * host_mem_bytes
+            )
             status = "killed (host OOM)" if oom else "killed (SIGKILL)"
     phases = watch.get("phases") or []
     last = phases[-1]["phase"] if phases else "none (it ended before the model was built)"
-    return {"system": system, "model": model, "layers": layers, "tokens_per_step": tokens, "status": status,
-            "returncode": rc, "error": "".join(tail)[-2000:], "peak_host_rss_bytes": peak,
-            "peak_host_rss_bytes_seen_by": "benchmarks.h2h (VmHWM of the process, sampled every 0.5 s)",
-            "host_mem_bytes": host_mem_bytes, "oom_kills_during_run": watch.get("oom_kills"),
-            "last_phase": last, "phases": phases,
-            "step_times_s_seen": watch.get("step_times") or []}  # warm-up steps first, as the process printed them
+    return {
+        "system": system,
+        "model": model,
+        "layers": layers,
+        "tokens_per_step": tokens,
+        "status": status,
+        "returncode": rc,
+        "error": "".join(tail)[-2000:],
+        "peak_host_rss_bytes": peak,
+        "peak_host_rss_bytes_seen_by": "benchmarks.h2h (VmHWM of the process, sampled every 0.5 s)",
+        "host_mem_bytes": host_mem_bytes,
+        "oom_kills_during_run": watch.get("oom_kills"),
+        "last_phase": last,
+        "phases": phases,
+        # warm-up steps first, as the process printed them
+        "step_times_s_seen": watch.get("step_times") or [],
+    }
 
 
-def run_dp(system: str, run_system_args: list[str], config, tokens: int, path: str, gpus: int,
-           bind_cores: bool = True, nodes: int = 1) -> dict:
-    """One system as ``gpus`` ranks under torchrun (``nodes`` > 1: that many torchrun launches on this box, each
-    standing for a host: multi_gpu.node_launches); the ranks' JSONs (``<path stem>.rank<r>.json``) are combined
-    by multi_gpu.aggregate into ``path``. The launch command, OMP_NUM_THREADS and the ranks' cores
-    (``bind_cores``: multi_gpu.launch_env) are recorded."""
+def run_dp(
+    system: str,
+    run_system_args: list[str],
+    config,
+    tokens: int,
+    path: str,
+    gpus: int,
+    bind_cores: bool = True,
+    nodes: int = 1,
+) -> dict:
+    """One system as ``gpus`` ranks under torchrun (``nodes`` > 1: that many torchrun launches on
+    this box, each standing for a host: multi_gpu.node_launches); the ranks' JSONs (``<path
+    stem>.rank<r>.json``) are combined by multi_gpu.aggregate into ``path``. The launch command,
+    OMP_NUM_THREADS and the ranks' cores (``bind_cores``: multi_gpu.launch_env) are recorded."""
     for r in range(gpus):  # a stale file from an earlier run must not stand in for a rank that died
         if os.path.exists(multi_gpu.rank_json(path, r)):
             os.remove(multi_gpu.rank_json(path, r))
     cmd = multi_gpu.launch_cmd(sys.executable, gpus, run_system_args)
     env = multi_gpu.launch_env(gpus, bind=bind_cores)
-    desc = f"{system} ×{gpus}{f' ({nodes} nodes)' if nodes > 1 else ''} L={config.num_hidden_layers} T={tokens}/rank"
+    desc = (
+        f"{system} ×{gpus}{f' ({nodes} nodes)' if nodes > 1 else ''} L={config.num_hidden_layers} "
+        f"T={tokens}/rank"
+    )
     if nodes > 1:
-        launches = multi_gpu.node_launches(sys.executable, gpus, nodes, run_system_args, _free_port(), env)
+        launches = multi_gpu.node_launches(
+            sys.executable, gpus, nodes, run_system_args, _free_port(), env
+        )
         cmd = launches[0][0]
         tail = _run_nodes(launches, desc, path)
     else:
@@ -262,13 +407,24 @@ def run_dp(system: str, run_system_args: list[str], config, tokens: int, path: s
     if per_rank:
         result = multi_gpu.aggregate(per_rank, gpus)
     else:
-        result = {"system": system, "model": config.name_or_path, "layers": config.num_hidden_layers,
-                  "tokens_per_step": tokens, "gpus": gpus, "status": "error", "error": "".join(tail)[-2000:]}
+        result = {
+            "system": system,
+            "model": config.name_or_path,
+            "layers": config.num_hidden_layers,
+            "tokens_per_step": tokens,
+            "gpus": gpus,
+            "status": "error",
+            "error": "".join(tail)[-2000:],
+        }
     if result.get("status") != "ok" and tail:
         result["launcher_tail"] = "".join(tail)[-2000:]
-    result["launch"] = {"command": multi_gpu.recorded_cmd(cmd, path), "OMP_NUM_THREADS": env["OMP_NUM_THREADS"],
-                        "H2H_RANK_CPUS": env.get("H2H_RANK_CPUS", "not bound")}
-    if nodes > 1:  # (the command is node 0's; node r: --node_rank r, its GPU block, NCCL_HOSTID h2h-node<r>)
+    result["launch"] = {
+        "command": multi_gpu.recorded_cmd(cmd, path),
+        "OMP_NUM_THREADS": env["OMP_NUM_THREADS"],
+        "H2H_RANK_CPUS": env.get("H2H_RANK_CPUS", "not bound"),
+    }
+    # (the command is node 0's; node r: --node_rank r, its GPU block, NCCL_HOSTID h2h-node<r>)
+    if nodes > 1:
         result["launch"]["nodes"] = nodes
         result["nodes"] = nodes
     result["name"] = os.path.splitext(os.path.basename(path))[0]
@@ -286,8 +442,9 @@ def _free_port() -> int:
 
 
 def _run_nodes(launches: list[tuple[list[str], dict]], desc: str, path: str) -> list[str]:
-    """``h2h --nodes``: nodes 1.. in the background (their output in ``<path stem>.node<r>.log``), node 0 with the
-    progress bar; returns node 0's last lines. A node still running 60 s after node 0 ended is stopped."""
+    """``h2h --nodes``: nodes 1.. in the background (their output in ``<path stem>.node<r>.log``),
+    node 0 with the progress bar; returns node 0's last lines. A node still running 60 s after node
+    0 ended is stopped."""
     stem = os.path.splitext(path)[0]
     others = []
     for node, (cmd, env) in enumerate(launches[1:], start=1):
@@ -309,11 +466,14 @@ def _run_nodes(launches: list[tuple[list[str], dict]], desc: str, path: str) -> 
 
 
 def run_resident_bound(args, layers: int | None, tokens: int, out: str, gpus: int) -> dict:
-    """The whole-on-GPU bound for ``gpus`` GPUs (``--resident-mode``): DDP over the ranks ("ddp"), one GPU's
-    tokens/s × N ("single"), or DDP and, if DDP runs out of memory, one GPU × N ("auto")."""
+    """The whole-on-GPU bound for ``gpus`` GPUs (``--resident-mode``): DDP over the ranks ("ddp"),
+    one GPU's tokens/s × N ("single"), or DDP and, if DDP runs out of memory, one GPU × N
+    ("auto")."""
     tag = f"resident_L{layers or 'default'}_{tokens}"
     if args.resident_mode in ("auto", "ddp"):
-        res = run_one("resident", args, layers, tokens, os.path.join(out, f"{tag}_g{gpus}.json"), gpus)
+        res = run_one(
+            "resident", args, layers, tokens, os.path.join(out, f"{tag}_g{gpus}.json"), gpus
+        )
         res["resident_mode"] = "ddp"
         if args.resident_mode == "ddp" or res.get("status") not in ("oom",):
             return res
@@ -329,7 +489,8 @@ def run_resident_bound(args, layers: int | None, tokens: int, out: str, gpus: in
 
 
 def _oom_kills() -> int | None:
-    """The kernel's count of OOM kills so far (``oom_kill`` of /proc/vmstat; None where unreadable)."""
+    """The kernel's count of OOM kills so far (``oom_kill`` of /proc/vmstat; None where
+    unreadable)."""
     try:
         with open("/proc/vmstat") as f:
             for line in f:
@@ -341,7 +502,8 @@ def _oom_kills() -> int | None:
 
 
 def _sample_peak_rss(proc: subprocess.Popen, watch: dict, period_s: float = 0.5) -> None:
-    """Until ``proc`` ends: watch["peak_rss_bytes"] = the largest VmHWM read (what is left when it is killed)."""
+    """Until ``proc`` ends: watch["peak_rss_bytes"] = the largest VmHWM read (what is left when it
+    is killed)."""
     while proc.poll() is None:
         watch["peak_rss_bytes"] = max(watch.get("peak_rss_bytes", 0), peak_host_rss_bytes(proc.pid))
         try:
@@ -350,29 +512,40 @@ def _sample_peak_rss(proc: subprocess.Popen, watch: dict, period_s: float = 0.5)
             pass
 
 
-def _run_with_progress(cmd: list[str], desc: str, env: dict | None = None, watch: dict | None = None) -> list[str]:
-    """Run one system's process; its per-step lines drive a progress bar (the first step includes the model
-    build and warm-up). Returns the last lines of its other output (stdout and stderr) for error reports.
-    ``watch`` (a dict, filled in): returncode, phases (the process's ``@@h2h-phase`` records), peak_rss_bytes
-    (sampled) and oom_kills (the kernel's OOM kills during the run; None where unreadable)."""
+def _run_with_progress(
+    cmd: list[str], desc: str, env: dict | None = None, watch: dict | None = None
+) -> list[str]:
+    """Run one system's process; its per-step lines drive a progress bar (the first step includes
+    the model build and warm-up). Returns the last lines of its other output (stdout and stderr) for
+    error reports. ``watch`` (a dict, filled in): returncode, phases (the process's ``@@h2h-phase``
+    records), peak_rss_bytes (sampled) and oom_kills (the kernel's OOM kills during the run; None
+    where unreadable)."""
     from collections import deque
 
     watch = {} if watch is None else watch
     watch["phases"] = []
     tail: deque[str] = deque(maxlen=200)
-    bar = tqdm(desc=desc, unit="step", leave=True, bar_format="{desc}: {n_fmt}/{total_fmt} steps "
-               "[{elapsed}{postfix}]")
+    bar = tqdm(
+        desc=desc,
+        unit="step",
+        leave=True,
+        bar_format="{desc}: {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]",
+    )
     bar.set_postfix_str("building the model")
     kills_before = _oom_kills()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
+    )
     timer = None
     if watch.get("timeout_s"):  # SIGINT, then SIGKILL 20 s later if it is still there
+
         def stop() -> None:
             watch["timed_out"] = True
             proc.send_signal(signal.SIGINT)
             kill = threading.Timer(20, lambda: proc.poll() is None and proc.kill())
             kill.daemon = True
             kill.start()
+
         timer = threading.Timer(float(watch["timeout_s"]), stop)
         timer.daemon = True
         timer.start()
@@ -392,9 +565,13 @@ def _run_with_progress(cmd: list[str], desc: str, env: dict | None = None, watch
                     tail.append(line)
                     continue
                 watch["phases"].append(phase)
-                bar.set_postfix_str(f"{phase['phase']} after {phase['phase_s']:.1f} s, host RSS "
-                                    f"{phase['rss_bytes'] / 1e9:.1f} GB", refresh=True)
-            elif PROGRESS_TAG in line:  # anywhere: a child's partial stderr line (no newline yet) may precede it
+                bar.set_postfix_str(
+                    f"{phase['phase']} after {phase['phase_s']:.1f} s, host RSS "
+                    f"{phase['rss_bytes'] / 1e9:.1f} GB",
+                    refresh=True,
+                )
+            # anywhere: a child's partial stderr line (no newline yet) may precede it
+            elif PROGRESS_TAG in line:
                 head, _, rest = line.partition(PROGRESS_TAG)
                 if head.strip():
                     tail.append(head + "\n")
@@ -406,7 +583,8 @@ def _run_with_progress(cmd: list[str], desc: str, env: dict | None = None, watch
                 bar.refresh()
             else:
                 tail.append(line)
-    except KeyboardInterrupt:  # h2h's time limit (phase_lib's timeout --signal=INT) or Ctrl-C: the child got it too
+    # h2h's time limit (phase_lib's timeout --signal=INT) or Ctrl-C: the child got it too
+    except KeyboardInterrupt:
         watch["interrupted"] = True
         try:
             proc.wait(timeout=10)
@@ -417,17 +595,22 @@ def _run_with_progress(cmd: list[str], desc: str, env: dict | None = None, watch
         timer.cancel()
     sampler.join()
     kills_after = _oom_kills()
-    watch["oom_kills"] = None if kills_before is None or kills_after is None else kills_after - kills_before
+    watch["oom_kills"] = (
+        None if kills_before is None or kills_after is None else kills_after - kills_before
+    )
     bar.close()
     return list(tail)
 
 
 def best_batch(system: str, args, layers: int | None, out: str, on_probe=lambda res: None) -> dict:
-    """Double the tokens per step from ``--min-tokens`` (default one sequence) until the system runs out of
-    memory or passes ``--max-tokens``; every probe goes to ``on_probe``; the fastest gets ``best_batch: True``."""
+    """Double the tokens per step from ``--min-tokens`` (default one sequence) until the system runs
+    out of memory or passes ``--max-tokens``; every probe goes to ``on_probe``; the fastest gets
+    ``best_batch: True``."""
     best, tokens = None, max(args.seq, args.min_tokens // args.seq * args.seq)
     while tokens <= args.max_tokens:
-        res = run_one(system, args, layers, tokens, os.path.join(out, f"{system}_best_{tokens}.json"))
+        res = run_one(
+            system, args, layers, tokens, os.path.join(out, f"{system}_best_{tokens}.json")
+        )
         tqdm.write(report_line(res))
         on_probe(res)
         if res.get("status") != "ok":
@@ -441,14 +624,24 @@ def best_batch(system: str, args, layers: int | None, out: str, on_probe=lambda 
 
 
 def best_vs_best_table(best: list[dict]) -> str:
-    """Each system at its fastest batch, with ratios against ZeRO-3's and the whole-on-GPU run's best."""
+    """Each system at its fastest batch, with ratios against ZeRO-3's and the whole-on-GPU run's
+    best."""
     peer = {r["system"]: r["tokens_per_s"] for r in best}
-    out = ["| system (L) | best tokens/step | tokens/s | TFLOPS | vs ZeRO-3 best | vs whole-on-GPU best | peak GPU GB |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        "| system (L) | best tokens/step | tokens/s | TFLOPS | vs ZeRO-3 best | vs whole-on-GPU "
+        "best | peak GPU GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(best, key=lambda r: -r["tokens_per_s"]):
-        ratio = lambda s: f"{r['tokens_per_s'] / peer[s]:.2f}×" if peer.get(s) else "–"  # noqa: E731
-        out.append(f"| {r['system']} ({r['layers']}) | {r['tokens_per_step']} | {r['tokens_per_s']:,.0f} | "
-                   f"{r['tflops']:.1f} | {ratio('zero3')} | {ratio('resident')} | {r['peak_gpu_bytes'] / 1e9:.1f} |")
+        ratio = lambda s: (  # noqa: E731
+            f"{r['tokens_per_s'] / peer[s]:.2f}×" if peer.get(s) else "–"
+        )
+        out.append(
+            f"| {r['system']} ({r['layers']}) | {r['tokens_per_step']} | {r['tokens_per_s']:,.0f} "
+            "| "
+            f"{r['tflops']:.1f} | {ratio('zero3')} | {ratio('resident')} | "
+            f"{r['peak_gpu_bytes'] / 1e9:.1f} |"
+        )
     return "\n".join(out)
 
 
@@ -456,39 +649,72 @@ def report_line(res: dict) -> str:
     if int(res.get("gpus", 1)) > 1:
         return multi_gpu.report_line(res)
     if res.get("status") != "ok":
-        seen = f" (peak host RSS {res['peak_host_rss_bytes'] / 1e9:.1f} GB, last phase: {res['last_phase']})" \
-            if "last_phase" in res else ""
-        return f"[{res.get('system')}] tokens/step={res.get('tokens_per_step')} {str(res.get('status')).upper()}" \
-               f"{seen}: {str(res.get('error', '')).strip().splitlines()[-1:] if res.get('error') else ''}"
-    line = (f"[{res['system']}] L={res['layers']} tokens/step={res['tokens_per_step']} "
-            f"{res['tokens_per_s']:,.0f} tokens/s {res['tflops']:.1f} TFLOPS "
-            f"peak GPU {res['peak_gpu_bytes'] / 1e9:.1f} GB host {res['peak_host_rss_bytes'] / 1e9:.1f} GB")
+        seen = (
+            f" (peak host RSS {res['peak_host_rss_bytes'] / 1e9:.1f} GB, last phase: "
+            f"{res['last_phase']})"
+            if "last_phase" in res
+            else ""
+        )
+        return (
+            f"[{res.get('system')}] tokens/step={res.get('tokens_per_step')} "
+            f"{str(res.get('status')).upper()}"
+            f"{seen}: "
+            f"{str(res.get('error', '')).strip().splitlines()[-1:] if res.get('error') else ''}"
+        )
+    line = (
+        f"[{res['system']}] L={res['layers']} tokens/step={res['tokens_per_step']} "
+        f"{res['tokens_per_s']:,.0f} tokens/s {res['tflops']:.1f} TFLOPS "
+        f"peak GPU {res['peak_gpu_bytes'] / 1e9:.1f} GB host {res['peak_host_rss_bytes'] / 1e9:.1f}"
+        " GB"
+    )
     settings = res.get("settings") or {}
     if settings.get("build_s") is not None:
         line += f" build {settings['build_s']:.1f} s"
         if settings.get("initialize_s") is not None:
             line += f" + initialize {settings['initialize_s']:.1f} s"
     if settings.get("lora"):
-        line += (f" | LoRA r{settings['lora']['r']}: trainable {report.count(res['trainable_params'])}, base "
-                 f"{report.count(res['base_params'])}, host {res['host_bytes_per_base_param']:.2f} B/base param")
+        line += (
+            f" | LoRA r{settings['lora']['r']}: trainable {report.count(res['trainable_params'])}, "
+            "base "
+            f"{report.count(res['base_params'])}, host {res['host_bytes_per_base_param']:.2f} "
+            "B/base param"
+        )
         if res.get("engine_host_bytes_per_base_param") is not None:
             line += f" (engine state {res['engine_host_bytes_per_base_param']:.2f})"
     return line
 
 
 def breakdown_line(res: dict) -> str:
-    """The median step's time breakdown of a run that has one (megatrain_ds), one line; "" otherwise."""
+    """The median step's time breakdown of a run that has one (megatrain_ds), one line; ""
+    otherwise."""
     b = res.get("breakdown") or {}
     if res.get("status") != "ok" or not b:
         return ""
-    keys = ("step_s", "forward_s", "backward_s", "compute_s", "h2d_s", "d2h_s", "cpu_optimizer_s",
-            "wait_for_optimizer_s", "gpu_idle_s")
-    if b.get("cpu_deferred_moments_s"):  # the moments passes under the step, and the landings' waits for them
+    keys = (
+        "step_s",
+        "forward_s",
+        "backward_s",
+        "compute_s",
+        "h2d_s",
+        "d2h_s",
+        "cpu_optimizer_s",
+        "wait_for_optimizer_s",
+        "gpu_idle_s",
+    )
+    # the moments passes under the step, and the landings' waits for them
+    if b.get("cpu_deferred_moments_s"):
         keys += ("cpu_deferred_moments_s", "wait_for_moments_s")
     parts = [f"{k[:-2]} {b[k]:.3f}" for k in keys if isinstance(b.get(k), (int, float))]
-    idle = f", GPU idle {100 * b['gpu_idle_s'] / b['step_s']:.0f}%" if b.get("gpu_idle_s") and b.get("step_s") \
+    idle = (
+        f", GPU idle {100 * b['gpu_idle_s'] / b['step_s']:.0f}%"
+        if b.get("gpu_idle_s") and b.get("step_s")
         else ""
-    rate = f", host update {b['cpu_optimizer_gparam_s']:.2f} Gparam/s" if b.get("cpu_optimizer_gparam_s") else ""
+    )
+    rate = (
+        f", host update {b['cpu_optimizer_gparam_s']:.2f} Gparam/s"
+        if b.get("cpu_optimizer_gparam_s")
+        else ""
+    )
     return f"    [{res['system']}] breakdown (s, median step): " + ", ".join(parts) + idle + rate
 
 
@@ -500,13 +726,16 @@ def plot(results: list[dict], path: str, depth_sweep: bool) -> None:
 
     ok = [r for r in results if r.get("status") == "ok"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    dp = any(int(r.get("gpus", 1)) > 1 for r in ok)  # data parallel: one series per system and GPU count
+    # data parallel: one series per system and GPU count
+    dp = any(int(r.get("gpus", 1)) > 1 for r in ok)
     name = multi_gpu.label if dp else (lambda r: r["system"])
     systems = sorted({name(r) for r in ok})
     if depth_sweep:
         for system in systems:
             rows = sorted((r for r in ok if name(r) == system), key=lambda r: r["layers"])
-            ax.plot([r["layers"] for r in rows], [r["tflops"] for r in rows], marker="o", label=system)
+            ax.plot(
+                [r["layers"] for r in rows], [r["tflops"] for r in rows], marker="o", label=system
+            )
         ax.set_xlabel("decoder layers")
     else:
         ax.bar(systems, [max(r["tflops"] for r in ok if name(r) == s) for s in systems])
@@ -522,77 +751,177 @@ def plot(results: list[dict], path: str, depth_sweep: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--systems", default="megatrain,zero3,resident")
     p.add_argument("--model", default="qwen2.5-3b", choices=SHAPE_NAMES)
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--tokens-per-step", type=int, default=16384)
-    p.add_argument("--best-batch", action="store_true", help="search each system's fastest batch that fits")
-    p.add_argument("--min-tokens", type=int, default=0,
-                   help="start of the --best-batch search (default: one sequence); it doubles from there")
-    p.add_argument("--max-tokens", type=int, default=262144, help="upper end of the --best-batch search")
-    p.add_argument("--depth-sweep", default=None, help="comma-separated layer counts, e.g. 28,56,84,120,180")
+    p.add_argument(
+        "--best-batch", action="store_true", help="search each system's fastest batch that fits"
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="start of the --best-batch search (default: one sequence); it doubles from there",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=262144, help="upper end of the --best-batch search"
+    )
+    p.add_argument(
+        "--depth-sweep", default=None, help="comma-separated layer counts, e.g. 28,56,84,120,180"
+    )
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--megatrain-options", default=None, metavar="JSON",
-                   help='extra keys for megatrain_ds\'s "megatrain" config block, e.g. \'{"gpu_optimizer_layers": "auto"}\'')
-    p.add_argument("--ds-config", default=None, metavar="JSON",
-                   help="DeepSpeed config keys merged into megatrain_ds's config, block by block, e.g. the NVMe tier: "
-                        '\'{"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}\'')
-    p.add_argument("--zero3-ds-config", default=None, metavar="JSON",
-                   help="DeepSpeed config keys merged into the ZeRO-3 peer's config, block by block, e.g. its bf16 "
-                        "state: '{\"bf16\": {\"bf16_master_weights_and_grads\": true, \"bf16_optimizer_states\": true}}'")
-    p.add_argument("--clip", type=float, default=1.0,
-                   help="gradient_clipping for every system (ANCHORS: 1.0); a large value never clips")
-    p.add_argument("--liger", default="auto", choices=["auto", "on", "off"],
-                   help="liger-kernel (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) for every system; auto: on "
-                        "when running on CUDA with liger_kernel importable")
-    p.add_argument("--gpu-optimizer-fraction", type=float, default=0.0, metavar="F",
-                   help="share of the optimizer state on the GPU for megatrain and ZeRO-3 alike "
-                        "(offload_optimizer.ratio = 1 - F); 0: all on the host, or megatrain's engine default")
-    p.add_argument("--host-only", action="store_true",
-                   help="megatrain: all optimizer state on the host (gpu_optimizer_layers 0), whatever the "
-                        "engine's default")
-    p.add_argument("--gpus", type=int, default=1, metavar="N",
-                   help="processes (GPUs) per system: N > 1 launches each system as N ranks under torchrun, each "
-                        "on its own micro-batch of --tokens-per-step tokens (benchmarks/multi_gpu.py)")
-    p.add_argument("--nodes", type=int, default=1, metavar="M",
-                   help="with --gpus N: launch each system as M torchrun 'nodes' on this box (--nnodes M, N/M GPUs "
-                        "each, over 127.0.0.1, NCCL between them through its socket transport): the multi-node "
-                        "path on one machine (benchmarks/multi_gpu.py node_launches)")
-    p.add_argument("--scaling", action="store_true",
-                   help="with --gpus N > 1: also run megatrain on one GPU and print N GPUs / 1 GPU")
-    p.add_argument("--resident-mode", default="auto", choices=list(multi_gpu.RESIDENT_MODES),
-                   help="the whole-on-GPU bound with --gpus N > 1: ddp (DDP over N ranks), single (one GPU's "
-                        "tokens/s × N, labelled a bound), auto (DDP; one GPU × N if DDP runs out of memory)")
-    p.add_argument("--bind-cores", default="on", choices=["on", "off"],
-                   help="with --gpus N > 1: bind each rank of every system to its own 1/N of the physical cores "
-                        "(OMP_NUM_THREADS its size); off: no binding, OMP_NUM_THREADS = cpus / N")
-    p.add_argument("--host-mem-gib", type=float, default=None, metavar="G",
-                   help="host memory to check each system's need against (default: MemAvailable; a VM whose "
-                        "memory grows as it is used reads too little there at first)")
-    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GIB",
-                   help="every system sees only this many GiB of the GPU free (the rest held, as by another "
-                        "process): the consumer-GPU rows on a big GPU; megatrain then builds its model on the CPU "
-                        "when the fp32 model would not fit")
-    p.add_argument("--lora", type=int, default=0, metavar="R",
-                   help="LoRA of rank R (alpha 2R, dropout 0) for megatrain and zero3: the base frozen in bf16, only "
-                        "the adapters train (benchmarks.build); 0: full fine-tuning")
-    p.add_argument("--lora-targets", default="default",
-                   help="with --lora: default (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), all-linear "
-                        "(peft's choice), or a comma-separated list of module names")
-    p.add_argument("--init", default="auto", choices=INIT_CHOICES,
-                   help="megatrain's model init: hf (the model's own), fast (layer 0 values repeated, built on the "
-                        "CPU), auto (fast from 14 B parameters); ZeRO-3 always builds under zero.Init with "
-                        "transformers' init")
-    p.add_argument("--closing-step", default="full", choices=["full", "tiny"],
-                   help="megatrain: close the last measured step's breakdown with one more (untimed) training step "
-                        "(full) or an 8-token no-grad forward (tiny: long context, where a step takes minutes)")
+    p.add_argument(
+        "--megatrain-options",
+        default=None,
+        metavar="JSON",
+        help='extra keys for megatrain_ds\'s "megatrain" config block, e.g. '
+        '\'{"gpu_optimizer_layers": "auto"}\'',
+    )
+    p.add_argument(
+        "--ds-config",
+        default=None,
+        metavar="JSON",
+        help="DeepSpeed config keys merged into megatrain_ds's config, block by block, e.g. the "
+        "NVMe tier: "
+        '\'{"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}\'',
+    )
+    p.add_argument(
+        "--zero3-ds-config",
+        default=None,
+        metavar="JSON",
+        help="DeepSpeed config keys merged into the ZeRO-3 peer's config, block by block, e.g. its "
+        "bf16 "
+        "state: '{\"bf16\": {\"bf16_master_weights_and_grads\": true, \"bf16_optimizer_states\": "
+        "true}}'",
+    )
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=1.0,
+        help="gradient_clipping for every system (ANCHORS: 1.0); a large value never clips",
+    )
+    p.add_argument(
+        "--liger",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="liger-kernel (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) for every system; "
+        "auto: on "
+        "when running on CUDA with liger_kernel importable",
+    )
+    p.add_argument(
+        "--gpu-optimizer-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="share of the optimizer state on the GPU for megatrain and ZeRO-3 alike "
+        "(offload_optimizer.ratio = 1 - F); 0: all on the host, or megatrain's engine default",
+    )
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="megatrain: all optimizer state on the host (gpu_optimizer_layers 0), whatever the "
+        "engine's default",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes (GPUs) per system: N > 1 launches each system as N ranks under torchrun, "
+        "each "
+        "on its own micro-batch of --tokens-per-step tokens (benchmarks/multi_gpu.py)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --gpus N: launch each system as M torchrun 'nodes' on this box (--nnodes M, N/M "
+        "GPUs "
+        "each, over 127.0.0.1, NCCL between them through its socket transport): the multi-node "
+        "path on one machine (benchmarks/multi_gpu.py node_launches)",
+    )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="with --gpus N > 1: also run megatrain on one GPU and print N GPUs / 1 GPU",
+    )
+    p.add_argument(
+        "--resident-mode",
+        default="auto",
+        choices=list(multi_gpu.RESIDENT_MODES),
+        help="the whole-on-GPU bound with --gpus N > 1: ddp (DDP over N ranks), single (one GPU's "
+        "tokens/s × N, labelled a bound), auto (DDP; one GPU × N if DDP runs out of memory)",
+    )
+    p.add_argument(
+        "--bind-cores",
+        default="on",
+        choices=["on", "off"],
+        help="with --gpus N > 1: bind each rank of every system to its own 1/N of the physical "
+        "cores "
+        "(OMP_NUM_THREADS its size); off: no binding, OMP_NUM_THREADS = cpus / N",
+    )
+    p.add_argument(
+        "--host-mem-gib",
+        type=float,
+        default=None,
+        metavar="G",
+        help="host memory to check each system's need against (default: MemAvailable; a VM whose "
+        "memory grows as it is used reads too little there at first)",
+    )
+    p.add_argument(
+        "--gpu-memory-limit",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="every system sees only this many GiB of the GPU free (the rest held, as by another "
+        "process): the consumer-GPU rows on a big GPU; megatrain then builds its model on the CPU "
+        "when the fp32 model would not fit",
+    )
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="LoRA of rank R (alpha 2R, dropout 0) for megatrain and zero3: the base frozen in "
+        "bf16, only "
+        "the adapters train (benchmarks.build); 0: full fine-tuning",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default="default",
+        help="with --lora: default (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj), "
+        "all-linear "
+        "(peft's choice), or a comma-separated list of module names",
+    )
+    p.add_argument(
+        "--init",
+        default="auto",
+        choices=INIT_CHOICES,
+        help="megatrain's model init: hf (the model's own), fast (layer 0 values repeated, built "
+        "on the "
+        "CPU), auto (fast from 14 B parameters); ZeRO-3 always builds under zero.Init with "
+        "transformers' init",
+    )
+    p.add_argument(
+        "--closing-step",
+        default="full",
+        choices=["full", "tiny"],
+        help="megatrain: close the last measured step's breakdown with one more (untimed) training "
+        "step "
+        "(full) or an 8-token no-grad forward (tiny: long context, where a step takes minutes)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.tokens_per_step < args.seq:  # at least one sequence: "--seq 524288" alone is one 512K-token step
+    # at least one sequence: "--seq 524288" alone is one 512K-token step
+    if args.tokens_per_step < args.seq:
         args.tokens_per_step = args.seq
     if args.lora < 0:
         p.error("--lora must be >= 0")
@@ -608,11 +937,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--host-only and --gpu-optimizer-fraction > 0 contradict each other")
     if args.liger == "on" and args.device != "cuda":
         p.error("--liger on: liger-kernel runs on CUDA only")
-    if args.liger == "auto" and is_moe(make_config(args.model)):  # the fair rule: one loss kernel for all
+    # the fair rule: one loss kernel for all
+    if args.liger == "auto" and is_moe(make_config(args.model)):
         args.liger = "off"
-        print("--liger auto -> off for a mixture-of-experts model: megatrain_ds runs its own loss (full logits + "
-              "router aux loss), so every system gets the model's own kernels and loss", file=sys.stderr)
-    os.environ["H2H_CLIP"] = repr(args.clip)  # read by benchmarks.systems / megatrain_system in each child
+        print(
+            "--liger auto -> off for a mixture-of-experts model: megatrain_ds runs its own loss "
+            "(full logits + "
+            "router aux loss), so every system gets the model's own kernels and loss",
+            file=sys.stderr,
+        )
+    # read by benchmarks.systems / megatrain_system in each child
+    os.environ["H2H_CLIP"] = repr(args.clip)
     if args.megatrain_options is not None:
         try:
             options = json.loads(args.megatrain_options)
@@ -622,9 +957,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--megatrain-options must be a JSON object")
         os.environ["MEGATRAIN_OPTIONS"] = json.dumps(options)  # read by benchmarks.megatrain_system
     if args.ds_config:
-        os.environ["MEGATRAIN_DS_CONFIG"] = json.dumps(json.loads(args.ds_config))  # (megatrain_ds_config)
+        # (megatrain_ds_config)
+        os.environ["MEGATRAIN_DS_CONFIG"] = json.dumps(json.loads(args.ds_config))
     if args.zero3_ds_config:
-        os.environ["ZERO3_DS_CONFIG"] = json.dumps(json.loads(args.zero3_ds_config))  # (systems.run_zero3)
+        # (systems.run_zero3)
+        os.environ["ZERO3_DS_CONFIG"] = json.dumps(json.loads(args.zero3_ds_config))
     os.makedirs(args.out, exist_ok=True)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(HOST_BYTES_PER_PARAM)
@@ -635,11 +972,16 @@ def main(argv: list[str] | None = None) -> int:
     depths = [int(d) for d in args.depth_sweep.split(",")] if args.depth_sweep else [args.layers]
     results = []
     results_path = os.path.join(args.out, "results.json")
-    recorded = [os.path.basename(a) if a == args.out else a for a in (sys.argv[1:] if argv is None else argv)]
+    recorded = [
+        os.path.basename(a) if a == args.out else a
+        for a in (sys.argv[1:] if argv is None else argv)
+    ]
 
     def write_results() -> None:  # after every run: a harness killed mid-way keeps what it measured
         with open(results_path + ".tmp", "w") as f:
-            json.dump({"hardware": info, "argv": recorded, "results": results}, f, indent=2, default=str)
+            json.dump(
+                {"hardware": info, "argv": recorded, "results": results}, f, indent=2, default=str
+            )
         os.replace(results_path + ".tmp", results_path)
 
     info = hardware()
@@ -648,17 +990,30 @@ def main(argv: list[str] | None = None) -> int:
     for layers in depths:
         for system in systems:
             if args.best_batch:  # every probe is recorded; the fastest is marked best_batch
-                best_batch(system, args, layers, args.out, on_probe=lambda res: (results.append(res), write_results()))
+                best_batch(
+                    system,
+                    args,
+                    layers,
+                    args.out,
+                    on_probe=lambda res: (results.append(res), write_results()),
+                )
                 write_results()
             else:
                 tag = f"{system}_L{layers or 'default'}_{args.tokens_per_step}"
-                res = run_one(system, args, layers, args.tokens_per_step, os.path.join(args.out, tag + ".json"))
+                res = run_one(
+                    system,
+                    args,
+                    layers,
+                    args.tokens_per_step,
+                    os.path.join(args.out, tag + ".json"),
+                )
                 tqdm.write(report_line(res))
                 if breakdown_line(res):
                     tqdm.write(breakdown_line(res))
                 results.append(res)
                 write_results()
-                if str(res.get("status")).startswith("interrupted"):  # recorded; the rest is not run
+                # recorded; the rest is not run
+                if str(res.get("status")).startswith("interrupted"):
                     tqdm.write(f"interrupted: {results_path} holds the runs so far")
                     return 130
     ok = [r for r in results if r.get("status") == "ok"]
@@ -678,8 +1033,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_dp(args, systems: list[str], depths: list, results: list[dict], write_results) -> int:
-    """--gpus N > 1: every system with N ranks (the whole-on-GPU bound per --resident-mode), megatrain on one GPU
-    first with --scaling; results.md holds the data-parallel tables (multi_gpu), the scaling lines and settings."""
+    """--gpus N > 1: every system with N ranks (the whole-on-GPU bound per --resident-mode),
+    megatrain on one GPU first with --scaling; results.md holds the data-parallel tables
+    (multi_gpu), the scaling lines and settings."""
     n = args.gpus
 
     def record(res: dict) -> None:
@@ -694,7 +1050,14 @@ def _main_dp(args, systems: list[str], depths: list, results: list[dict], write_
     for layers in depths:
         if args.scaling and "megatrain" in systems and not args.best_batch:
             tag = f"megatrain_L{layers or 'default'}_{args.tokens_per_step}_g1"
-            res = run_one("megatrain", args, layers, args.tokens_per_step, os.path.join(args.out, tag + ".json"), 1)
+            res = run_one(
+                "megatrain",
+                args,
+                layers,
+                args.tokens_per_step,
+                os.path.join(args.out, tag + ".json"),
+                1,
+            )
             res["gpus"] = 1
             record(res)
         for system in systems:
@@ -705,7 +1068,15 @@ def _main_dp(args, systems: list[str], depths: list, results: list[dict], write_
                 record(run_resident_bound(args, layers, args.tokens_per_step, args.out, n))
             else:
                 tag = f"{system}_L{layers or 'default'}_{args.tokens_per_step}_g{n}"
-                record(run_one(system, args, layers, args.tokens_per_step, os.path.join(args.out, tag + ".json")))
+                record(
+                    run_one(
+                        system,
+                        args,
+                        layers,
+                        args.tokens_per_step,
+                        os.path.join(args.out, tag + ".json"),
+                    )
+                )
     for r in results:
         r["file"] = "results"  # one h2h call: the scaling pair is matched within it
     scaling = multi_gpu.scaling(results)
@@ -714,8 +1085,11 @@ def _main_dp(args, systems: list[str], depths: list, results: list[dict], write_
         tqdm.write(lines)
     ok = [r for r in results if r.get("status") == "ok"]
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(f"Data parallel, {n} GPUs: tokens/s summed over the ranks (tokens per rank × N / rank 0's median "
-                "step), TFLOPS per GPU, host RSS summed over the ranks' processes.\n\n")
+        f.write(
+            f"Data parallel, {n} GPUs: tokens/s summed over the ranks (tokens per rank × N / rank "
+            "0's median "
+            "step), TFLOPS per GPU, host RSS summed over the ranks' processes.\n\n"
+        )
         f.write(multi_gpu.throughput_table(results) + "\n\n")
         if lines:
             f.write(lines + "\n\n")
@@ -723,10 +1097,17 @@ def _main_dp(args, systems: list[str], depths: list, results: list[dict], write_
         if args.best_batch:
             f.write("\n" + best_vs_best_table([r for r in ok if r.get("best_batch")]) + "\n")
         f.write("\nSettings:\n\n" + report.settings_lines(results) + "\n")
-        f.write("\nLaunch commands:\n\n" + "\n".join(f"- {r['name']}: `{r['launch']['command']}` "
-                                                     f"(OMP_NUM_THREADS={r['launch']['OMP_NUM_THREADS']}, "
-                                                     f"rank cpus {r['launch']['H2H_RANK_CPUS']})"
-                                                     for r in results if r.get("launch")) + "\n")
+        f.write(
+            "\nLaunch commands:\n\n"
+            + "\n".join(
+                f"- {r['name']}: `{r['launch']['command']}` "
+                f"(OMP_NUM_THREADS={r['launch']['OMP_NUM_THREADS']}, "
+                f"rank cpus {r['launch']['H2H_RANK_CPUS']})"
+                for r in results
+                if r.get("launch")
+            )
+            + "\n"
+        )
         for r in results:
             if r.get("status") != "ok":
                 f.write(f"\n- {report_line(r)}")

@@ -1,13 +1,14 @@
-"""The NVMe tier's two I/O backends on this machine's disk, measured the way the tier uses them: one layer region
-at a time, written then read back (``megatrain_ds.host.nvme``'s ``_ThreadIO`` over an O_DIRECT file, and DeepSpeed's
-async I/O op where it builds), with the ``aio`` block's settings.
+"""The NVMe tier's two I/O backends on this machine's disk, measured the way the tier uses them: one
+layer region at a time, written then read back (``megatrain_ds.host.nvme``'s ``_ThreadIO`` over an
+O_DIRECT file, and DeepSpeed's async I/O op where it builds), with the ``aio`` block's settings.
 
     python -m benchmarks.nvme_io --path /nvme/folder --region-gib 1.87 --regions 4 --out io.json
 
-Prints one line per backend (GB/s write, GB/s read, whether O_DIRECT held) and writes them as JSON. The file is
-deleted afterwards. ``--regions`` × ``--region-gib`` should exceed the page cache's reach only when the backend is
-buffered (O_DIRECT bypasses it).
+Prints one line per backend (GB/s write, GB/s read, whether O_DIRECT held) and writes them as JSON.
+The file is deleted afterwards. ``--regions`` × ``--region-gib`` should exceed the page cache's
+reach only when the backend is buffered (O_DIRECT bypasses it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,16 @@ def bench(backend: str, path: str, region_bytes: int, regions: int, aio: dict) -
         return {"backend": backend, "status": "unavailable", "error": str(exc)[:300]}
     buf = HostRegion(region_bytes, torch.uint8, pin=False)
     buf.tensor.fill_(7)
-    out = {"backend": io.name, "direct": getattr(io, "direct", True), "region_bytes": region_bytes,
-           "regions": regions}
+    out = {
+        "backend": io.name,
+        "direct": getattr(io, "direct", True),
+        "region_bytes": region_bytes,
+        "regions": regions,
+    }
     for write in (True, False):
         t0 = time.perf_counter()
-        for k in range(regions):  # one request per region, waited for before the next (the tier's worst case)
+        # one request per region, waited for before the next (the tier's worst case)
+        for k in range(regions):
             for fut in io.submit(write, buf.tensor, k * region_bytes):
                 fut.result()
         if write and not out["direct"]:  # buffered: the bytes are on the disk only once synced
@@ -51,7 +57,9 @@ def bench(backend: str, path: str, region_bytes: int, regions: int, aio: dict) -
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--path", required=True, help="a folder on the disk to measure")
     p.add_argument("--region-gib", type=float, default=1.0)
     p.add_argument("--regions", type=int, default=4)
@@ -61,8 +69,14 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="threads,aio")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    aio = {"block_size": args.block_size, "queue_depth": args.queue_depth, "single_submit": False,
-           "overlap_events": True, "intra_op_parallelism": args.intra_op_parallelism, "use_gds": False}
+    aio = {
+        "block_size": args.block_size,
+        "queue_depth": args.queue_depth,
+        "single_submit": False,
+        "overlap_events": True,
+        "intra_op_parallelism": args.intra_op_parallelism,
+        "use_gds": False,
+    }
     region = nvme.align(int(args.region_gib * 2**30))
     path = os.path.join(args.path, f".megatrain_nvme_io-{os.getpid()}.bin")
     results = []
@@ -72,8 +86,12 @@ def main(argv=None) -> int:
             r["aio"] = aio
             results.append(r)
             if r["status"] == "ok":
-                print(f"[nvme_io] {r['backend']:>14} direct={r['direct']}: write {r['write_GBps']:.2f} GB/s, "
-                      f"read {r['read_GBps']:.2f} GB/s ({args.regions} x {region / 2**30:.2f} GiB)", flush=True)
+                print(
+                    f"[nvme_io] {r['backend']:>14} direct={r['direct']}: write "
+                    f"{r['write_GBps']:.2f} GB/s, "
+                    f"read {r['read_GBps']:.2f} GB/s ({args.regions} x {region / 2**30:.2f} GiB)",
+                    flush=True,
+                )
             else:
                 print(f"[nvme_io] {backend}: {r['status']}: {r['error']}", flush=True)
     finally:

@@ -273,7 +273,8 @@ def deepest(machine: str, mode: str, lo: int = 8, hi: int = 134) -> dict:
 
 def markdown(table: list[dict], deep: list[dict]) -> str:
     lines = [
-        "| model | machine | fits? | how | host need (budget) GiB | disk GB (layers on disk) | GPU GiB | "
+        "| model | machine | fits? | how | host need (budget) GiB | disk GB (layers on disk) | GPU "
+        "GiB | "
         "estimated step s (bound) | est. tokens/s | est. TFLOPS/GPU |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -287,9 +288,11 @@ def markdown(table: list[dict], deep: list[dict]) -> str:
         )
         lines.append(
             f"| {r['model']} ({r['params_b']} B, {r['layers']} L) | {r['machine']} | "
-            f"{'yes' if r['fits'] else '**no**'} | {how} | {last['host_need_gib']} ({r['host_budget_gib']}) | "
+            f"{'yes' if r['fits'] else '**no**'} | {how} | {last['host_need_gib']} "
+            f"({r['host_budget_gib']}) | "
             f"{last['disk_gb']} ({last['disk_layers']}) | {last['gpu_need_gib']} | "
-            f"{est.get('step_s', '–')} ({est.get('bound', '–')}) | {est.get('tokens_per_s', '–')} | "
+            f"{est.get('step_s', '–')} ({est.get('bound', '–')}) | {est.get('tokens_per_s', '–')} "
+            "| "
             f"{est.get('tflops_per_gpu', '–')} |"
         )
     lines += [
@@ -320,7 +323,8 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "plan_100b.json"), "w") as f:
         json.dump(
             {
-                "kind": "predictions (megatrain_ds planner + this script's step bound), nothing run",
+                "kind": "predictions (megatrain_ds planner + this script's step bound), nothing "
+                "run",
                 "tokens_per_gpu": TOKENS_PER_GPU,
                 "seq": SEQ,
                 "budget_share": BUDGET_SHARE,

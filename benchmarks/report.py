@@ -3,14 +3,15 @@
     python -m benchmarks.report benchmarks/results/2026-11-22_h200_qwen2.5-3b
     python -m benchmarks.report DIR --depth-plot depth.png --tokens 16384   # also TFLOPS vs layers
 
-Rows are grouped by tokens per step and depth; each row's ratios are against the ``zero3`` and ``resident``
-rows of the same tokens per step and number of layers. A folder with data-parallel runs (h2h ``--gpus N``) gets
-benchmarks.multi_gpu's tables instead: grouped by GPUs too, tokens/s summed over ranks, TFLOPS per GPU, host
-memory summed over the ranks, and megatrain's N-GPU / 1-GPU scaling. Units: tokens/s, TFLOPS (ANCHORS formula),
-GB = 1e9 bytes.
-Below the tables, one line per run with its recorded settings (kernels, loss, precision, optimizer, clip, steps,
-checkpointing, optimizer offload, megatrain options).
+Rows are grouped by tokens per step and depth; each row's ratios are against the ``zero3`` and
+``resident`` rows of the same tokens per step and number of layers. A folder with data-parallel runs
+(h2h ``--gpus N``) gets benchmarks.multi_gpu's tables instead: grouped by GPUs too, tokens/s summed
+over ranks, TFLOPS per GPU, host memory summed over the ranks, and megatrain's N-GPU / 1-GPU
+scaling. Units: tokens/s, TFLOPS (ANCHORS formula), GB = 1e9 bytes. Below the tables, one line per
+run with its recorded settings (kernels, loss, precision, optimizer, clip, steps, checkpointing,
+optimizer offload, megatrain options).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,13 @@ import sys
 
 
 def load(folder: str) -> list[dict]:
-    """Every run in ``folder``: run_system JSONs (one run each) and h2h ``results.json`` files (a list of runs,
-    possibly renamed, e.g. ``16k_zero3.json``); a run is named after its file, or after its h2h tag."""
+    """Every run in ``folder``: run_system JSONs (one run each) and h2h ``results.json`` files (a
+    list of runs, possibly renamed, e.g. ``16k_zero3.json``); a run is named after its file, or
+    after its h2h tag."""
     rows = []
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-        if path.endswith(".ds_config.json") or re.search(r"\.rank\d+\.json$", path):  # a config; one rank's part
+        # a config; one rank's part
+        if path.endswith(".ds_config.json") or re.search(r"\.rank\d+\.json$", path):
             continue
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -40,7 +43,8 @@ def load(folder: str) -> list[dict]:
             continue
         data["name"] = data["file"] = stem
         rows.append(data)
-    # the same run name from two files (e.g. one configuration with and without a knob): name them by file too
+    # the same run name from two files (e.g. one configuration with and without a knob): name them
+    # by file too
     names = [r["name"] for r in rows]
     for row in rows:
         if names.count(row["name"]) > 1:
@@ -55,37 +59,63 @@ def _ratio(row: dict, peer: dict | None) -> str:
 
 
 def throughput_table(rows: list[dict]) -> str:
-    """One row per run, grouped by (tokens/step, layers); ratios against that group's zero3/resident row."""
-    out = ["| run | layers | tokens/step | s/step | tokens/s | TFLOPS | vs ZeRO-3 | vs whole-on-GPU | peak GPU GB "
-           "| peak host RSS GB | host B/param |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per run, grouped by (tokens/step, layers); ratios against that group's zero3/resident
+    row."""
+    out = [
+        "| run | layers | tokens/step | s/step | tokens/s | TFLOPS | vs ZeRO-3 | vs whole-on-GPU | "
+        "peak GPU GB "
+        "| peak host RSS GB | host B/param |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     groups = sorted({(r["tokens_per_step"], r.get("layers") or 0) for r in rows})
     for tokens, layers in groups:
-        group = [r for r in rows if (r["tokens_per_step"], r.get("layers") or 0) == (tokens, layers)]
+        group = [
+            r for r in rows if (r["tokens_per_step"], r.get("layers") or 0) == (tokens, layers)
+        ]
         zero3 = next((r for r in group if r["system"] == "zero3" and r.get("status") == "ok"), None)
-        resident = next((r for r in group if r["system"] == "resident" and r.get("status") == "ok"), None)
+        resident = next(
+            (r for r in group if r["system"] == "resident" and r.get("status") == "ok"), None
+        )
         for r in sorted(group, key=lambda r: -(r.get("tokens_per_s") or 0)):
             if r.get("status") != "ok":
-                out.append(f"| {r['name']} | {layers} | {tokens} | {r.get('status')} | | | | | | | |")
+                out.append(
+                    f"| {r['name']} | {layers} | {tokens} | {r.get('status')} | | | | | | | |"
+                )
                 continue
             out.append(
-                f"| {r['name']} | {layers} | {tokens} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                f"| {r['name']} | {layers} | {tokens} | {r['median_step_s']:.3f} | "
+                f"{r['tokens_per_s']:,.0f} | "
                 f"{r['tflops']:.1f} | {_ratio(r, zero3)} | {_ratio(r, resident)} | "
                 f"{r['peak_gpu_bytes'] / 1e9:.1f} | {r['peak_host_rss_bytes'] / 1e9:.1f} | "
-                f"{r['host_bytes_per_param']:.1f} |")
+                f"{r['host_bytes_per_param']:.1f} |"
+            )
     return "\n".join(out)
 
 
 def breakdown_table(rows: list[dict]) -> str:
-    keys = ["step_s", "compute_s", "h2d_s", "d2h_s", "cpu_optimizer_s", "wait_for_optimizer_s", "gpu_idle_s"]
-    out = ["| run | " + " | ".join(k.replace("_s", " (s)") for k in keys) + " | GPU idle % |",
-           "|---|" + "---|" * (len(keys) + 1)]
+    keys = [
+        "step_s",
+        "compute_s",
+        "h2d_s",
+        "d2h_s",
+        "cpu_optimizer_s",
+        "wait_for_optimizer_s",
+        "gpu_idle_s",
+    ]
+    out = [
+        "| run | " + " | ".join(k.replace("_s", " (s)") for k in keys) + " | GPU idle % |",
+        "|---|" + "---|" * (len(keys) + 1),
+    ]
     for r in rows:
         b = r.get("breakdown")
         if not b:
             continue
         cells = " | ".join(f"{b[k]:.3f}" if b.get(k) is not None else "n/a" for k in keys)
-        idle = f"{100 * b['gpu_idle_s'] / b['step_s']:.0f}%" if b.get("gpu_idle_s") is not None else "n/a (CPU)"
+        idle = (
+            f"{100 * b['gpu_idle_s'] / b['step_s']:.0f}%"
+            if b.get("gpu_idle_s") is not None
+            else "n/a (CPU)"
+        )
         out.append(f"| {r['name']} | {cells} | {idle} |")
     return "\n".join(out)
 
@@ -98,11 +128,15 @@ def count(n) -> str:
 
 
 def memory_table(rows: list[dict]) -> str:
-    """Parameters and host memory per run (LoRA: per parameter of the frozen base), with each run's build and
-    initialize times and, for a process killed before it wrote its result, the peak RSS the driver saw."""
-    out = ["| run | status | trainable | base params | peak host RSS GB | host B/base param | engine host state GB "
-           "| engine B/base param | build s | initialize s | last phase |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """Parameters and host memory per run (LoRA: per parameter of the frozen base), with each run's
+    build and initialize times and, for a process killed before it wrote its result, the peak RSS
+    the driver saw."""
+    out = [
+        "| run | status | trainable | base params | peak host RSS GB | host B/base param | engine "
+        "host state GB "
+        "| engine B/base param | build s | initialize s | last phase |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def num(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "–"
@@ -115,31 +149,46 @@ def memory_table(rows: list[dict]) -> str:
         out.append(
             f"| {r.get('name', r.get('system'))} | {r.get('status')} | "
             f"{count(r.get('trainable_params'))} | {count(r.get('base_params'))} | "
-            f"{num((r.get('peak_host_rss_bytes') or 0) / 1e9, '.1f')} | {num(r.get('host_bytes_per_base_param'), '.2f')} | "
-            f"{num(state / 1e9 if state else None, '.1f')} | {num(r.get('engine_host_bytes_per_base_param'), '.2f')} | "
-            f"{num(s.get('build_s'), '.1f')} | {num(s.get('initialize_s'), '.1f')} | {last} |")
+            f"{num((r.get('peak_host_rss_bytes') or 0) / 1e9, '.1f')} | "
+            f"{num(r.get('host_bytes_per_base_param'), '.2f')} | "
+            f"{num(state / 1e9 if state else None, '.1f')} | "
+            f"{num(r.get('engine_host_bytes_per_base_param'), '.2f')} | "
+            f"{num(s.get('build_s'), '.1f')} | {num(s.get('initialize_s'), '.1f')} | {last} |"
+        )
     return "\n".join(out)
 
 
 def settings_line(row: dict) -> str:
-    """One compact line of a run's recorded "settings" ("no settings recorded" for older result files)."""
+    """One compact line of a run's recorded "settings" ("no settings recorded" for older result
+    files)."""
     s = row.get("settings")
     name = f"{row.get('name', row.get('system'))} ({row.get('system')})"
     if not s:
         return f"- {name}: no settings recorded"
-    kernels = ("liger " + "+".join(k for k in s["kernels"] if k != "fused_linear_cross_entropy")) \
-        if s.get("kernels") else "model's own"
+    kernels = (
+        ("liger " + "+".join(k for k in s["kernels"] if k != "fused_linear_cross_entropy"))
+        if s.get("kernels")
+        else "model's own"
+    )
     betas = ", ".join(f"{b:g}" for b in s["betas"])
-    parts = [s["precision"],
-             f"{s['optimizer']} lr {s['lr']:g} wd {s['weight_decay']:g} betas ({betas}) eps {s['eps']:g}",
-             f"clip {s['clip']:g}", f"warmup {s['warmup']} + {s['steps']} steps",
-             f"{s['micro_batch']} × {s['seq']} tokens", f"kernels: {kernels}", f"loss: {s['loss_kernel']}",
-             f"checkpointing: {s['gradient_checkpointing']}"]
+    parts = [
+        s["precision"],
+        f"{s['optimizer']} lr {s['lr']:g} wd {s['weight_decay']:g} betas ({betas}) eps "
+        f"{s['eps']:g}",
+        f"clip {s['clip']:g}",
+        f"warmup {s['warmup']} + {s['steps']} steps",
+        f"{s['micro_batch']} × {s['seq']} tokens",
+        f"kernels: {kernels}",
+        f"loss: {s['loss_kernel']}",
+        f"checkpointing: {s['gradient_checkpointing']}",
+    ]
     if s.get("lora"):
         lora = s["lora"]
         targets = lora["targets"] if isinstance(lora["targets"], str) else ",".join(lora["targets"])
-        parts.append(f"LoRA r {lora['r']} alpha {lora['alpha']} dropout {lora['dropout']:g} on {targets} "
-                     f"(adapters {lora.get('adapter_dtype')})")
+        parts.append(
+            f"LoRA r {lora['r']} alpha {lora['alpha']} dropout {lora['dropout']:g} on {targets} "
+            f"(adapters {lora.get('adapter_dtype')})"
+        )
     if s.get("init"):
         parts.append(f"init: {s['init']}")
     ratio = s.get("offload_optimizer_ratio")
@@ -158,8 +207,10 @@ def settings_line(row: dict) -> str:
         if s.get("megatrain_options"):
             parts.append("options " + json.dumps(s["megatrain_options"], sort_keys=True))
     if s.get("ranks"):  # data parallel (h2h --gpus N): rank 0's settings, and how the ranks ran
-        parts.append(f"{s['ranks']} ranks: {s.get('data_parallel')}; rank 0 on cpus {s.get('rank_cpus')}, "
-                     f"OMP_NUM_THREADS {s.get('omp_num_threads')}")
+        parts.append(
+            f"{s['ranks']} ranks: {s.get('data_parallel')}; rank 0 on cpus {s.get('rank_cpus')}, "
+            f"OMP_NUM_THREADS {s.get('omp_num_threads')}"
+        )
     return f"- {name}: " + " · ".join(parts)
 
 
@@ -168,10 +219,18 @@ def settings_lines(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("folder")
-    p.add_argument("--depth-plot", metavar="PNG", help="also plot TFLOPS vs layers per system (h2h's depth plot)")
-    p.add_argument("--tokens", type=int, default=16384, help="the tokens/step of the runs in the depth plot")
+    p.add_argument(
+        "--depth-plot",
+        metavar="PNG",
+        help="also plot TFLOPS vs layers per system (h2h's depth plot)",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="the tokens/step of the runs in the depth plot"
+    )
     args = p.parse_args(argv)
     rows = load(args.folder)
     if any(int(r.get("gpus", 1)) > 1 for r in rows):  # h2h --gpus N runs: the data-parallel tables
@@ -194,7 +253,11 @@ def main(argv: list[str]) -> int:
     if args.depth_plot:
         from benchmarks.h2h import plot
 
-        plot([r for r in rows if r["tokens_per_step"] == args.tokens], args.depth_plot, depth_sweep=True)
+        plot(
+            [r for r in rows if r["tokens_per_step"] == args.tokens],
+            args.depth_plot,
+            depth_sweep=True,
+        )
         print(f"wrote {args.depth_plot}")
     return 0
 

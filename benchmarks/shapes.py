@@ -1,39 +1,51 @@
-"""Random-init model shapes (dense Qwen2.5, and two mixture-of-experts families) and the model-FLOPs formulas
-shared by every benchmark.
+"""Random-init model shapes (dense Qwen2.5, and two mixture-of-experts families) and the model-FLOPs
+formulas shared by every benchmark.
 
 The shapes themselves (``SHAPES``, ``MOE_SHAPES``, ``SHAPE_NAMES``, ``make_config``) are
-megatrain_ds/planning/shapes.py's,
-re-exported here: built as ``transformers`` config objects (``Qwen2Config``, ``OlmoeConfig``, ``Qwen2MoeConfig``);
-nothing is downloaded. The FLOPs formulas (FLOP per trained token; s = tokens per sequence, L = decoder layers,
-h = hidden size; recompute is never counted):
+megatrain_ds/planning/shapes.py's, re-exported here: built as ``transformers`` config objects
+(``Qwen2Config``, ``OlmoeConfig``, ``Qwen2MoeConfig``); nothing is downloaded. The FLOPs formulas
+(FLOP per trained token; s = tokens per sequence, L = decoder layers, h = hidden size; recompute is
+never counted):
 
-- Full fine-tuning, dense (the project anchors, unchanged): ``6 * N_matmul + 6 * L * h * s``, where N_matmul
-  counts the weight matrices of every nn.Linear in the decoder layers (q, k, v, o, gate, up, down; biases
-  excluded) plus vocab * hidden for the LM head. ``6 * L * h * s`` is the attention core with the causal mask
-  already counted: per token and layer, Q K^T and A V over all s keys would be 2 * s * h FLOP each in the forward
-  (4 * s * h), the causal mask halves that (2 * s * h), and the backward costs twice the forward (6 * s * h in
-  all). At long context it dominates: Qwen2.5-3B at s = 524288 (512K) has 6 L h s = 2.3e11 FLOP/token against
-  6 N_matmul = 1.9e10 (no sliding window: these shapes attend over the whole sequence).
-- Full fine-tuning, mixture of experts: ``6 * N_active + 6 * L * h * s``, where N_active counts the weights one
-  token is multiplied with: per layer q, k, v, o, the router (experts * h: every token scores every expert),
-  top-k experts' gate/up/down (k * 3 * h * moe_intermediate), the shared expert (3 * h * shared_intermediate)
-  and its sigmoid gate (h) where the family has one (Qwen2-MoE), a dense MLP (3 * h * intermediate) in the
-  layers that are not sparse; plus vocab * hidden for the LM head. For a dense model N_active = N_matmul.
-- LoRA (frozen base, adapters trained): ``4 * N_active + 6 * N_lora + 6 * L * h * s``. The frozen base
-  weights do a forward (2 FLOP per weight) and an input-gradient backward (2), no weight gradient; every
-  adapter matrix (lora_A: in x r, lora_B: r x out) does forward, input gradient and weight gradient (6).
-  N_lora = sum over the adapted linears of r * (in + out). The attention core (Q K^T and A V) holds no
-  weights, so its backward is input gradients only in both cases and costs twice its forward either way:
-  the term stays 6 * L * h * s (causal), as for full fine-tuning. The LM head is frozen (4 * vocab * h).
+- Full fine-tuning, dense (the project anchors, unchanged): ``6 * N_matmul + 6 * L * h * s``, where
+  N_matmul counts the weight matrices of every nn.Linear in the decoder layers (q, k, v, o, gate,
+  up, down; biases excluded) plus vocab * hidden for the LM head. ``6 * L * h * s`` is the attention
+  core with the causal mask already counted: per token and layer, Q K^T and A V over all s keys
+  would be 2 * s * h FLOP each in the forward (4 * s * h), the causal mask halves that (2 * s * h),
+  and the backward costs twice the forward (6 * s * h in all). At long context it dominates:
+  Qwen2.5-3B at s = 524288 (512K) has 6 L h s = 2.3e11 FLOP/token against 6 N_matmul = 1.9e10 (no
+  sliding window: these shapes attend over the whole sequence).
+- Full fine-tuning, mixture of experts: ``6 * N_active + 6 * L * h * s``, where N_active counts the
+  weights one token is multiplied with: per layer q, k, v, o, the router (experts * h: every token
+  scores every expert), top-k experts' gate/up/down (k * 3 * h * moe_intermediate), the shared
+  expert (3 * h * shared_intermediate) and its sigmoid gate (h) where the family has one
+  (Qwen2-MoE), a dense MLP (3 * h * intermediate) in the layers that are not sparse; plus vocab *
+  hidden for the LM head. For a dense model N_active = N_matmul.
+- LoRA (frozen base, adapters trained): ``4 * N_active + 6 * N_lora + 6 * L * h * s``. The frozen
+  base weights do a forward (2 FLOP per weight) and an input-gradient backward (2), no weight
+  gradient; every adapter matrix (lora_A: in x r, lora_B: r x out) does forward, input gradient and
+  weight gradient (6). N_lora = sum over the adapted linears of r * (in + out). The attention core
+  (Q K^T and A V) holds no weights, so its backward is input gradients only in both cases and costs
+  twice its forward either way: the term stays 6 * L * h * s (causal), as for full fine-tuning. The
+  LM head is frozen (4 * vocab * h).
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
 
-# The shapes registry lives in the package (megatrain-ds plan resolves shape names without benchmarks/): re-exported
-from megatrain_ds.planning.shapes import MOE_CONFIGS, MOE_SHAPES, SHAPE_NAMES, SHAPES, make_config  # noqa: F401
+# The shapes registry lives in the package (megatrain-ds plan resolves shape names without
+# benchmarks/): re-exported
+from megatrain_ds.planning.shapes import (  # noqa: F401
+    MOE_CONFIGS,
+    MOE_SHAPES,
+    SHAPE_NAMES,
+    SHAPES,
+    make_config,
+)
 
-# The linears peft's LoRA adapts by default in the harness (h2h --lora R); "all-linear" is peft's own choice
+# The linears peft's LoRA adapts by default in the harness (h2h --lora R); "all-linear" is peft's
+# own choice
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -51,7 +63,8 @@ def _attention_params(config) -> int:
 
 
 def _sparse_layer(config, i: int) -> bool:
-    """Layer ``i`` holds experts (Qwen2-MoE can interleave dense layers: decoder_sparse_step, mlp_only_layers)."""
+    """Layer ``i`` holds experts (Qwen2-MoE can interleave dense layers: decoder_sparse_step,
+    mlp_only_layers)."""
     if not is_moe(config):
         return False
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
@@ -59,7 +72,8 @@ def _sparse_layer(config, i: int) -> bool:
 
 
 def _mlp_params(config, i: int, active: bool) -> int:
-    """Matmul weights of layer ``i``'s MLP block: all of them, or those one token multiplies with (``active``)."""
+    """Matmul weights of layer ``i``'s MLP block: all of them, or those one token multiplies with
+    (``active``)."""
     h = config.hidden_size
     if not _sparse_layer(config, i):
         return 3 * h * config.intermediate_size
@@ -74,37 +88,49 @@ def _mlp_params(config, i: int, active: bool) -> int:
 
 
 def matmul_params(config) -> int:
-    """Analytic matmul weights (count): every decoder-layer linear / expert / router weight + vocab * hidden for
-    the LM head. Dense: the anchors' N_matmul. MoE: all experts (see :func:`active_matmul_params` for FLOPs)."""
-    layers = sum(_attention_params(config) + _mlp_params(config, i, active=False)
-                 for i in range(config.num_hidden_layers))
+    """Analytic matmul weights (count): every decoder-layer linear / expert / router weight +
+    vocab * hidden for the LM head. Dense: the anchors' N_matmul. MoE: all experts (see
+    :func:`active_matmul_params` for FLOPs)."""
+    layers = sum(
+        _attention_params(config) + _mlp_params(config, i, active=False)
+        for i in range(config.num_hidden_layers)
+    )
     return layers + config.vocab_size * config.hidden_size
 
 
 def active_matmul_params(config) -> int:
-    """Analytic N_active (count): the matmul weights one token is multiplied with (top-k experts only); equals
-    :func:`matmul_params` for a dense model."""
-    layers = sum(_attention_params(config) + _mlp_params(config, i, active=True)
-                 for i in range(config.num_hidden_layers))
+    """Analytic N_active (count): the matmul weights one token is multiplied with (top-k experts
+    only); equals :func:`matmul_params` for a dense model."""
+    layers = sum(
+        _attention_params(config) + _mlp_params(config, i, active=True)
+        for i in range(config.num_hidden_layers)
+    )
     return layers + config.vocab_size * config.hidden_size
 
 
 def lora_params(config, r: int, targets=LORA_TARGETS) -> int:
-    """Analytic N_lora (count) for rank ``r`` adapters on the linears named ``targets`` of a dense Qwen2 layer:
-    r * (in + out) per adapted linear, every layer."""
+    """Analytic N_lora (count) for rank ``r`` adapters on the linears named ``targets`` of a dense
+    Qwen2 layer: r * (in + out) per adapted linear, every layer."""
     h, inter = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    dims = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     return config.num_hidden_layers * sum(r * sum(dims[t]) for t in targets)
 
 
 def _matmul_counts(model: nn.Module) -> tuple[float, float]:
-    """(all, active) matmul weights counted from a built model's decoder layers + vocab * hidden; adapters
-    (peft ``lora_*`` modules) left out. nn.Linear weights; 3-D expert weights (a ``*Experts`` module: all, and
-    the top-k share of them); router weights (a ``*Router`` module). ZeRO-3 partitioned weights count by
-    ``ds_shape``."""
+    """(all, active) matmul weights counted from a built model's decoder layers + vocab * hidden;
+    adapters (peft ``lora_*`` modules) left out. nn.Linear weights; 3-D expert weights (a
+    ``*Experts`` module: all, and the top-k share of them); router weights (a ``*Router`` module).
+    ZeRO-3 partitioned weights count by ``ds_shape``."""
     config = model.config
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     total = active = 0.0
@@ -120,7 +146,7 @@ def _matmul_counts(model: nn.Module) -> tuple[float, float]:
             share = int(config.num_experts_per_tok) / int(config.num_experts)
             for p in module.parameters(recurse=False):
                 n = 1
-                for d in (getattr(p, "ds_shape", None) or p.shape):
+                for d in getattr(p, "ds_shape", None) or p.shape:
                     n *= int(d)
                 total, active = total + n, active + n * share
     head = config.vocab_size * config.hidden_size
@@ -128,8 +154,8 @@ def _matmul_counts(model: nn.Module) -> tuple[float, float]:
 
 
 def count_matmul_params(model: nn.Module) -> int:
-    """N_matmul counted from a built model (all experts of an MoE); see :func:`_matmul_counts`. Works on ZeRO-3
-    partitioned and peft-wrapped models."""
+    """N_matmul counted from a built model (all experts of an MoE); see :func:`_matmul_counts`.
+    Works on ZeRO-3 partitioned and peft-wrapped models."""
     return int(round(_matmul_counts(model)[0]))
 
 
@@ -139,9 +165,9 @@ def count_active_matmul_params(model: nn.Module) -> int:
 
 
 def model_flops_per_token(config, seq: int, lora_params: int | None = None) -> float:
-    """Model FLOPs per trained token (FLOP/token), see the module docstring: full fine-tuning
-    6 * N_active + 6 * L * h * seq (dense: N_active = N_matmul); LoRA (``lora_params`` = N_lora, the trainable
-    adapter count) 4 * N_active + 6 * N_lora + 6 * L * h * seq."""
+    """Model FLOPs per trained token (FLOP/token), see the module docstring: full fine-tuning 6 *
+    N_active + 6 * L * h * seq (dense: N_active = N_matmul); LoRA (``lora_params`` = N_lora, the
+    trainable adapter count) 4 * N_active + 6 * N_lora + 6 * L * h * seq."""
     attention = 6.0 * config.num_hidden_layers * config.hidden_size * seq
     if lora_params is None:
         return 6.0 * active_matmul_params(config) + attention
@@ -172,9 +198,11 @@ def layer_params(config, i: int = 0) -> int:
     return sum(p.numel() for p in meta_model(config).model.layers[i].parameters())
 
 
-def self_check(names: tuple[str, ...] = ("tiny", "tiny-moe", "tiny-olmoe"), layers: int = 2) -> None:
-    """Build each shape (depth ``layers``) on the meta device and assert analytic == counted N_matmul and
-    N_active."""
+def self_check(
+    names: tuple[str, ...] = ("tiny", "tiny-moe", "tiny-olmoe"), layers: int = 2
+) -> None:
+    """Build each shape (depth ``layers``) on the meta device and assert analytic == counted
+    N_matmul and N_active."""
     for name in names:
         config = make_config(name, layers=layers)
         model = meta_model(config)
@@ -188,6 +216,8 @@ if __name__ == "__main__":
     self_check(tuple(SHAPE_NAMES))
     for shape_name in SHAPE_NAMES:
         cfg = make_config(shape_name)
-        print(f"{shape_name:18s} N_matmul={matmul_params(cfg) / 1e6:11.3f} M  N_active="
-              f"{active_matmul_params(cfg) / 1e6:11.3f} M  flops/token@1024="
-              f"{model_flops_per_token(cfg, 1024) / 1e9:10.4f} GFLOP")
+        print(
+            f"{shape_name:18s} N_matmul={matmul_params(cfg) / 1e6:11.3f} M  N_active="
+            f"{active_matmul_params(cfg) / 1e6:11.3f} M  flops/token@1024="
+            f"{model_flops_per_token(cfg, 1024) / 1e9:10.4f} GFLOP"
+        )

@@ -2,11 +2,13 @@
 
     after_import("deepspeed", patch)   # patch(module) runs once deepspeed/__init__.py has executed
 
-A finder at the front of ``sys.meta_path`` answers only for the registered names: it asks the finders behind
-it for the real spec and wraps the spec's loader so that ``exec_module`` runs the module's own code and then
-the hook. After that the module's ``__loader__`` and ``__spec__.loader`` are the real loader again. A module
-already imported when its hook is registered is patched at once. Nothing is imported ahead of time.
+A finder at the front of ``sys.meta_path`` answers only for the registered names: it asks the
+finders behind it for the real spec and wraps the spec's loader so that ``exec_module`` runs the
+module's own code and then the hook. After that the module's ``__loader__`` and ``__spec__.loader``
+are the real loader again. A module already imported when its hook is registered is patched at once.
+Nothing is imported ahead of time.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -32,7 +34,8 @@ class _HookedLoader(importlib.abc.Loader):
             module.__spec__.loader = self._loader
         self._hook(module)
 
-    def __getattr__(self, name):  # get_source, get_resource_reader, is_package, ...: the real loader's
+    # get_source, get_resource_reader, is_package, ...: the real loader's
+    def __getattr__(self, name):
         return getattr(self._loader, name)
 
 
@@ -58,7 +61,8 @@ _finder = _HookFinder()
 
 
 def after_import(name: str, hook: Callable) -> None:
-    """Call ``hook(module)`` when module ``name`` has been imported (now, if it already has been)."""
+    """Call ``hook(module)`` when module ``name`` has been imported (now, if it already has
+    been)."""
     _hooks[name] = hook
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)

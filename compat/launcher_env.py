@@ -50,9 +50,12 @@ def _refusing_main(problem: str):
         import deepspeed
 
         raise RuntimeError(
-            f"{ENV}=1: DeepSpeed {deepspeed.__version__}'s launcher ({RUNNER}) no longer {problem}, so {ENV} "
-            f"cannot be added to what it exports to the hosts (compat/launcher_env.py), and their ranks would run "
-            f"real DeepSpeed. Instead: unset {ENV} for the launcher and put the line {ENV}=1 in .deepspeed_env "
+            f"{ENV}=1: DeepSpeed {deepspeed.__version__}'s launcher ({RUNNER}) no longer {problem}"
+            f", so {ENV} "
+            f"cannot be added to what it exports to the hosts (compat/launcher_env.py), and their "
+            "ranks would run "
+            f"real DeepSpeed. Instead: unset {ENV} for the launcher and put the line {ENV}=1 in "
+            ".deepspeed_env "
             f"(its working directory or ~), which it exports to every host."
         )
 

@@ -1,20 +1,22 @@
 """Train a small byte-level Qwen2 language model on a text sample, the DeepSpeed way.
 
 Launch:
-    make demo                                         # the defaults below: about 2 minutes on a 2-core CPU
+    # the defaults below: about 2 minutes on a 2-core CPU
+    make demo
     python examples/finetune.py --steps 300 --layers 6
 
 What it does: builds a small Qwen2 model from ``transformers.Qwen2Config`` (random init, nothing is
-downloaded), reads ``examples/data/sample.txt`` as raw bytes (every byte is a token, vocabulary 256),
-holds out the last 10% for validation and trains on random windows of the rest. The loop is an ordinary
-DeepSpeed training script; the only difference is the import line ``import megatrain_ds as deepspeed``.
-A progress bar shows the training loss and learning rate, a validation loss is measured every
-``--eval-every`` steps, and a summary is printed at the end: the loss should fall from about 5.5 (a
-uniform guess over 256 bytes) to about 2.5 or lower.
+downloaded), reads ``examples/data/sample.txt`` as raw bytes (every byte is a token, vocabulary
+256), holds out the last 10% for validation and trains on random windows of the rest. The loop is an
+ordinary DeepSpeed training script; the only difference is the import line ``import megatrain_ds as
+deepspeed``. A progress bar shows the training loss and learning rate, a validation loss is measured
+every ``--eval-every`` steps, and a summary is printed at the end: the loss should fall from about
+5.5 (a uniform guess over 256 bytes) to about 2.5 or lower.
 
 It runs on CPU without a GPU. When a CUDA GPU is present it runs on one GPU and turns on bf16 in the
 loaded config dict.
 """
+
 import argparse
 import json
 import math
@@ -30,17 +32,18 @@ import megatrain_ds as deepspeed
 HERE = Path(__file__).resolve().parent
 
 # ---- defaults ---------------------------------------------------------------------------------
-STEPS = 200            # optimizer steps (each = gradient_accumulation_steps micro-batches)
-SEQ_LEN = 64           # bytes (= tokens) per training window; 128 takes ~1.9x as long on a 2-core CPU
-HIDDEN = 256           # model width
-LAYERS = 4             # transformer blocks
-INTERMEDIATE = 688     # MLP width
-HEADS = 4              # attention heads
-KV_HEADS = 2           # key/value heads (grouped-query attention)
-VOCAB = 256            # byte-level: tokens are the UTF-8 bytes of the text
-EVAL_EVERY = 50        # optimizer steps between validation losses
-EVAL_WINDOWS = 16      # fixed validation windows of SEQ_LEN bytes
-VAL_FRACTION = 0.10    # last 10% of the text is held out
+STEPS = 200  # optimizer steps (each = gradient_accumulation_steps micro-batches)
+# bytes (= tokens) per training window; 128 takes ~1.9x as long on a 2-core CPU
+SEQ_LEN = 64
+HIDDEN = 256  # model width
+LAYERS = 4  # transformer blocks
+INTERMEDIATE = 688  # MLP width
+HEADS = 4  # attention heads
+KV_HEADS = 2  # key/value heads (grouped-query attention)
+VOCAB = 256  # byte-level: tokens are the UTF-8 bytes of the text
+EVAL_EVERY = 50  # optimizer steps between validation losses
+EVAL_WINDOWS = 16  # fixed validation windows of SEQ_LEN bytes
+VAL_FRACTION = 0.10  # last 10% of the text is held out
 SEED = 0
 DATA = HERE / "data" / "sample.txt"
 CONFIG = HERE / "ds_config.json"
@@ -54,7 +57,9 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="bytes per training window")
     p.add_argument("--config", type=Path, default=CONFIG, help="DeepSpeed JSON config")
     p.add_argument("--seed", type=int, default=SEED, help="random seed")
-    p.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="steps between validation losses")
+    p.add_argument(
+        "--eval-every", type=int, default=EVAL_EVERY, help="steps between validation losses"
+    )
     return p.parse_args()
 
 
@@ -69,10 +74,15 @@ def build_model(args) -> torch.nn.Module:
     scale = args.hidden / HIDDEN
     heads = max(1, round(HEADS * scale))
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        intermediate_size=int(INTERMEDIATE * scale) // 8 * 8, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads * KV_HEADS // HEADS), max_position_embeddings=max(args.seq_len, 512),
-        tie_word_embeddings=True)
+        vocab_size=VOCAB,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        intermediate_size=int(INTERMEDIATE * scale) // 8 * 8,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads * KV_HEADS // HEADS),
+        max_position_embeddings=max(args.seq_len, 512),
+        tie_word_embeddings=True,
+    )
     return transformers.Qwen2ForCausalLM(config)
 
 
@@ -88,12 +98,12 @@ def load_config(path: Path, steps: int) -> dict:
 
 def random_windows(data, batch: int, seq_len: int, gen, device):
     starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)
-    return torch.stack([data[s:s + seq_len] for s in starts.tolist()]).to(device)
+    return torch.stack([data[s : s + seq_len] for s in starts.tolist()]).to(device)
 
 
 def validation_windows(data, seq_len: int, count: int):
     starts = torch.linspace(0, len(data) - seq_len, count).long()
-    return torch.stack([data[s:s + seq_len] for s in starts.tolist()])
+    return torch.stack([data[s : s + seq_len] for s in starts.tolist()])
 
 
 def evaluate(engine, windows, batch: int) -> float:
@@ -140,8 +150,11 @@ def summarize(history, val, tokens_per_s, n=10):
     steps = sorted(val)
     print("\nsummary")
     print(f"  train loss  first {n} steps {first:.3f} -> last {n} steps {last:.3f}")
-    print(f"  val loss    step {steps[0]} {val[steps[0]]:.3f} -> step {steps[-1]} {val[steps[-1]]:.3f}"
-          f"  (uniform guess: {math.log(VOCAB):.3f})")
+    print(
+        f"  val loss    step {steps[0]} {val[steps[0]]:.3f} -> step {steps[-1]} "
+        f"{val[steps[-1]]:.3f}"
+        f"  (uniform guess: {math.log(VOCAB):.3f})"
+    )
     print(f"  throughput  {tokens_per_s:,.0f} tokens/s (training steps only)")
 
 
@@ -153,9 +166,13 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     cfg = load_config(args.config, args.steps)
     model_engine, optimizer, _, lr_scheduler = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=cfg)
-    print(f"model: Qwen2, {args.layers} layers, hidden {args.hidden}, {n_params / 1e6:.2f}M params | "
-          f"data: {len(train_data):,} train / {len(val_data):,} val bytes | device: {model_engine.device}")
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+    print(
+        f"model: Qwen2, {args.layers} layers, hidden {args.hidden}, {n_params / 1e6:.2f}M params | "
+        f"data: {len(train_data):,} train / {len(val_data):,} val bytes | device: "
+        f"{model_engine.device}"
+    )
     val_windows = validation_windows(val_data, args.seq_len, EVAL_WINDOWS)
     history, val, tokens_per_s = train(model_engine, train_data, val_windows, args)
     summarize(history, val, tokens_per_s)

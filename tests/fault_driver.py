@@ -1,45 +1,52 @@
-"""Fault injection on a tiny Llama: does the engine lose work, or train on silently wrong state, when things go wrong?
+"""Fault injection on a tiny Llama: does the engine lose work, or train on silently wrong state,
+when things go wrong?
 
-    python -m tests.fault_driver --cases 200 --seed 1          # or: python tests/fault_driver.py --cases 200 --seed 1
+    # or: python tests/fault_driver.py --cases 200 --seed 1
+    python -m tests.fault_driver --cases 200 --seed 1
     python -m tests.fault_driver --cases 8 --seed 0 --kinds signal,disk --verbose
 
-Each case injects one fault into a short training script (4 optimizer steps of a 3-layer Llama, fp32, AdamW, WarmupLR,
-gradient clipping that fires, so speculative steps roll back; GA 1 or 2) and classifies what happened:
+Each case injects one fault into a short training script (4 optimizer steps of a 3-layer Llama,
+fp32, AdamW, WarmupLR, gradient clipping that fires, so speculative steps roll back; GA 1 or 2) and
+classifies what happened:
 
 - ``ok``: what the contract says happened (below);
-- ``lost``: work the script saved, or tried to save, is gone: a checkpoint that does not load, a save that fails where
-  it must succeed, a process that hangs (a hung script saves nothing);
-- ``silent``: the run goes on, or loads, with state that disagrees with itself: weights that are not those of the
-  global step the counters say, a resumed run that does not end where the uninterrupted one ends, an engine changed
-  by a load that refused, a survivor that trains on alone;
-- ``unclear``: nothing lost or silent, but the fault was not reported as it should be: an error that does not name
-  the file or the rank, an error later than the bound, a Ctrl-C that never reached the script.
+- ``lost``: work the script saved, or tried to save, is gone: a checkpoint that does not load, a
+  save that fails where it must succeed, a process that hangs (a hung script saves nothing);
+- ``silent``: the run goes on, or loads, with state that disagrees with itself: weights that are not
+  those of the global step the counters say, a resumed run that does not end where the uninterrupted
+  one ends, an engine changed by a load that refused, a survivor that trains on alone;
+- ``unclear``: nothing lost or silent, but the fault was not reported as it should be: an error that
+  does not name the file or the rank, an error later than the bound, a Ctrl-C that never reached the
+  script.
 
 Kinds (``--kinds``; cases cycle through ``PATTERN``, so the first four cases are one of each):
 
-- ``signal``: SIGINT (what Ctrl-C sends: KeyboardInterrupt) at a random point of ``forward()``, ``backward()``,
-  ``step()`` or ``save_checkpoint()`` -- sent by a hook on one of the engine's own functions at its n-th call during
-  that call (the functions and their call counts are found by profiling a calibration run), or by a timer at a random
-  fraction of the call's measured duration. The script then does what a user's ``except KeyboardInterrupt:`` does
-  (``save_checkpoint``); a fresh engine loads it and must hold the reference run's weights at its global step, then
-  train on to the reference run's final weights; the interrupted engine, trained on in place from its own counters,
-  must end there too.
-- ``disk``: the disk fills up during a save (every file write of the save goes through a file object that raises
-  ``OSError(ENOSPC)`` once a random byte budget is spent): the save must fail with an error naming the file, the
-  previous checkpoint (same tag or not) must load with its weights, and the engine must train on and save as if the
-  failed save had never happened.
-- ``corrupt``: one byte of a random file of a checkpoint (its rank files, checksum manifest, ``latest``) is flipped: a
-  load must refuse naming the file and leave the engine exactly as it was (or, where the byte changes nothing that is
-  loaded, load the right weights).
-- ``rank``: two gloo processes (tests/scripts/dp_fault.py); one of them stalls (longer than the collective timeout) or
-  dies (``os._exit``) at a random point (before forward, inside forward / backward / step / save_checkpoint, between
-  backward and step): the other must raise ``CollectiveError`` naming the rank within the timeout plus a bound, and
-  both processes must exit.
+- ``signal``: SIGINT (what Ctrl-C sends: KeyboardInterrupt) at a random point of ``forward()``,
+  ``backward()``, ``step()`` or ``save_checkpoint()`` -- sent by a hook on one of the engine's own
+  functions at its n-th call during that call (the functions and their call counts are found by
+  profiling a calibration run), or by a timer at a random fraction of the call's measured duration.
+  The script then does what a user's ``except KeyboardInterrupt:`` does (``save_checkpoint``); a
+  fresh engine loads it and must hold the reference run's weights at its global step, then train on
+  to the reference run's final weights; the interrupted engine, trained on in place from its own
+  counters, must end there too.
+- ``disk``: the disk fills up during a save (every file write of the save goes through a file object
+  that raises ``OSError(ENOSPC)`` once a random byte budget is spent): the save must fail with an
+  error naming the file, the previous checkpoint (same tag or not) must load with its weights, and
+  the engine must train on and save as if the failed save had never happened.
+- ``corrupt``: one byte of a random file of a checkpoint (its rank files, checksum manifest,
+  ``latest``) is flipped: a load must refuse naming the file and leave the engine exactly as it was
+  (or, where the byte changes nothing that is loaded, load the right weights).
+- ``rank``: two gloo processes (tests/scripts/dp_fault.py); one of them stalls (longer than the
+  collective timeout) or dies (``os._exit``) at a random point (before forward, inside forward /
+  backward / step / save_checkpoint, between backward and step): the other must raise
+  ``CollectiveError`` naming the rank within the timeout plus a bound, and both processes must exit.
 
-Isolation: the cases run in a child process that reports one line per case; a case that makes no progress within
-its bound is killed with the child (and counted ``lost``), and a new child goes on with the next case. Every
-subprocess has a timeout: the driver (and tests/integration/test_fault_driver.py) cannot hang.
+Isolation: the cases run in a child process that reports one line per case; a case that makes no
+progress within its bound is killed with the child (and counted ``lost``), and a new child goes on
+with the next case. Every subprocess has a timeout: the driver (and
+tests/integration/test_fault_driver.py) cannot hang.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,16 +73,31 @@ if REPO not in sys.path:  # python tests/fault_driver.py
     sys.path.insert(0, REPO)
 from tests.scripts.dp_fault import PROCESS_TIMEOUT_S as RANK_PROCESS_TIMEOUT_S  # noqa: E402
 from tests.scripts.dp_fault import launch_pair  # noqa: E402
-from tests.fault_script import (ATOL, SAVE_AT, STEPS, Reference, Windows, _batches, _config,  # noqa: E402,F401
-                                _engine, check_at, finish_and_check, max_diff, script, weights)
+from tests.fault_script import (  # noqa: E402,F401
+    ATOL,
+    SAVE_AT,
+    STEPS,
+    Reference,
+    Windows,
+    _batches,
+    _config,
+    _engine,
+    check_at,
+    finish_and_check,
+    max_diff,
+    script,
+    weights,
+)
 
 OK, LOST, SILENT, UNCLEAR = "ok", "lost", "silent", "unclear"
 RESULTS = (OK, LOST, SILENT, UNCLEAR)
 KINDS = ("signal", "disk", "corrupt", "rank")
 PATTERN = ("signal", "disk", "corrupt", "rank", "signal", "signal", "disk", "corrupt")
-CASE_TIMEOUT_S = 150.0  # no progress for this long: the case hangs (the child is killed; the case is lost)
+# no progress for this long: the case hangs (the child is killed; the case is lost)
+CASE_TIMEOUT_S = 150.0
 RANK_TIMEOUT_S = 3.0  # megatrain.collective_timeout of the rank cases
-RANK_BOUND_S = 20.0  # the survivor's error may come this long after timeout + fault (a loaded 2-core box)
+# the survivor's error may come this long after timeout + fault (a loaded 2-core box)
+RANK_BOUND_S = 20.0
 PREFIX = "@@fault-driver "
 
 
@@ -91,15 +113,16 @@ class Outcome:
 
 
 def plan(seed: int, index: int, kinds=KINDS) -> tuple[str, dict]:
-    """Case ``index`` of ``seed``: its kind and parameters (deterministic; the hook's function is drawn at run time
-    from the calibration, with the same generator)."""
+    """Case ``index`` of ``seed``: its kind and parameters (deterministic; the hook's function is
+    drawn at run time from the calibration, with the same generator)."""
     pattern = [k for k in PATTERN if k in kinds]
     kind = pattern[index % len(pattern)]
     rng = random.Random(f"{seed}/{index}")
     params = {"ga": rng.choice((1, 2)), "draw": rng.random()}
     if kind == "signal":
         params["phase"] = rng.choice(("forward", "backward", "step", "save"))
-        params["micro"] = rng.randrange(STEPS * params["ga"])  # which micro-step's call (forward/backward/step)
+        # which micro-step's call (forward/backward/step)
+        params["micro"] = rng.randrange(STEPS * params["ga"])
         params["how"] = rng.choice(("hook", "hook", "timer"))
     elif kind == "disk":
         params["before"] = rng.choice((1, 2))  # steps before the previous checkpoint
@@ -109,16 +132,19 @@ def plan(seed: int, index: int, kinds=KINDS) -> tuple[str, dict]:
         params["steps"] = rng.randint(1, STEPS)
     elif kind == "rank":
         params["fault"] = rng.choice(("stall", "exit"))
-        params["at"] = rng.choice(("before_forward", "forward", "backward", "between", "step", "save"))
+        params["at"] = rng.choice(
+            ("before_forward", "forward", "backward", "between", "step", "save")
+        )
         params["victim"] = rng.choice((0, 1))
         del params["ga"]  # (tests/scripts/dp_fault.py: GA 1)
     return kind, params
 
 
-# ============================================================================================ calibration
+# ====================================================================================== calibration
 class Calibration:
-    """For one GA: the engine functions called during each call of the script (how often), and each call's duration.
-    Found by profiling one run (``sys.setprofile`` / ``threading.setprofile``: the engine's worker threads too)."""
+    """For one GA: the engine functions called during each call of the script (how often), and each
+    call's duration. Found by profiling one run (``sys.setprofile`` / ``threading.setprofile``: the
+    engine's worker threads too)."""
 
     def __init__(self, ga: int, workdir: str) -> None:
         import megatrain_ds
@@ -130,7 +156,11 @@ class Calibration:
         started = {}
 
         def profile(frame, event, arg):
-            if event == "call" and windows.current is not None and frame.f_code.co_filename.startswith(package):
+            if (
+                event == "call"
+                and windows.current is not None
+                and frame.f_code.co_filename.startswith(package)
+            ):
                 calls[windows.current][frame.f_code] += 1
 
         def enter(window):
@@ -138,6 +168,7 @@ class Calibration:
 
         def leave(window):
             durations[window] = time.perf_counter() - started[window]
+
         windows.enter, windows.leave = enter, leave
         threading.setprofile(profile)  # before the engine exists: its worker threads start with it
         sys.setprofile(profile)
@@ -157,27 +188,35 @@ class Calibration:
         self.bindings = _bindings()
 
     def hook_points(self, window) -> list[tuple[types.CodeType, int]]:
-        """(code, calls during ``window``) of the engine functions that can be hooked (found by name in a module
-        or class of megatrain_ds)."""
-        return sorted(((code, n) for code, n in self.calls.get(window, {}).items() if code in self.bindings),
-                      key=lambda item: (item[0].co_filename, item[0].co_firstlineno))
+        """(code, calls during ``window``) of the engine functions that can be hooked (found by name
+        in a module or class of megatrain_ds)."""
+        return sorted(
+            ((code, n) for code, n in self.calls.get(window, {}).items() if code in self.bindings),
+            key=lambda item: (item[0].co_filename, item[0].co_firstlineno),
+        )
 
 
 def _bindings() -> dict:
-    """code object -> every (owner, name) holding a plain function with it: module functions (and their imports
-    under other names: ``from .checksums import save_file as _save``) and class methods of megatrain_ds."""
+    """code object -> every (owner, name) holding a plain function with it: module functions (and
+    their imports under other names: ``from .checksums import save_file as _save``) and class
+    methods of megatrain_ds."""
     out = collections.defaultdict(list)
     seen, modules_seen = set(), set()
     for name, module in list(sys.modules.items()):
         if not (name == "megatrain_ds" or name.startswith("megatrain_ds.")) or module is None:
             continue
-        if id(module) in modules_seen:  # a module under its flat-layout name too (megatrain_ds/_moved.py)
+        # a module under its flat-layout name too (megatrain_ds/_moved.py)
+        if id(module) in modules_seen:
             continue
         modules_seen.add(id(module))
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, types.FunctionType):
                 out[obj.__code__].append((module, attr))
-            elif isinstance(obj, type) and obj.__module__.startswith("megatrain_ds") and id(obj) not in seen:
+            elif (
+                isinstance(obj, type)
+                and obj.__module__.startswith("megatrain_ds")
+                and id(obj) not in seen
+            ):
                 seen.add(id(obj))
                 for key, member in list(vars(obj).items()):
                     if isinstance(member, types.FunctionType):
@@ -186,8 +225,9 @@ def _bindings() -> dict:
 
 
 class Hook:
-    """SIGINT at the ``n``-th call of ``code``'s function during ``window`` (at the end of the window if the function
-    was called fewer times this run: timing moves the AdamW thread's calls)."""
+    """SIGINT at the ``n``-th call of ``code``'s function during ``window`` (at the end of the
+    window if the function was called fewer times this run: timing moves the AdamW thread's
+    calls)."""
 
     def __init__(self, calibration: Calibration, code, n: int, window, windows: Windows) -> None:
         self.code, self.n, self.window, self.windows = code, n, window, windows
@@ -208,6 +248,7 @@ class Hook:
                     hook.fired = "hook"
                     os.kill(os.getpid(), signal.SIGINT)
             return original(*args, **kwargs)
+
         hooked.__wrapped__ = original
         return hooked
 
@@ -245,7 +286,8 @@ class Timer:
         pass
 
     def wait(self):
-        """The script ended before the delay did (a window's calibrated duration includes warm-up): fire now."""
+        """The script ended before the delay did (a window's calibrated duration includes warm-up):
+        fire now."""
         if self.timer is not None:
             self.timer.join()
 
@@ -254,7 +296,7 @@ class Timer:
             self.timer.cancel()
 
 
-# ============================================================================================ the cases
+# ======================================================================================== the cases
 class Runner:
     """Runs cases in this process (the child): calibrations and references are made once per GA."""
 
@@ -279,16 +321,20 @@ class Runner:
         start = time.monotonic()
         try:
             getattr(self, f"case_{kind}")(outcome, params, folder)
-        except Exception as exc:  # noqa: BLE001 - the driver's own failure, or an unexpected one: said
+        # the driver's own failure, or an unexpected one: said
+        except Exception as exc:  # noqa: BLE001
             import traceback
 
-            outcome.result, outcome.why = UNCLEAR, f"the case itself failed: {type(exc).__name__}: {exc}"
+            outcome.result, outcome.why = (
+                UNCLEAR,
+                f"the case itself failed: {type(exc).__name__}: {exc}",
+            )
             outcome.notes.append(traceback.format_exc()[-2000:])
         outcome.seconds = round(time.monotonic() - start, 2)
         shutil.rmtree(folder, ignore_errors=True)
         return outcome
 
-    # ------------------------------------------------------------------------------------------ signal
+    # --------------------------------------------------------------------------------------- signal
     def case_signal(self, out: Outcome, p: dict, folder: str) -> None:
         ga = p["ga"]
         ref, cal = self.reference(ga), self.calibration(ga)
@@ -299,7 +345,9 @@ class Runner:
             code, calls = rng.choice(cal.hook_points(window))
             n = rng.randint(1, calls)
             injector = Hook(cal, code, n, window, windows)
-            out.params["at"] = f"{code.co_qualname} ({os.path.basename(code.co_filename)}), call {n} of {calls}"
+            out.params["at"] = (
+                f"{code.co_qualname} ({os.path.basename(code.co_filename)}), call {n} of {calls}"
+            )
         else:
             delay = rng.random() * cal.durations.get(window, 0.01)
             injector = Timer(delay, window)
@@ -318,7 +366,8 @@ class Runner:
                     script(engine, ga, ckdir, windows)
                     if isinstance(injector, Timer):
                         injector.wait()
-                    time.sleep(0.3)  # a signal sent at the very end lands here, still inside the try
+                    # a signal sent at the very end lands here, still inside the try
+                    time.sleep(0.3)
                 finally:
                     injector.remove()
             except KeyboardInterrupt:
@@ -326,41 +375,70 @@ class Runner:
         discarded = any("discarded" in str(w.message) for w in said)
         out.params["fired"] = injector.fired
         if caught is None:
-            out.result, out.why = UNCLEAR, f"SIGINT sent ({injector.fired}) but no KeyboardInterrupt reached the script"
+            out.result, out.why = (
+                UNCLEAR,
+                f"SIGINT sent ({injector.fired}) but no KeyboardInterrupt reached the script",
+            )
             engine.destroy()
             return
-        out.notes.append(f"KeyboardInterrupt in {caught}; engine at global step {engine.global_steps}")
+        out.notes.append(
+            f"KeyboardInterrupt in {caught}; engine at global step {engine.global_steps}"
+        )
         try:  # what the script's except KeyboardInterrupt: does
             engine.save_checkpoint(ckdir)
         except Exception as exc:  # noqa: BLE001
-            out.result, out.why = LOST, f"the save after the KeyboardInterrupt failed: {type(exc).__name__}: {exc}"
+            out.result, out.why = (
+                LOST,
+                f"the save after the KeyboardInterrupt failed: {type(exc).__name__}: {exc}",
+            )
             return
         problems = []
         resumed = _engine(ga, seed=1)
         try:
             resumed.load_checkpoint(ckdir)
         except Exception as exc:  # noqa: BLE001
-            out.result, out.why = LOST, f"the checkpoint saved after the interrupt does not load: {exc}"
+            out.result, out.why = (
+                LOST,
+                f"the checkpoint saved after the interrupt does not load: {exc}",
+            )
             return
         problems.append(check_at(ref, resumed, "the resumed engine"))
-        problems.append(finish_and_check(ref, resumed, ga, os.path.join(folder, "after"), "the resumed run's end"))
-        # In place, the engine's counters tell the script where to go on, except after a KeyboardInterrupt that came
-        # between a backward() and the step() counting it (in backward(), or in step() before it counted): whether
-        # that micro-step's gradient is in the window is not visible to the script (as with DeepSpeed, or with
-        # loss.backward() before optimizer.step() in PyTorch). The resume from the checkpoint is checked either way.
-        uncounted = caught[0] in ("backward", "step") and engine.micro_steps <= caught[1] \
-            if isinstance(caught, tuple) else False
+        problems.append(
+            finish_and_check(
+                ref, resumed, ga, os.path.join(folder, "after"), "the resumed run's end"
+            )
+        )
+        # In place, the engine's counters tell the script where to go on, except after a
+        # KeyboardInterrupt that came between a backward() and the step() counting it (in
+        # backward(), or in step() before it counted): whether that micro-step's gradient is in the
+        # window is not visible to the script (as with DeepSpeed, or with loss.backward() before
+        # optimizer.step() in PyTorch). The resume from the checkpoint is checked either way.
+        uncounted = (
+            caught[0] in ("backward", "step") and engine.micro_steps <= caught[1]
+            if isinstance(caught, tuple)
+            else False
+        )
         if uncounted or (discarded and engine.window_micro_steps):
-            out.notes.append(f"in-place run not checked: interrupted in {caught[0]}() of micro-step {caught[1]} before "
-                             "step() counted it")
+            out.notes.append(
+                f"in-place run not checked: interrupted in {caught[0]}() of micro-step {caught[1]} "
+                "before "
+                "step() counted it"
+            )
         else:
-            problems.append(finish_and_check(ref, engine, ga, os.path.join(folder, "in-place"),
-                                             "the interrupted engine, trained on in place"))
+            problems.append(
+                finish_and_check(
+                    ref,
+                    engine,
+                    ga,
+                    os.path.join(folder, "in-place"),
+                    "the interrupted engine, trained on in place",
+                )
+            )
         resumed.destroy(), engine.destroy()
         problems = [x for x in problems if x]
         out.result, out.why = (SILENT, "; ".join(problems)) if problems else (OK, "")
 
-    # ------------------------------------------------------------------------------------------ disk
+    # ----------------------------------------------------------------------------------------- disk
     def case_disk(self, out: Outcome, p: dict, folder: str) -> None:
         ga = p["ga"]
         ref = self.reference(ga)
@@ -377,11 +455,14 @@ class Runner:
                     ids = batches[g * ga + k]
                     engine.backward(engine(input_ids=ids, labels=ids).loss)
                     engine.step()
+
         train(p["before"])
         engine.save_checkpoint(ckdir, tag=tag(engine.global_steps))
         previous = engine.global_steps
         train(p["between"])
-        total = _bytes_of_a_save(engine, ckdir, os.path.join(folder, "measure"), tag(engine.global_steps))
+        total = _bytes_of_a_save(
+            engine, ckdir, os.path.join(folder, "measure"), tag(engine.global_steps)
+        )
         budget = rng.randrange(total)
         out.params["budget"] = f"{budget} of {total} bytes"
         disk = FullDisk(budget)
@@ -391,25 +472,41 @@ class Runner:
             error = None
         except Exception as exc:  # noqa: BLE001
             error = exc
-        out.params["failed_writing"] = disk.failed_path and os.path.relpath(disk.failed_path, folder)
+        out.params["failed_writing"] = disk.failed_path and os.path.relpath(
+            disk.failed_path, folder
+        )
         problems, unclear = [], []
         if error is None:
             unclear.append(f"the save succeeded although the write of {disk.failed_path} failed")
         elif not isinstance(error, OSError):
             unclear.append(f"{type(error).__name__}, not an OSError: {error}")
         elif disk.failed_path and os.path.basename(disk.failed_path) not in str(error):
-            unclear.append(f"the error does not name the file ({os.path.basename(disk.failed_path)}): {error}")
+            unclear.append(
+                f"the error does not name the file ({os.path.basename(disk.failed_path)}): {error}"
+            )
         loaded = _engine(ga, seed=1)
         try:
             loaded.load_checkpoint(ckdir, tag=tag(previous) if p["same_tag"] else None)
         except Exception as exc:  # noqa: BLE001
-            out.result, out.why = LOST, f"after the failed save, the previous checkpoint does not load: {exc}"
+            out.result, out.why = (
+                LOST,
+                f"after the failed save, the previous checkpoint does not load: {exc}",
+            )
             return
         if loaded.global_steps not in (previous, engine.global_steps):
-            problems.append(f"after the failed save, the checkpoint loads global step {loaded.global_steps}")
+            problems.append(
+                f"after the failed save, the checkpoint loads global step {loaded.global_steps}"
+            )
         problems.append(check_at(ref, loaded, "the checkpoint loaded after the failed save"))
-        problems.append(finish_and_check(ref, engine, ga, os.path.join(folder, "after"),
-                                         "the engine whose save failed, trained on"))
+        problems.append(
+            finish_and_check(
+                ref,
+                engine,
+                ga,
+                os.path.join(folder, "after"),
+                "the engine whose save failed, trained on",
+            )
+        )
         engine.save_checkpoint(ckdir)  # the disk has room again
         again = _engine(ga, seed=2)
         try:
@@ -427,7 +524,7 @@ class Runner:
         else:
             out.result, out.why = OK, ""
 
-    # ------------------------------------------------------------------------------------------ corrupt
+    # -------------------------------------------------------------------------------------- corrupt
     def case_corrupt(self, out: Outcome, p: dict, folder: str) -> None:
         ga = p["ga"]
         ref = self.reference(ga)
@@ -444,14 +541,18 @@ class Runner:
         engine.save_checkpoint(ckdir)
         engine.destroy()
         tag_dir = os.path.join(ckdir, open(os.path.join(ckdir, "latest")).read())
-        files = sorted(os.path.join(tag_dir, n) for n in os.listdir(tag_dir)) + [os.path.join(ckdir, "latest")]
+        files = sorted(os.path.join(tag_dir, n) for n in os.listdir(tag_dir)) + [
+            os.path.join(ckdir, "latest")
+        ]
         path = rng.choice(files)
         data = bytearray(open(path, "rb").read())
         offset, mask = rng.randrange(len(data)), rng.randrange(1, 256)
         data[offset] ^= mask
         with open(path, "wb") as f:
             f.write(bytes(data))
-        out.params["flipped"] = f"{os.path.relpath(path, ckdir)} byte {offset} of {len(data)} ^ {mask:#04x}"
+        out.params["flipped"] = (
+            f"{os.path.relpath(path, ckdir)} byte {offset} of {len(data)} ^ {mask:#04x}"
+        )
         target = _engine(ga, seed=2)
         ids = batches[0]
         target.backward(target(input_ids=ids, labels=ids).loss)
@@ -463,25 +564,49 @@ class Runner:
             changed = compare_snapshots(before, snapshot(target))
             if changed:
                 out.result = SILENT
-                out.why = f"the load refused ({type(exc).__name__}) but changed the engine: {changed}"
+                out.why = (
+                    f"the load refused ({type(exc).__name__}) but changed the engine: {changed}"
+                )
             elif os.path.basename(path) not in str(exc):
-                out.result, out.why = UNCLEAR, f"refused without naming {os.path.basename(path)}: " \
-                                               f"{type(exc).__name__}: {exc}"
+                out.result, out.why = (
+                    UNCLEAR,
+                    f"refused without naming {os.path.basename(path)}: {type(exc).__name__}: {exc}",
+                )
             else:
                 out.result, out.why = OK, f"refused: {type(exc).__name__}"
             target.destroy()
             return
         problem = check_at(ref, target, "a load of the corrupted checkpoint")
         if problem is None and target.global_steps != p["steps"]:
-            problem = f"a load of the corrupted checkpoint gave global step {target.global_steps}, saved {p['steps']}"
-        out.result, out.why = (SILENT, problem) if problem else (OK, "loaded: the flipped byte changes nothing loaded")
+            problem = (
+                f"a load of the corrupted checkpoint gave global step {target.global_steps}, saved "
+                f"{p['steps']}"
+            )
+        out.result, out.why = (
+            (SILENT, problem)
+            if problem
+            else (OK, "loaded: the flipped byte changes nothing loaded")
+        )
         target.destroy()
 
-    # ------------------------------------------------------------------------------------------ rank
+    # ----------------------------------------------------------------------------------------- rank
     def case_rank(self, out: Outcome, p: dict, folder: str) -> None:
         victim, survivor = p["victim"], 1 - p["victim"]
-        procs, logs = launch_pair(folder, ["--timeout", str(RANK_TIMEOUT_S), "--fault", p["fault"], "--at", p["at"],
-                                           "--victim", str(victim), "--fault-step", "1"])
+        procs, logs = launch_pair(
+            folder,
+            [
+                "--timeout",
+                str(RANK_TIMEOUT_S),
+                "--fault",
+                p["fault"],
+                "--at",
+                p["at"],
+                "--victim",
+                str(victim),
+                "--fault-step",
+                "1",
+            ],
+        )
         records = {}
         for r in (0, 1):
             try:
@@ -491,33 +616,58 @@ class Runner:
                 records[r] = None
         codes = {r: proc.returncode for r, proc in procs.items()}
         out.notes.append(f"exit codes {codes}")
-        hung = [r for r, proc in procs.items() if proc.returncode is None or proc.returncode in (-9, 124)]
+        hung = [
+            r
+            for r, proc in procs.items()
+            if proc.returncode is None or proc.returncode in (-9, 124)
+        ]
         if hung:
-            out.result, out.why = LOST, f"rank(s) {hung} did not exit within {RANK_PROCESS_TIMEOUT_S:.0f} s (killed)"
+            out.result, out.why = (
+                LOST,
+                f"rank(s) {hung} did not exit within {RANK_PROCESS_TIMEOUT_S:.0f} s (killed)",
+            )
             out.notes.append(_tail(logs[hung[0]]))
             return
         rec = records[survivor]
         fault_at = (records[victim] or {}).get("events", {}).get("fault")
         if rec is None or fault_at is None:
-            out.result, out.why = UNCLEAR, f"no record of the fault (survivor {rec is not None}, fault {fault_at})"
+            out.result, out.why = (
+                UNCLEAR,
+                f"no record of the fault (survivor {rec is not None}, fault {fault_at})",
+            )
             out.notes.append(_tail(logs[survivor]))
             return
         error = rec["error"]
         if error is None or codes[survivor] == 0:
-            out.result, out.why = SILENT, f"rank {survivor} went on without rank {victim} (finished: {rec['finished']})"
+            out.result, out.why = (
+                SILENT,
+                f"rank {survivor} went on without rank {victim} (finished: {rec['finished']})",
+            )
             return
         latency = error["time"] - fault_at
         out.params["latency_s"] = round(latency, 2)
         first = error["message"].splitlines()[0] if error["message"] else ""
         bound = RANK_TIMEOUT_S + RANK_BOUND_S
         if error["type"] != "CollectiveError":
-            out.result, out.why = UNCLEAR, f"rank {survivor} raised {error['type']}, not CollectiveError: {first}"
+            out.result, out.why = (
+                UNCLEAR,
+                f"rank {survivor} raised {error['type']}, not CollectiveError: {first}",
+            )
         elif victim not in (error.get("missing") or []) or f"rank {victim}" not in error["message"]:
-            out.result, out.why = UNCLEAR, f"rank {survivor}'s error does not name rank {victim}: {first}"
+            out.result, out.why = (
+                UNCLEAR,
+                f"rank {survivor}'s error does not name rank {victim}: {first}",
+            )
         elif latency > bound:
-            out.result, out.why = UNCLEAR, f"rank {survivor} raised {latency:.1f} s after the fault (bound {bound:g} s)"
+            out.result, out.why = (
+                UNCLEAR,
+                f"rank {survivor} raised {latency:.1f} s after the fault (bound {bound:g} s)",
+            )
         elif p["fault"] == "stall" and codes[victim] == 0:
-            out.result, out.why = SILENT, f"the stalled rank {victim} went on and finished without its peer"
+            out.result, out.why = (
+                SILENT,
+                f"the stalled rank {victim} went on and finished without its peer",
+            )
         else:
             out.result, out.why = OK, first[:200]
 
@@ -530,10 +680,10 @@ def _tail(path: str, n: int = 1500) -> str:
         return ""
 
 
-# ============================================================================================ a full disk
+# ====================================================================================== a full disk
 class _FullFile:
-    """A file object whose writes spend the disk's budget; past it, ``OSError(ENOSPC)`` (as write(2) gives it:
-    no file name in the error)."""
+    """A file object whose writes spend the disk's budget; past it, ``OSError(ENOSPC)`` (as write(2)
+    gives it: no file name in the error)."""
 
     def __init__(self, f, disk: "FullDisk", path: str) -> None:
         self._f, self._disk, self._path = f, disk, path
@@ -563,8 +713,8 @@ class _FullFile:
 
 
 class FullDisk:
-    """While active, every file opened for writing (``open``; ``shutil``'s copies go through it, not sendfile) has
-    ``budget`` bytes in all; ``os.posix_fallocate`` beyond it fails too."""
+    """While active, every file opened for writing (``open``; ``shutil``'s copies go through it, not
+    sendfile) has ``budget`` bytes in all; ``os.posix_fallocate`` beyond it fails too."""
 
     def __init__(self, budget: float) -> None:
         self.left, self.written, self.failed_path = budget, 0, None
@@ -582,7 +732,8 @@ class FullDisk:
 
         def fallocate(fd, offset, length):
             if disk.left < length:
-                try:  # the file behind the descriptor (Linux), so the check can ask the error to name it
+                # the file behind the descriptor (Linux), so the check can ask the error to name it
+                try:
                     where = os.readlink(f"/proc/self/fd/{fd}")
                 except OSError:
                     where = f"fd {fd}"
@@ -590,6 +741,7 @@ class FullDisk:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             disk.left -= length
             return disk._fallocate(fd, offset, length)
+
         builtins.open = open_
         if self._fallocate is not None:
             os.posix_fallocate = fallocate
@@ -605,7 +757,8 @@ class FullDisk:
 
 
 def _bytes_of_a_save(engine, ckdir: str, folder: str, tag) -> int:
-    """What a save of ``engine`` into ``ckdir`` writes (through ``open``), measured on a copy of ``ckdir``."""
+    """What a save of ``engine`` into ``ckdir`` writes (through ``open``), measured on a copy of
+    ``ckdir``."""
     shutil.copytree(ckdir, folder)
     disk = FullDisk(float("inf"))
     with disk:
@@ -614,27 +767,40 @@ def _bytes_of_a_save(engine, ckdir: str, folder: str, tag) -> int:
     return disk.written
 
 
-# ============================================================================================ snapshots
+# ======================================================================================== snapshots
 def snapshot(engine) -> dict:
     """Everything a load may write, copied."""
     engine.sync_masters_to_host()
     res = engine.resident
-    return {"masters": weights(engine), "exp_avg": engine.store.exp_avg.clone(),
-            "exp_avg_sq": engine.store.exp_avg_sq.clone(),
-            "resident": [None if t is None else t.clone() for t in res.exp_avg + res.exp_avg_sq],
-            "counters": (engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps,
-                         engine.optimizer.step_count),
-            "lr": engine.get_lr(), "scheduler": engine.lr_scheduler.state_dict()}
+    return {
+        "masters": weights(engine),
+        "exp_avg": engine.store.exp_avg.clone(),
+        "exp_avg_sq": engine.store.exp_avg_sq.clone(),
+        "resident": [None if t is None else t.clone() for t in res.exp_avg + res.exp_avg_sq],
+        "counters": (
+            engine.global_steps,
+            engine.global_samples,
+            engine.micro_steps,
+            engine.skipped_steps,
+            engine.optimizer.step_count,
+        ),
+        "lr": engine.get_lr(),
+        "scheduler": engine.lr_scheduler.state_dict(),
+    }
 
 
 def compare_snapshots(a: dict, b: dict) -> str:
     import torch
 
     changed = [k for k in a["masters"] if not torch.equal(a["masters"][k], b["masters"][k])]
-    if not (torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])):
+    if not (
+        torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    ):
         changed.append("Adam moments")
-    if any((x is None) != (y is None) or (x is not None and not torch.equal(x, y))
-           for x, y in zip(a["resident"], b["resident"])):
+    if any(
+        (x is None) != (y is None) or (x is not None and not torch.equal(x, y))
+        for x, y in zip(a["resident"], b["resident"])
+    ):
         changed.append("resident moments")
     for key in ("counters", "lr", "scheduler"):
         if a[key] != b[key]:
@@ -642,7 +808,7 @@ def compare_snapshots(a: dict, b: dict) -> str:
     return ", ".join(changed)
 
 
-# ============================================================================================ driving
+# ========================================================================================== driving
 def child_main(seed: int, first: int, last: int, workdir: str, kinds) -> None:
     """Run cases [first, last) here, one line per case on stdout (``PREFIX`` + JSON)."""
     import warnings
@@ -655,10 +821,17 @@ def child_main(seed: int, first: int, last: int, workdir: str, kinds) -> None:
         print(PREFIX + json.dumps(asdict(outcome)), flush=True)
 
 
-def run(cases: int, seed: int, kinds=KINDS, workdir: str | None = None, verbose: bool = False,
-        log=None, start: int = 0) -> list[Outcome]:
-    """Cases ``start`` .. ``start + cases - 1`` of ``seed``, in child processes (see the module note); their
-    outcomes."""
+def run(
+    cases: int,
+    seed: int,
+    kinds=KINDS,
+    workdir: str | None = None,
+    verbose: bool = False,
+    log=None,
+    start: int = 0,
+) -> list[Outcome]:
+    """Cases ``start`` .. ``start + cases - 1`` of ``seed``, in child processes (see the module
+    note); their outcomes."""
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="fault-driver-")
     outcomes: list[Outcome] = []
@@ -674,37 +847,78 @@ def run(cases: int, seed: int, kinds=KINDS, workdir: str | None = None, verbose:
 
 
 def _run_child(first, last, seed, kinds, workdir, verbose, log) -> list[Outcome]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (REPO, os.environ.get("PYTHONPATH", "")) if x),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), CUDA_VISIBLE_DEVICES="")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(x for x in (REPO, os.environ.get("PYTHONPATH", "")) if x),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+        CUDA_VISIBLE_DEVICES="",
+    )
     stderr_path = os.path.join(workdir, f"child-{first}.log")
     with open(stderr_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.fault_driver", "--child", "--seed", str(seed),
-                                 "--first", str(first), "--cases", str(last), "--workdir", workdir,
-                                 "--kinds", ",".join(kinds)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=err, text=True, bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.fault_driver",
+                "--child",
+                "--seed",
+                str(seed),
+                "--first",
+                str(first),
+                "--cases",
+                str(last),
+                "--workdir",
+                workdir,
+                "--kinds",
+                ",".join(kinds),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
     outcomes, current, buffer = [], first, ""
     deadline = time.monotonic() + CASE_TIMEOUT_S
     try:
         while True:
-            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            ready, _, _ = select.select(
+                [proc.stdout], [], [], max(0.0, deadline - time.monotonic())
+            )
             if not ready:  # no progress: the case hangs
                 kind, params = plan(seed, current, kinds)
-                outcome = Outcome(current, kind, params, LOST, f"no progress within {CASE_TIMEOUT_S:.0f} s: the "
-                                  "case hung (killed)", CASE_TIMEOUT_S, [_tail(stderr_path)])
+                outcome = Outcome(
+                    current,
+                    kind,
+                    params,
+                    LOST,
+                    f"no progress within {CASE_TIMEOUT_S:.0f} s: the case hung (killed)",
+                    CASE_TIMEOUT_S,
+                    [_tail(stderr_path)],
+                )
                 _report(outcome, verbose, log)
                 return outcomes + [outcome]
             line = proc.stdout.readline()
             if not line:  # the child ended
                 if len(outcomes) < last - first:
                     kind, params = plan(seed, current, kinds)
-                    outcome = Outcome(current, kind, params, LOST, f"the case's process died (exit "
-                                      f"{proc.wait()}): a crash loses the run", 0.0, [_tail(stderr_path)])
+                    outcome = Outcome(
+                        current,
+                        kind,
+                        params,
+                        LOST,
+                        f"the case's process died (exit {proc.wait()}): a crash loses the run",
+                        0.0,
+                        [_tail(stderr_path)],
+                    )
                     _report(outcome, verbose, log)
                     outcomes.append(outcome)
                 return outcomes
             if not line.startswith(PREFIX):
                 continue
-            message = json.loads(line[len(PREFIX):])
+            message = json.loads(line[len(PREFIX) :])
             if "start" in message:
                 current, deadline = message["start"], time.monotonic() + CASE_TIMEOUT_S
                 continue
@@ -723,8 +937,11 @@ def _report(outcome: Outcome, verbose: bool, log) -> None:
         log.flush()
     if verbose or outcome.result != OK:
         params = {k: v for k, v in outcome.params.items() if k != "draw"}
-        print(f"case {outcome.case:4d} {outcome.kind:7s} {outcome.result:7s} {outcome.seconds:6.1f}s {params}"
-              + (f"\n    {outcome.why}" if outcome.why else ""), flush=True)
+        print(
+            f"case {outcome.case:4d} {outcome.kind:7s} {outcome.result:7s} {outcome.seconds:6.1f}s "
+            f"{params}" + (f"\n    {outcome.why}" if outcome.why else ""),
+            flush=True,
+        )
         if outcome.result != OK:
             for note in outcome.notes:
                 print("    | " + str(note).replace("\n", "\n    | "), flush=True)
@@ -744,19 +961,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
-    parser.add_argument("--verbose", action="store_true", help="a line for every case, not only the others")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS)
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="a line for every case, not only the others"
+    )
     parser.add_argument("--log", default=None, help="write every outcome here (JSON lines)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--first", type=int, default=0, help="the first case's index (to run one case again)")
+    parser.add_argument(
+        "--first", type=int, default=0, help="the first case's index (to run one case again)"
+    )
     args = parser.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = set(kinds) - set(KINDS)
     if unknown:
         parser.error(f"unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
     if args.child:
-        child_main(args.seed, args.first, args.cases, args.workdir, kinds)  # (--cases: the end, here)
+        # (--cases: the end, here)
+        child_main(args.seed, args.first, args.cases, args.workdir, kinds)
         return 0
     start = time.monotonic()
     log = open(args.log, "w") if args.log else None
@@ -766,8 +990,10 @@ def main(argv=None) -> int:
         if log is not None:
             log.close()
     counts = summary(outcomes)
-    print(f"fault driver: seed {args.seed}, {counts['cases']} cases in {time.monotonic() - start:.0f} s: "
-          + ", ".join(f"{r} {counts[r]}" for r in RESULTS))
+    print(
+        f"fault driver: seed {args.seed}, {counts['cases']} cases in {time.monotonic() - start:.0f}"
+        " s: " + ", ".join(f"{r} {counts[r]}" for r in RESULTS)
+    )
     for kind, c in sorted(counts["by_kind"].items()):
         print(f"  {kind:8s} " + ", ".join(f"{r} {c[r]}" for r in RESULTS))
     return 0 if counts[LOST] == counts[SILENT] == 0 else 1

@@ -1,27 +1,36 @@
-"""The fault driver's training script and its reference run (tests/fault_driver.py drives faults into it): the
-user's loop (``script``) on a tiny Llama with clipping, a warm-up schedule and a periodic checkpoint, the engine call
-it is in (``Windows``), and the uninterrupted run every outcome is compared with (``Reference``, ``check_at``)."""
+"""The fault driver's training script and its reference run (tests/fault_driver.py drives faults
+into it): the user's loop (``script``) on a tiny Llama with clipping, a warm-up schedule and a
+periodic checkpoint, the engine call it is in (``Windows``), and the uninterrupted run every outcome
+is compared with (``Reference``, ``check_at``)."""
+
 from __future__ import annotations
 
 import tempfile
 
 STEPS = 4  # optimizer steps of the script
 SAVE_AT = 2  # the script's periodic checkpoint, after this many steps
-ATOL = 1e-6  # weights "equal": speculative steps rolled back are exact only to a few ulps (speculation.py)
+# weights "equal": speculative steps rolled back are exact only to a few ulps (speculation.py)
+ATOL = 1e-6
 
 
 def _config(ga: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 3}},
-            "megatrain": {"check_recompute": False}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 3}},
+        "megatrain": {"check_recompute": False},
+    }
 
 
 def _engine(ga: int, seed: int = 0):
     import megatrain_ds
     from tests.models import tiny_hf
 
-    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", tied=False, seed=seed), config=_config(ga))
+    engine, *_ = megatrain_ds.initialize(
+        model=tiny_hf("llama", tied=False, seed=seed), config=_config(ga)
+    )
     return engine
 
 
@@ -32,7 +41,8 @@ def _batches(ga: int):
 
 
 class Windows:
-    """Which engine call the script is in (``(phase, micro-step)``), for the hooks, timers and calibration."""
+    """Which engine call the script is in (``(phase, micro-step)``), for the hooks, timers and
+    calibration."""
 
     def __init__(self) -> None:
         self.current = self.interrupted_in = None
@@ -54,9 +64,9 @@ class Windows:
 
 
 def script(engine, ga: int, ckdir: str, windows: Windows | None = None, after_step=None) -> None:
-    """The user's loop, from the engine's own counters (micro-batch ``engine.micro_steps`` next: a resumed engine
-    starts at the first micro-step of its window): forward, backward, step per micro-batch; a checkpoint after
-    ``SAVE_AT`` steps."""
+    """The user's loop, from the engine's own counters (micro-batch ``engine.micro_steps`` next: a
+    resumed engine starts at the first micro-step of its window): forward, backward, step per
+    micro-batch; a checkpoint after ``SAVE_AT`` steps."""
     windows = windows or Windows()
     batches = _batches(ga)
     for m in range(engine.micro_steps, STEPS * ga):
@@ -83,7 +93,8 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 class Reference:
-    """The uninterrupted run: weights and learning rate after every global step (index 0: the initial ones)."""
+    """The uninterrupted run: weights and learning rate after every global step (index 0: the
+    initial ones)."""
 
     def __init__(self, ga: int, workdir: str) -> None:
         engine = _engine(ga)
@@ -92,6 +103,7 @@ class Reference:
         def record(e):
             self.weights.append(weights(e))
             self.lr.append(e.get_lr())
+
         script(engine, ga, tempfile.mkdtemp(dir=workdir), after_step=record)
         engine.destroy()
 
@@ -103,8 +115,8 @@ class Reference:
 
 
 def check_at(ref: Reference, engine, what: str) -> str | None:
-    """None when ``engine``'s weights, counters and learning rate are the reference's at its global step; else what
-    differs."""
+    """None when ``engine``'s weights, counters and learning rate are the reference's at its global
+    step; else what differs."""
     g = engine.global_steps
     if not 0 <= g <= STEPS:
         return f"{what}: global_steps {g} outside the run"
@@ -112,18 +124,25 @@ def check_at(ref: Reference, engine, what: str) -> str | None:
     diff = max_diff(w, ref.weights[g])
     if diff > ATOL:
         near, near_diff = ref.step_of(w)
-        return (f"{what}: global_steps {g} but the weights differ from the reference's at step {g} by {diff:.3g} "
-                f"(closest: step {near}, {near_diff:.3g})")
+        return (
+            f"{what}: global_steps {g} but the weights differ from the reference's at step {g} by "
+            f"{diff:.3g} "
+            f"(closest: step {near}, {near_diff:.3g})"
+        )
     if engine.optimizer.step_count != g:
         return f"{what}: global_steps {g} but Adam's step count is {engine.optimizer.step_count}"
     if engine.get_lr() != ref.lr[g]:
         return f"{what}: lr {engine.get_lr()} at step {g}, the reference's {ref.lr[g]}"
     if engine.micro_steps != g * engine.gradient_accumulation_steps():
-        return f"{what}: micro_steps {engine.micro_steps} at step {g} (GA {engine.gradient_accumulation_steps()})"
+        return (
+            f"{what}: micro_steps {engine.micro_steps} at step {g} (GA "
+            f"{engine.gradient_accumulation_steps()})"
+        )
     return None
 
 
 def finish_and_check(ref: Reference, engine, ga: int, ckdir: str, what: str) -> str | None:
-    """Train ``engine`` on from its counters to the end of the script: the reference's final state?"""
+    """Train ``engine`` on from its counters to the end of the script: the reference's final
+    state?"""
     script(engine, ga, ckdir)
     return check_at(ref, engine, what)

@@ -1,25 +1,30 @@
-"""Run a script as N ranks of one node, forked from one process that imported the heavy libraries once.
+"""Run a script as N ranks of one node, forked from one process that imported the heavy libraries
+once.
 
     python -m tests.fork_launch NPROC SCRIPT [ARGS...]
 
-Why: on the 2-core CI machine a Python process that imports torch, a transformers model class and megatrain_ds
-spends 8-10 CPU-seconds on imports alone, and the suite's multi-rank numerics tests (tests/integration/test_dp.py
-and the files that use its ``run``) launched about twenty 2-rank runs through torchrun: an agent process plus two
-ranks each importing everything. Here the imports happen once and each rank is a ``fork`` of that process (as a
-DataLoader worker is), with the environment torchrun gives a rank on one node (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT). The script then runs as ``__main__`` and the rank exits as
-a process does (atexit handlers, interpreter finalization). The real launchers themselves (torchrun, the deepspeed
-launcher, accelerate launch) are still tested as users run them: tests/integration/test_dp_launchers.py.
+Why: on the 2-core CI machine a Python process that imports torch, a transformers model class and
+megatrain_ds spends 8-10 CPU-seconds on imports alone, and the suite's multi-rank numerics tests
+(tests/integration/test_dp.py and the files that use its ``run``) launched about twenty 2-rank runs
+through torchrun: an agent process plus two ranks each importing everything. Here the imports happen
+once and each rank is a ``fork`` of that process (as a DataLoader worker is), with the environment
+torchrun gives a rank on one node (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT). The script then runs as ``__main__`` and the rank exits as a process does
+(atexit handlers, interpreter finalization). The real launchers themselves (torchrun, the deepspeed
+launcher, accelerate launch) are still tested as users run them:
+tests/integration/test_dp_launchers.py.
 
-As torchrun does, the first rank to fail stops the others (SIGTERM), and the exit status is the first failure's
-(a rank killed by a signal: 128 + its number).
+As torchrun does, the first rank to fail stops the others (SIGTERM), and the exit status is the
+first failure's (a rank killed by a signal: 128 + its number).
 
-``warm_run`` goes one step further for the CPU runs of one pytest worker: a server process (``--serve``) imports the
-libraries once per worker, and each launch is forked from it (its ranks forked again as above), with the launch's
-own environment, working folder and log files; the launch then exits as a process does. A launch whose environment
-differs from the server's in what the imports read (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, PYTHONPATH,
-DS_ACCELERATOR) runs as a fresh ``python -m tests.fork_launch`` instead.
+``warm_run`` goes one step further for the CPU runs of one pytest worker: a server process
+(``--serve``) imports the libraries once per worker, and each launch is forked from it (its ranks
+forked again as above), with the launch's own environment, working folder and log files; the launch
+then exits as a process does. A launch whose environment differs from the server's in what the
+imports read (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, PYTHONPATH, DS_ACCELERATOR) runs as a fresh
+``python -m tests.fork_launch`` instead.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -35,8 +40,16 @@ import sys
 import tempfile
 import traceback
 
-PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.qwen2.modeling_qwen2",
-           "transformers.models.llama.modeling_llama", "deepspeed", "megatrain_ds", "peft")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.llama.modeling_llama",
+    "deepspeed",
+    "megatrain_ds",
+    "peft",
+)
 
 
 def _free_port() -> int:
@@ -46,8 +59,16 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> int:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                      GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     sys.argv = [script, *args]
     try:
         runpy.run_path(script, run_name="__main__")
@@ -78,7 +99,8 @@ def main(argv: list[str]) -> int:
 
 
 def _ranks(nproc: int, script: str, args: list[str]) -> int:
-    """The script as ``nproc`` forked ranks of one node (one: run here, as a plain process would)."""
+    """The script as ``nproc`` forked ranks of one node (one: run here, as a plain process
+    would)."""
     if nproc == 1:
         sys.argv = [script, *args]
         runpy.run_path(script, run_name="__main__")
@@ -89,7 +111,8 @@ def _ranks(nproc: int, script: str, args: list[str]) -> int:
     children = []
     for rank in range(nproc):
         pid = os.fork()
-        if pid == 0:  # the rank: leaves through SystemExit, so the interpreter exits as a process's does
+        # the rank: leaves through SystemExit, so the interpreter exits as a process's does
+        if pid == 0:
             sys.exit(_rank(rank, nproc, port, script, args))
         children.append(pid)
     status, alive = 0, set(children)
@@ -108,14 +131,15 @@ def _ranks(nproc: int, script: str, args: list[str]) -> int:
     return status
 
 
-# ------------------------------------------------------------------------------------------- the warm server
+# ---------------------------------------------------------------------------------- the warm server
 IMPORT_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH", "DS_ACCELERATOR")
 
 
 def _serve() -> int:
-    """One JSON request per stdin line: {nproc, script, args, env, cwd, stdout, stderr}. Each launch is forked (its
-    own session, so the client can stop it whole), told {"pid"}, then waited for: {"rc"}. EOF ends the server.
-    The replies go to the pipe that was stdout; stdout itself goes to stderr (the imports print: DeepSpeed's logs)."""
+    """One JSON request per stdin line: {nproc, script, args, env, cwd, stdout, stderr}. Each launch
+    is forked (its own session, so the client can stop it whole), told {"pid"}, then waited for:
+    {"rc"}. EOF ends the server. The replies go to the pipe that was stdout; stdout itself goes to
+    stderr (the imports print: DeepSpeed's logs)."""
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     _preload()
@@ -124,7 +148,8 @@ def _serve() -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:  # the launch: leaves through SystemExit, so the interpreter exits as a process's does
+        # the launch: leaves through SystemExit, so the interpreter exits as a process's does
+        if pid == 0:
             reply.close()
             os.setsid()
             os.environ.clear()
@@ -159,23 +184,29 @@ _SERVER: dict = {}
 
 
 def _server(env: dict) -> subprocess.Popen | None:
-    """This process's warm server for ``env`` (started on first use), or None where ``env`` needs a fresh one."""
+    """This process's warm server for ``env`` (started on first use), or None where ``env`` needs a
+    fresh one."""
     key = tuple(env.get(k) for k in IMPORT_ENV)
     if _SERVER and _SERVER["key"] != key:
         return None
     proc = _SERVER.get("proc")
     if proc is None or proc.poll() is not None:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.fork_launch", "--serve"], env=env, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.dirname(
-                                    os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fork_launch", "--serve"],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         _SERVER.update(key=key, proc=proc, buf=b"")
         atexit.register(proc.stdin.close)
     return proc
 
 
 def _reply(proc: subprocess.Popen, timeout: float) -> dict:
-    """The server's next line, read from its pipe's descriptor (not the buffered file: two lines can arrive in one
-    read), within ``timeout`` seconds."""
+    """The server's next line, read from its pipe's descriptor (not the buffered file: two lines can
+    arrive in one read), within ``timeout`` seconds."""
     fd = proc.stdout.fileno()
     while b"\n" not in _SERVER["buf"]:
         ready, _, _ = select.select([fd], [], [], timeout)
@@ -183,31 +214,56 @@ def _reply(proc: subprocess.Popen, timeout: float) -> dict:
             raise subprocess.TimeoutExpired("tests.fork_launch --serve", timeout)
         chunk = os.read(fd, 65536)
         if not chunk:
-            raise RuntimeError(f"the warm launch server exited (status {proc.wait()}); its stderr is the test's")
+            raise RuntimeError(
+                f"the warm launch server exited (status {proc.wait()}); its stderr is the test's"
+            )
         _SERVER["buf"] += chunk
     line, _, _SERVER["buf"] = _SERVER["buf"].partition(b"\n")
     return json.loads(line)
 
 
-def warm_run(nproc: int, script: str, args: list[str], env: dict, timeout: float = 900,
-             cwd: str | None = None) -> subprocess.CompletedProcess:
-    """``python -m tests.fork_launch NPROC SCRIPT ARGS`` (or ``python SCRIPT ARGS`` for one rank) with ``env``, as
-    ``subprocess.run(..., capture_output=True, text=True)`` returns it, forked from this process's warm server."""
+def warm_run(
+    nproc: int,
+    script: str,
+    args: list[str],
+    env: dict,
+    timeout: float = 900,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess:
+    """``python -m tests.fork_launch NPROC SCRIPT ARGS`` (or ``python SCRIPT ARGS`` for one rank)
+    with ``env``, as ``subprocess.run(..., capture_output=True, text=True)`` returns it, forked from
+    this process's warm server."""
     cmd = [sys.executable, "-m", "tests.fork_launch", str(nproc), script, *args]
     cwd = cwd or os.getcwd()
     server = _server(env)
     if server is None:
-        return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+        )
     with tempfile.TemporaryDirectory() as logs:
         out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
-        server.stdin.write(json.dumps({"nproc": nproc, "script": script, "args": list(args), "env": env,
-                                       "cwd": cwd, "stdout": out, "stderr": err}) + "\n")
+        server.stdin.write(
+            json.dumps(
+                {
+                    "nproc": nproc,
+                    "script": script,
+                    "args": list(args),
+                    "env": env,
+                    "cwd": cwd,
+                    "stdout": out,
+                    "stderr": err,
+                }
+            )
+            + "\n"
+        )
         server.stdin.flush()
         pid = _reply(server, 60)["pid"]
         try:
             rc = _reply(server, timeout)["rc"]
-        except BaseException:  # the time is up, or the test was stopped (Ctrl-C): the launch goes with it (its
-            try:               # own session got no SIGINT), and its {"rc"} is read so the next request gets its own
+        # the time is up, or the test was stopped (Ctrl-C): the launch goes with it (its
+        except BaseException:
+            # own session got no SIGINT), and its {"rc"} is read so the next request gets its own
+            try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass

@@ -1,4 +1,5 @@
 """Tiny model factories shared by the tests (random init, no downloads)."""
+
 import torch
 from torch import nn
 
@@ -9,24 +10,57 @@ def tiny_hf(arch: str, tied: bool = True, layers: int = 3, seed: int = 0) -> nn.
     torch.manual_seed(seed)
     common = dict(vocab_size=256, tie_word_embeddings=tied)
     if arch == "llama":
-        cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, **common)
+        cfg = tf.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
         return tf.LlamaForCausalLM(cfg)
     if arch == "qwen2":
-        cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, **common)
+        cfg = tf.Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
         return tf.Qwen2ForCausalLM(cfg)
     if arch == "qwen3":
-        cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, head_dim=16,
-                             num_attention_heads=4, num_key_value_heads=2, **common)
+        cfg = tf.Qwen3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            head_dim=16,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
         return tf.Qwen3ForCausalLM(cfg)
     if arch == "mistral":
-        cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                               num_attention_heads=4, num_key_value_heads=2, **common)
+        cfg = tf.MistralConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
         return tf.MistralForCausalLM(cfg)
     if arch == "gpt2":
-        cfg = tf.GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=64, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        cfg = tf.GPT2Config(
+            n_embd=64,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
         return tf.GPT2LMHeadModel(cfg)
     raise ValueError(arch)
 

@@ -1,17 +1,22 @@
-"""The DeepSpeed surface that published training scripts touch beyond ``initialize`` and the training calls.
+"""The DeepSpeed surface that published training scripts touch beyond ``initialize`` and the
+training calls.
 
-docs/deepspeed_surface.md is the survey behind this file: which scripts call what, and which test shows it.
+docs/deepspeed_surface.md is the survey behind this file: which scripts call what, and which test
+shows it.
 
-- ``EngineSurface``: engine attributes and methods (``tput_timer``, ``global_rank``, ``was_step_applied()``,
-  ``steps_per_print()``, ``_consolidated_16bit_state_dict()``, ``offload_states()``, one parameter's full fp32
-  state for ``deepspeed.utils.safe_get_full_*``, ...). ``MegaTrainEngine``
-  inherits it; the core engine file keeps only what the streaming engine itself needs.
+- ``EngineSurface``: engine attributes and methods (``tput_timer``, ``global_rank``,
+  ``was_step_applied()``, ``steps_per_print()``, ``_consolidated_16bit_state_dict()``,
+  ``offload_states()``, one parameter's full fp32 state for ``deepspeed.utils.safe_get_full_*``,
+  ...). ``MegaTrainEngine`` inherits it; the core engine file keeps only what the streaming engine
+  itself needs.
 - ``module_getattr``: names looked up on the module itself (``deepspeed.get_accelerator()``,
-  ``deepspeed.init_inference``, ...) when a script says ``import megatrain_ds as deepspeed``. Pure helpers are
-  DeepSpeed's own; what megatrain_ds cannot run raises AttributeError naming it and saying what to do.
-- ``adopt_zero3_model``: a model that real DeepSpeed's ``zero.Init`` already partitioned is made whole again
-  before the engine splits it.
+  ``deepspeed.init_inference``, ...) when a script says ``import megatrain_ds as deepspeed``. Pure
+  helpers are DeepSpeed's own; what megatrain_ds cannot run raises AttributeError naming it and
+  saying what to do.
+- ``adopt_zero3_model``: a model that real DeepSpeed's ``zero.Init`` already partitioned is made
+  whole again before the engine splits it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,13 +28,15 @@ from ..parallel import comm
 class EngineSurface:
     """DeepSpeed engine attributes beyond the training calls (a mixin of ``MegaTrainEngine``).
 
-    The parallel-rank queries answer for the run's processes (comm.py): every process is a data-parallel rank
-    (parallel/dp.py), so the data-parallel world is the whole world; there is no model, pipeline or sequence
-    parallelism (model-parallel rank 0 of 1, sequence-parallel size 1). Before ``torch.distributed`` exists they
-    answer from the launcher's environment (RANK, WORLD_SIZE).
+    The parallel-rank queries answer for the run's processes (comm.py): every process is a
+    data-parallel rank (parallel/dp.py), so the data-parallel world is the whole world; there is no
+    model, pipeline or sequence parallelism (model-parallel rank 0 of 1, sequence-parallel size 1).
+    Before ``torch.distributed`` exists they answer from the launcher's environment (RANK,
+    WORLD_SIZE).
     """
 
-    # The loader ``initialize(training_data=...)`` built (initialize sets it, as DeepSpeed's engine keeps it).
+    # The loader ``initialize(training_data=...)`` built (initialize sets it, as DeepSpeed's engine
+    # keeps it).
     training_dataloader = None
 
     # ------------------------------------------------------------------ throughput (DeepSpeed-Chat)
@@ -41,34 +48,38 @@ class EngineSurface:
             from .throughput import make_throughput_timer
 
             settings = self.config_settings
-            timer = make_throughput_timer(settings.raw, settings.train_batch_size, settings.steps_per_print)
+            timer = make_throughput_timer(
+                settings.raw, settings.train_batch_size, settings.steps_per_print
+            )
             self.__dict__["_tput_timer"] = timer
         return timer
 
     def _end_step_surface(self, boundary: bool) -> None:
-        """What DeepSpeed's ``step`` does last: stop the throughput timer (a global step at a boundary) and
-        record whether this call updated the weights (``was_step_applied``)."""
+        """What DeepSpeed's ``step`` does last: stop the throughput timer (a global step at a
+        boundary) and record whether this call updated the weights (``was_step_applied``)."""
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         skipped = self.optimizer is not None and getattr(self.optimizer, "last_step_skipped", False)
         self.__dict__["_step_applied"] = boundary and self.optimizer is not None and not skipped
 
     def scale(self, loss):
-        """DeepSpeed's ``engine.scale(loss)`` before a script's own ``loss.backward()``: the loss times the fp16 loss
-        scale (in bf16 and fp32 the loss itself); [Note: loss.backward()] in engine.py."""
+        """DeepSpeed's ``engine.scale(loss)`` before a script's own ``loss.backward()``: the loss
+        times the fp16 loss scale (in bf16 and fp32 the loss itself); [Note: loss.backward()] in
+        engine.py."""
         if self.optimizer is None:
             raise RuntimeError("engine.scale(loss) needs an optimizer (as DeepSpeed's does)")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
             raise ValueError("engine.scale(loss): the loss must be a scalar tensor with a grad_fn")
-        self.__dict__["_manual_scaled"] = True  # the next loss.backward() was scaled: fp16 allows it
-        scaler = self.config_settings.loss_scaler
+        # the next loss.backward() was scaled: fp16 allows it
+        self.__dict__["_manual_scaled"] = True
+        scaler = self.loss_scaler
         return loss * scaler.scale if scaler is not None else loss
 
     def was_step_applied(self) -> bool:
-        """Whether the latest ``step()`` updated the weights: False between accumulation boundaries, on an fp16
-        overflow (the step is skipped), and for an engine without an optimizer."""
+        """Whether the latest ``step()`` updated the weights: False between accumulation boundaries,
+        on an fp16 overflow (the step is skipped), and for an engine without an optimizer."""
         return self.__dict__.get("_step_applied", False)
 
-    # ------------------------------------------------------------------ the world (data parallel only)
+    # --------------------------------------------------------------- the world (data parallel only)
     @property
     def global_rank(self) -> int:
         return comm.get_rank()
@@ -84,7 +95,8 @@ class EngineSurface:
 
     @property
     def seq_dp_world_size(self) -> int:
-        """DeepSpeed's data x sequence parallel size (what it divides gradients by): the data-parallel size."""
+        """DeepSpeed's data x sequence parallel size (what it divides gradients by): the
+        data-parallel size."""
         return self.dp_world_size
 
     @property
@@ -97,15 +109,16 @@ class EngineSurface:
 
     @property
     def data_parallel_group(self):
-        """The default process group (scripts call ``engine.data_parallel_group.rank()``); None before
-        ``torch.distributed`` is initialized."""
+        """The default process group (scripts call ``engine.data_parallel_group.rank()``); None
+        before ``torch.distributed`` is initialized."""
         import torch.distributed as dist
 
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
     @property
     def seq_data_parallel_group(self):
-        """DeepSpeed's data x sequence parallel group: the data-parallel group (no sequence parallelism)."""
+        """DeepSpeed's data x sequence parallel group: the data-parallel group (no sequence
+        parallelism)."""
         return self.data_parallel_group
 
     def get_data_parallel_rank(self) -> int:
@@ -130,7 +143,7 @@ class EngineSurface:
 
     def loss_scale(self) -> float:
         """DeepSpeed's ``fp16.loss_scale``: the static scale, 0 when dynamic (and without fp16)."""
-        scaler = self.config_settings.loss_scaler
+        scaler = self.loss_scaler
         return 0.0 if scaler is None or scaler.dynamic else float(scaler.scale)
 
     def dynamic_loss_scale(self) -> bool:
@@ -141,188 +154,83 @@ class EngineSurface:
 
     # ------------------------------------------------------------------ exports and state movement
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
-        """DeepSpeed >= 0.16's name for the consolidated export (OpenRLHF's ``save_model`` calls it)."""
+        """DeepSpeed >= 0.16's name for the consolidated export (OpenRLHF's ``save_model`` calls
+        it)."""
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's old name for ``save_16bit_model``."""
         return self.save_16bit_model(save_dir, save_filename)
 
-    def offload_states(self, include=None, device=None, pin_memory: bool = True, non_blocking: bool = False) -> None:
-        """DeepSpeed moves ZeRO-3 optimizer state, fp32 masters and gradient buffers off the GPU between the
-        phases of colocated RLHF (OpenRLHF, DeepSpeed's offload_states example). megatrain_ds keeps those in host
-        memory already, so there is nothing to move -- unless ``megatrain.gpu_optimizer_layers`` placed some
-        layers' state on the GPU, which this does not move back."""
+    def offload_states(
+        self, include=None, device=None, pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        """DeepSpeed moves ZeRO-3 optimizer state, fp32 masters and gradient buffers off the GPU
+        between the phases of colocated RLHF (OpenRLHF, DeepSpeed's offload_states example).
+        megatrain_ds keeps those in host memory already, so there is nothing to move -- unless
+        ``megatrain.gpu_optimizer_layers`` placed some layers' state on the GPU, which this does not
+        move back."""
         gpu_layers = self.layer_states.gpu_layers()
         if gpu_layers is not None:
             raise NotImplementedError(
-                "engine.offload_states(): megatrain.gpu_optimizer_layers keeps the optimizer state of layers "
-                f"[0, {gpu_layers.stop}) on the GPU and megatrain_ds does not move it back to the host; set "
-                "megatrain.gpu_optimizer_layers to 0 when the GPU must be freed between phases")
+                "engine.offload_states(): megatrain.gpu_optimizer_layers keeps the optimizer state "
+                "of layers "
+                f"[0, {gpu_layers.stop}) on the GPU and megatrain_ds does not move it back to the "
+                "host; set "
+                "megatrain.gpu_optimizer_layers to 0 when the GPU must be freed between phases"
+            )
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """The inverse of ``offload_states``: nothing moved, nothing to bring back."""
 
     def empty_partition_cache(self) -> None:
-        """DeepSpeed frees gathered ZeRO-3 parameters here. megatrain_ds holds no gathered copies between
-        calls (the layer slots are its working set); the caching allocator's free blocks are returned."""
+        """DeepSpeed frees gathered ZeRO-3 parameters here. megatrain_ds holds no gathered copies
+        between calls (the layer slots are its working set); the caching allocator's free blocks are
+        returned."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ one parameter's full state
-    # deepspeed.utils.safe_get/set_full_fp32_param, safe_get_full_grad, safe_get/set_full_optimizer_state
-    # (megatrain_ds/api/utils.py; DeepSpeed's own functions reach these through param._z3_optimizer, zero.py).
-    # Values come back as copies on the engine's device, as DeepSpeed returns them.
-    # Data parallel (dp.py): a streamed layer's state lives on its owner only, so each of these is a collective,
-    # as DeepSpeed's are under ZeRO-3 (every rank calls it for the same parameter): the owner's value comes to
-    # every rank over the engine's gloo group; a setter writes rank 0's value (GatheredParameters'
-    # ``modifier_rank=0``). A resident parameter's state is held by its owner too (dp.py), and reached the same way.
-    _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-    def _home_of(self, param):
-        home = getattr(param, "_megatrain_home", None)
-        if home is None or home.engine is not self:
-            raise ValueError(f"this parameter (shape {tuple(getattr(param, 'ds_shape', param.shape))}) is not "
-                             "trained by this megatrain_ds engine (not a parameter of engine.module)")
-        return home
-
-    def _slot_of(self, home):
-        """The layout slot of a streamed layer's parameter: where it sits in the layer's flat buffers."""
-        return self.layer_states.store.slot_of(home.layer, home.name)
-
-    def _data_parallel(self):
-        """The engine's ``DataParallel`` when several processes train (dp.py), else None."""
-        dp = getattr(self, "dp", None)
-        return dp if dp is not None and dp.active else None
-
-    def _held_here(self, home) -> bool:
-        """Whether this process holds ``home``'s state: one process, or (data parallel) the owner of its layer or
-        resident parameter."""
-        if self._data_parallel() is None:
-            return True
-        return self.resident.owned[home.resident_index] if home.layer is None else self.layer_states.holds(home.layer)
-
-    def _from_owner(self, home, local: torch.Tensor | None, shape) -> torch.Tensor:
-        """Data parallel: ``local`` (the owner's value of a tensor of ``home``'s state) on every rank, fp32 on the
-        host; one process: ``local`` itself."""
-        dp = self._data_parallel()
-        if dp is None:
-            return local
-        import torch.distributed as dist
-
-        if home.layer is None:
-            shape, src = self.resident.params[home.resident_index].shape, dp.resident_owner(home.resident_index)
-        else:
-            src = dp.owner(home.layer)
-        buf = (local.detach().to("cpu", torch.float32, copy=True).contiguous() if dp.rank == src
-               else torch.empty(tuple(shape), dtype=torch.float32))
-        dist.broadcast(buf, src=src, group=dp.cpu_group)
-        return buf
-
-    def _rank0_value(self, value: torch.Tensor) -> torch.Tensor:
-        """Data parallel: rank 0's ``value`` on every rank (fp32, host); one process: ``value``."""
-        dp = self._data_parallel()
-        if dp is None:
-            return value.detach()
-        import torch.distributed as dist
-
-        value = value.detach().to("cpu", torch.float32, copy=True).contiguous()
-        dist.broadcast(value, src=0, group=dp.cpu_group)
-        return value
-
+    # deepspeed.utils.safe_get/set_full_fp32_param, safe_get_full_grad,
+    # safe_get/set_full_optimizer_state (megatrain_ds/api/utils.py; DeepSpeed's own functions reach
+    # these through param._z3_optimizer, zero.py). Values come back as copies on the engine's
+    # device, as DeepSpeed returns them. Data parallel (dp.py): a streamed layer's state lives on
+    # its owner only, so each of these is a collective, as DeepSpeed's are under ZeRO-3 (every rank
+    # calls it for the same parameter): the owner's value comes to every rank over the engine's gloo
+    # group; a setter writes rank 0's value (GatheredParameters' ``modifier_rank=0``). A resident
+    # parameter's state is held by its owner too (dp.py), and reached the same way. Each answers
+    # from the parameter's home (host/model_state.py), whatever the kind: a streamed layer's or a
+    # resident parameter's.
     def full_fp32_param(self, param) -> torch.Tensor:
-        """``param``'s fp32 master weights. Waits for the queued updates (a CPU-GPU sync)."""
-        return self._read_master(self._home_of(param)).to(self.device)
+        """``param``'s fp32 master weights (``ModelState.full_fp32_param``)."""
+        return self.model_state.full_fp32_param(param)
 
     def set_full_fp32_param(self, param, value: torch.Tensor) -> None:
-        """Write ``param``'s fp32 master and every copy made from it (wire copy, device copy, layer slots)."""
-        self._write_master(self._home_of(param), value.detach())
-
-    def _moment_of(self, home, key: str) -> torch.Tensor | None:
-        """The live Adam moment ``key`` of the parameter at ``home`` (a view shaped like it: host buffers, or the
-        GPU-held ones of ``gpu_optimizer_layers``); None for a parameter the optimizer does not train. The caller
-        has synchronized and, data parallel, holds the layer (``_held_here``)."""
-        if self.optimizer is None:
-            return None
-        if home.layer is None:
-            return getattr(self.resident, key)[home.resident_index]
-        slot = self._slot_of(home)
-        if not slot.trainable:
-            return None
-        # the device's (GPU-held), host RAM (a view), or a layer on the NVMe tier (a copy: set_full_optimizer_state
-        # writes it back)
-        flat = self.layer_states.moments(home.layer)[self._MOMENTS.index(key)]
-        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-
-    def _moment_home(self, param, key: str):
-        if key not in self._MOMENTS:
-            raise KeyError(f"optimizer state {key!r}: megatrain_ds's AdamW keeps 'exp_avg' and 'exp_avg_sq'")
-        home = self._home_of(param)
-        self.synchronize()  # queued updates write the moments (and a speculative update is rolled back)
-        trained = self.optimizer is not None and (self.resident.trained[home.resident_index] if home.layer is None
-                                                  else self._slot_of(home).trainable)
-        return home, trained  # the same answer on every rank: the layouts are every rank's
+        """Write ``param``'s fp32 master and every copy made from it."""
+        self.model_state.set_full_fp32_param(param, value)
 
     def full_optimizer_state(self, param, key: str) -> torch.Tensor | None:
-        """Adam's ``exp_avg`` / ``exp_avg_sq`` of ``param`` (None when it is frozen or there is no optimizer)."""
-        home, trained = self._moment_home(param, key)
-        if not trained:
-            return None
-        moment = self._moment_of(home, key) if self._held_here(home) else None
-        moment = self._from_owner(home, moment, None if home.layer is None else self._slot_of(home).shape)
-        return moment.detach().to(self.device, torch.float32, copy=True)
+        """Adam's ``exp_avg`` / ``exp_avg_sq`` of ``param`` (None when frozen or no optimizer)."""
+        return self.model_state.full_optimizer_state(param, key)
 
     def set_full_optimizer_state(self, param, value: torch.Tensor, key: str) -> None:
-        home, trained = self._moment_home(param, key)
-        if not trained:
-            raise ValueError(f"set_full_optimizer_state({key!r}): this parameter has no optimizer state (frozen, "
-                             "or the engine has no optimizer)")
-        value = self._rank0_value(value)
-        if self._held_here(home):
-            moment = self._moment_of(home, key)
-            moment.copy_(value.reshape(moment.shape))
-            if home.layer is not None:  # an NVMe layer's copy goes back to disk
-                self.layer_states.commit_moments(home.layer)
+        self.model_state.set_full_optimizer_state(param, value, key)
 
     def full_grad(self, param) -> torch.Tensor | None:
-        """``param``'s gradient accumulated since the last step, in fp32, as the optimizer will see it before
-        clipping: summed over the micro-batches of the window (each loss divided by the accumulation steps, as
-        DeepSpeed does), the fp16 loss scale divided out; with several processes, the mean over the ranks (as
-        DeepSpeed averages data-parallel gradients). None before the first backward of a window (after
-        ``step()`` too) and for a parameter the optimizer does not train. DeepSpeed's contract: call it between
-        ``backward()`` and ``step()``."""
-        home = self._home_of(param)
-        if home.layer is None:
-            k, resident = home.resident_index, self.resident
-            if not resident.trained[k] or not resident.has_grad[k]:  # every rank's answer (each ran the backward)
-                return None
-            landing, grad = resident.sq_norm[k], resident.grad[k]  # the owner's (mean) gradient; None elsewhere
-        else:
-            i, executor, slot = home.layer, self.executor, self._slot_of(home)
-            if not slot.trainable or not executor.has_grad[i]:  # every rank's answer (each records the landings)
-                return None
-            grad = None
-            if self._held_here(home):
-                landing, flat = executor.sq_norm[i], self.layer_states.grad(i)
-                grad = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        if grad is not None and landing is not None:
-            landing.result()  # the host worker has folded the last landing into the buffer (waits for its D2H)
-        if home.layer is None:
-            grad = self._from_owner(home, resident.grad_of(k) if grad is not None else None, None)  # (GA 1: the
-            # landing buffer itself; data parallel: the owner's)
-        else:
-            grad = self._from_owner(home, grad, slot.shape)  # data parallel: the owner's (mean) gradient
-        # GPU-held gradients are accumulated on the compute stream, the current one: this copy is ordered after
-        out = grad.to(self.device, torch.float32, copy=True)
-        scaler = self.config_settings.loss_scaler
-        return out.div_(scaler.scale) if scaler is not None else out
+        """``param``'s fp32 gradient of the window, before clipping (``ModelState.full_grad``)."""
+        return self.model_state.full_grad(param)
 
-    # ------------------------------------------------------------------ what megatrain_ds does not do
-    def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled=False) -> None:
+    # ---------------------------------------------------------------- what megatrain_ds does not do
+    def compile(
+        self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled=False
+    ) -> None:
         raise NotImplementedError(
-            "engine.compile(): megatrain_ds runs each decoder layer through a template bound to streamed weights "
-            "and does not compile the engine. Leave torch.compile off (accelerate: dynamo_backend 'no'; "
-            "OpenRLHF: no --deepcompile; TrainingArguments(torch_compile=False))")
+            "engine.compile(): megatrain_ds runs each decoder layer through a template bound to "
+            "streamed weights "
+            "and does not compile the engine. Leave torch.compile off (accelerate: dynamo_backend "
+            "'no'; "
+            "OpenRLHF: no --deepcompile; TrainingArguments(torch_compile=False))"
+        )
 
     @property
     def is_compiled(self) -> bool:
@@ -330,17 +238,23 @@ class EngineSurface:
 
     def train_batch(self, data_iter=None):
         raise NotImplementedError(
-            "engine.train_batch() is DeepSpeed's pipeline-parallel engine (deepspeed.pipe.PipelineModule); "
-            "megatrain_ds streams the layers of a plain nn.Module on each GPU: loop over the batches with "
-            "loss = engine(batch); engine.backward(loss); engine.step()")
+            "engine.train_batch() is DeepSpeed's pipeline-parallel engine "
+            "(deepspeed.pipe.PipelineModule); "
+            "megatrain_ds streams the layers of a plain nn.Module on each GPU: loop over the "
+            "batches with "
+            "loss = engine(batch); engine.backward(loss); engine.step()"
+        )
 
     def eval_batch(self, data_iter=None, **kwargs):
         raise NotImplementedError(
-            "engine.eval_batch() is DeepSpeed's pipeline-parallel engine (deepspeed.pipe.PipelineModule); "
-            "evaluate with `with torch.no_grad(): out = engine(batch)`")
+            "engine.eval_batch() is DeepSpeed's pipeline-parallel engine "
+            "(deepspeed.pipe.PipelineModule); "
+            "evaluate with `with torch.no_grad(): out = engine(batch)`"
+        )
 
 
 # ---------------------------------------------------------------------- names on the module itself
+
 
 def _real(module_name: str):
     import importlib
@@ -352,70 +266,99 @@ def _real(module_name: str):
 _FORWARDED = {
     "accelerator": lambda: _real("deepspeed.accelerator"),
     "get_accelerator": lambda: _real("deepspeed.accelerator").get_accelerator,
-    "checkpoint": lambda: _real("deepspeed.checkpoint"),  # checkpoint.utils.clone_tensors_for_torch_save
+    # checkpoint.utils.clone_tensors_for_torch_save
+    "checkpoint": lambda: _real("deepspeed.checkpoint"),
 }
 
 _ONE_GPU = "megatrain_ds trains a whole model copy in each process (data parallelism only)"
 _UNSUPPORTED = {
-    "init_inference": "DeepSpeed-Inference (kernel injection, tensor-parallel serving) is not part of "
-                      "megatrain_ds: generate with the trained model (engine.module.generate(...)) or serve it "
-                      "with real DeepSpeed / vLLM",
-    "InferenceEngine": "see deepspeed.init_inference: DeepSpeed-Inference is not part of megatrain_ds",
+    "init_inference": "DeepSpeed-Inference (kernel injection, tensor-parallel serving) is not part "
+    "of "
+    "megatrain_ds: generate with the trained model (engine.module.generate(...)) or serve it "
+    "with real DeepSpeed / vLLM",
+    "InferenceEngine": "see deepspeed.init_inference: DeepSpeed-Inference is not part of "
+    "megatrain_ds",
     "tp_model_init": f"AutoTP tensor parallelism: {_ONE_GPU}; drop tensor_parallel / tp_size",
-    "pipe": f"pipeline parallelism (PipelineModule, PipelineEngine): {_ONE_GPU} and streams the layers itself; "
-            "pass the plain nn.Module (its blocks in an nn.ModuleList) to initialize",
+    "pipe": f"pipeline parallelism (PipelineModule, PipelineEngine): {_ONE_GPU} and streams the "
+    "layers itself; "
+    "pass the plain nn.Module (its blocks in an nn.ModuleList) to initialize",
     "PipelineModule": f"pipeline parallelism: {_ONE_GPU}; pass the plain nn.Module to initialize",
     "PipelineEngine": f"pipeline parallelism: {_ONE_GPU}; pass the plain nn.Module to initialize",
-    "moe": "DeepSpeed's MoE layers and expert parallelism are not provided: use the model's own MoE blocks",
+    "moe": "DeepSpeed's MoE layers and expert parallelism are not provided: use the model's own "
+    "MoE blocks",
     "module_inject": "DeepSpeed's kernel injection is not provided: the model's own layers run",
-    "replace_transformer_layer": "DeepSpeed's kernel injection is not provided: the model's own layers run",
-    "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernel is not provided: use the model's layers",
-    "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernel is not provided: use the model's layers",
-    "DeepSpeedConfig": "megatrain_ds parses the DeepSpeed config itself (megatrain_ds.parse_config); "
-                       "initialize(config=...) takes the dict or path",
+    "replace_transformer_layer": "DeepSpeed's kernel injection is not provided: the model's own "
+    "layers run",
+    "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernel is not provided: use the "
+    "model's layers",
+    "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernel is not provided: use the "
+    "model's layers",
+    "DeepSpeedConfig": "megatrain_ds parses the DeepSpeed config itself "
+    "(megatrain_ds.parse_config); "
+    "initialize(config=...) takes the dict or path",
     "compression": "DeepSpeed Compression (quantization-aware training, pruning) is not provided",
-    "profiling": "DeepSpeed's FLOPs profiler is not provided: wall_clock_breakdown prints the step breakdown",
+    "profiling": "DeepSpeed's FLOPs profiler is not provided: wall_clock_breakdown prints the step "
+    "breakdown",
     "sequence_parallel": f"Ulysses sequence parallelism: {_ONE_GPU}",
 }
 
 
 def module_getattr(name: str):
-    """``megatrain_ds.<name>`` for names DeepSpeed's top-level module has and megatrain_ds does not define."""
+    """``megatrain_ds.<name>`` for names DeepSpeed's top-level module has and megatrain_ds does not
+    define."""
     if name in _FORWARDED:
         return _FORWARDED[name]()
     if name == "version":  # DeepSpeed exposes both; scripts compare either with a DeepSpeed release
         return _version.__version__
     if name in _UNSUPPORTED:
-        raise AttributeError(f"deepspeed.{name} (megatrain_ds imported as deepspeed): {_UNSUPPORTED[name]}")
-    raise AttributeError(f"module 'megatrain_ds' has no attribute {name!r} (docs/deepspeed_surface.md lists the "
-                         "DeepSpeed names megatrain_ds provides)")
+        raise AttributeError(
+            f"deepspeed.{name} (megatrain_ds imported as deepspeed): {_UNSUPPORTED[name]}"
+        )
+    raise AttributeError(
+        f"module 'megatrain_ds' has no attribute {name!r} (docs/deepspeed_surface.md lists the "
+        "DeepSpeed names megatrain_ds provides)"
+    )
 
 
-# ---------------------------------------------------------------------- models built by DeepSpeed's zero.Init
+# ------------------------------------------------------------ models built by DeepSpeed's zero.Init
 
 # What DeepSpeed's zero.Init adds to each parameter besides ``ds_*`` attributes
-# (deepspeed/runtime/zero/partition_parameters.py, ``_convert_to_deepspeed_param``): bound methods that gather
-# and partition through DeepSpeed's own bookkeeping, which megatrain_ds does not keep.
-_DS_PARAM_METHODS = ("all_gather", "all_gather_coalesced", "partition", "reduce_gradients_at_owner",
-                     "partition_gradients", "aligned_size", "padding_size", "partition_numel", "item",
-                     "convert_to_zero_parameters", "is_external_param", "nvme_swapper")
+# (deepspeed/runtime/zero/partition_parameters.py, ``_convert_to_deepspeed_param``): bound methods
+# that gather and partition through DeepSpeed's own bookkeeping, which megatrain_ds does not keep.
+_DS_PARAM_METHODS = (
+    "all_gather",
+    "all_gather_coalesced",
+    "partition",
+    "reduce_gradients_at_owner",
+    "partition_gradients",
+    "aligned_size",
+    "padding_size",
+    "partition_numel",
+    "item",
+    "convert_to_zero_parameters",
+    "is_external_param",
+    "nvme_swapper",
+)
 
 
 def adopt_zero3_model(model: torch.nn.Module) -> None:
     """Make whole, on the host, every parameter that real DeepSpeed's ``zero.Init`` partitioned.
 
-    A script that says ``import megatrain_ds as deepspeed`` but registers a ZeRO-3 config with transformers
-    (``HfDeepSpeedConfig``: DeepSpeed-Chat's ``create_hf_model``, OpenRLHF's ``Actor``) gets its model built by
-    transformers under the real ``deepspeed.zero.Init``: each parameter is then an empty tensor plus DeepSpeed's
-    partition (the whole tensor in one process, 1/N of it on each of N). It is gathered here (one parameter at a
-    time, to the host; with N processes an all-gather that every rank makes, in the same parameter order, as
-    ``initialize`` is called on every rank), and DeepSpeed's attributes are removed so the engine sees a plain
-    model.
+    A script that says ``import megatrain_ds as deepspeed`` but registers a ZeRO-3 config with
+    transformers (``HfDeepSpeedConfig``: DeepSpeed-Chat's ``create_hf_model``, OpenRLHF's ``Actor``)
+    gets its model built by transformers under the real ``deepspeed.zero.Init``: each parameter is
+    then an empty tensor plus DeepSpeed's partition (the whole tensor in one process, 1/N of it on
+    each of N). It is gathered here (one parameter at a time, to the host; with N processes an
+    all-gather that every rank makes, in the same parameter order, as ``initialize`` is called on
+    every rank), and DeepSpeed's attributes are removed so the engine sees a plain model.
     """
-    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id") and not hasattr(p, "_megatrain_home")]
+    partitioned = [
+        p for p in model.parameters() if hasattr(p, "ds_id") and not hasattr(p, "megatrain_home")
+    ]
     if not partitioned:
         return
-    # partition_parameters' own class: under the switch (compat/) ``deepspeed.zero.GatheredParameters`` is ours
+    # partition_parameters' own class: under the switch (compat/)
+    # ``deepspeed.zero.GatheredParameters`` is ours
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     for p in partitioned:

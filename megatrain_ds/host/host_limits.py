@@ -228,7 +228,8 @@ def pinning_limits(
         )
     if cgroup is not None and asked > cgroup.headroom:
         out.append(
-            f"memory cgroup {cgroup.path} limit {fmt_bytes(cgroup.limit)} - {fmt_bytes(cgroup.used)} used "
+            f"memory cgroup {cgroup.path} limit {fmt_bytes(cgroup.limit)} - "
+            f"{fmt_bytes(cgroup.used)} used "
             f"leaves {fmt_bytes(cgroup.headroom)}: short by {fmt_bytes(asked - cgroup.headroom)}"
         )
     if available is not None and asked > available:

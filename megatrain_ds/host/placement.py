@@ -1,33 +1,40 @@
-"""Where the host optimizer's threads run: cores, NUMA node, and one core kept free for the main thread.
+"""Where the host optimizer's threads run: cores, NUMA node, and one core kept free for the main
+thread.
 
-The host worker (one ``ThreadPoolExecutor`` thread) runs torch's fused CPU AdamW; torch parallelises it
-with OpenMP. The main thread meanwhile launches the streamed layers' CUDA kernels: a launch it makes late
-is GPU time lost. If OpenMP's team spans every core, one optimizer thread shares a core with the main
-thread: the main thread can be preempted, and the team (which splits the update evenly) waits for its slowest
-thread. ``plan_placement`` keeps ``reserve_main`` physical core(s) for the main thread and gives the optimizer
-one thread per remaining physical core (SMT siblings skipped) on the GPU's NUMA node. The measurement behind
-this: ``python -m benchmarks.host_adam --sweep``, results in docs/placement.md.
+The host worker (one ``ThreadPoolExecutor`` thread) runs torch's fused CPU AdamW; torch parallelises
+it with OpenMP. The main thread meanwhile launches the streamed layers' CUDA kernels: a launch it
+makes late is GPU time lost. If OpenMP's team spans every core, one optimizer thread shares a core
+with the main thread: the main thread can be preempted, and the team (which splits the update
+evenly) waits for its slowest thread. ``plan_placement`` keeps ``reserve_main`` physical core(s) for
+the main thread and gives the optimizer one thread per remaining physical core (SMT siblings
+skipped) on the GPU's NUMA node. The measurement behind this: ``python -m benchmarks.host_adam
+--sweep``, results in docs/placement.md.
 
 Usage (the engine creates its worker this way)::
 
     from megatrain_ds.host import placement as pl
-    plan = pl.resolve(mt.host_threads, device.index)    # on the main thread; None for "off" (or unreadable host)
+    # on the main thread; None for "off" (or unreadable host)
+    plan = pl.resolve(mt.host_threads, device.index)
     worker = ThreadPoolExecutor(1, initializer=pl.apply_placement, initargs=(plan,))
-    pl.pin_main_thread(plan)                            # optional; see its docstring
+    # optional; see its docstring
+    pl.pin_main_thread(plan)
 
-What is per-thread and what is not (Linux, torch built with OpenMP/libgomp; measured, see docs/placement.md):
+What is per-thread and what is not (Linux, torch built with OpenMP/libgomp; measured, see
+docs/placement.md):
 
-* ``os.sched_setaffinity(0, cores)`` changes the calling thread only. Threads it creates afterwards inherit
-  the mask; threads that already exist keep theirs.
-* libgomp's thread pool belongs to the thread that opens the parallel region: the worker's first parallel op
-  creates ``threads - 1`` OpenMP threads with the worker's mask at that moment. Setting the mask later does
-  not reach them, so ``apply_placement`` must run before the worker's first op (the executor's initializer).
-* ``torch.set_num_threads(n)`` sets the calling thread's OpenMP thread count (a per-thread ICV) and a
-  process-global default that every thread which has not yet used torch's CPU parallelism adopts on its first
-  use. ``resolve`` touches the main thread's count first so the worker's setting does not leak into it.
-  It also (re)creates ``n - 1`` threads of a process-global pool at once (torch's pthreadpool, idle in
-  training), which inherit the calling thread's mask.
+* ``os.sched_setaffinity(0, cores)`` changes the calling thread only. Threads it creates afterwards
+  inherit the mask; threads that already exist keep theirs.
+* libgomp's thread pool belongs to the thread that opens the parallel region: the worker's first
+  parallel op creates ``threads - 1`` OpenMP threads with the worker's mask at that moment. Setting
+  the mask later does not reach them, so ``apply_placement`` must run before the worker's first op
+  (the executor's initializer).
+* ``torch.set_num_threads(n)`` sets the calling thread's OpenMP thread count (a per-thread ICV) and
+  a process-global default that every thread which has not yet used torch's CPU parallelism adopts
+  on its first use. ``resolve`` touches the main thread's count first so the worker's setting does
+  not leak into it. It also (re)creates ``n - 1`` threads of a process-global pool at once (torch's
+  pthreadpool, idle in training), which inherit the calling thread's mask.
 """
+
 from __future__ import annotations
 
 import glob
@@ -49,7 +56,8 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def parse_cpulist(text: str) -> list[int]:
-    """``"0-3,8-11"`` (sysfs cpulist, optional ``:stride``) -> sorted cpu ids; empty string -> []."""
+    """``"0-3,8-11"`` (sysfs cpulist, optional ``:stride``) -> sorted cpu ids; empty string ->
+    []."""
     cpus: set[int] = set()
     for part in text.strip().split(","):
         part = part.strip()
@@ -79,9 +87,9 @@ def _usable_cpus() -> list[int]:
 def host_topology(sysfs_root: str = "/sys", usable: list[int] | None = None) -> dict:
     """The cores this process may use, grouped by NUMA node, with their SMT siblings.
 
-    Returns ``{"cpus": [...], "nodes": {node: [cpus]}, "siblings": {cpu: (siblings incl. cpu)}, "smt": bool}``;
-    only usable cpus appear anywhere (nodes without any are dropped). Without NUMA information: one node, 0.
-    Without sibling information: every cpu is its own core.
+    Returns ``{"cpus": [...], "nodes": {node: [cpus]}, "siblings": {cpu: (siblings incl. cpu)},
+    "smt": bool}``; only usable cpus appear anywhere (nodes without any are dropped). Without NUMA
+    information: one node, 0. Without sibling information: every cpu is its own core.
     """
     cpus = sorted(usable) if usable is not None else _usable_cpus()
     allowed = set(cpus)
@@ -97,16 +105,23 @@ def host_topology(sysfs_root: str = "/sys", usable: list[int] | None = None) -> 
     placed = {c for cs in nodes.values() for c in cs}
     if not nodes:
         nodes = {0: list(cpus)}
-    elif placed != allowed:  # cpus the node lists miss (odd sysfs): a node of their own would mislead; add to the first
+    # cpus the node lists miss (odd sysfs): a node of their own would mislead; add to the first
+    elif placed != allowed:
         first = min(nodes)
         nodes[first] = sorted(set(nodes[first]) | (allowed - placed))
     siblings: dict[int, tuple[int, ...]] = {}
     for c in cpus:
-        text = _read(os.path.join(sysfs_root, f"devices/system/cpu/cpu{c}/topology/thread_siblings_list"))
+        text = _read(
+            os.path.join(sysfs_root, f"devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+        )
         sib = [s for s in parse_cpulist(text) if s in allowed] if text else []
         siblings[c] = tuple(sorted(set(sib) | {c}))
-    return {"cpus": cpus, "nodes": dict(sorted(nodes.items())), "siblings": siblings,
-            "smt": any(len(s) > 1 for s in siblings.values())}
+    return {
+        "cpus": cpus,
+        "nodes": dict(sorted(nodes.items())),
+        "siblings": siblings,
+        "smt": any(len(s) > 1 for s in siblings.values()),
+    }
 
 
 def _normalize_bus_id(bus_id: str) -> str:
@@ -118,7 +133,9 @@ def _normalize_bus_id(bus_id: str) -> str:
 
 def _node_of(bus_id: str, sysfs_root: str) -> int | None:
     try:
-        text = _read(os.path.join(sysfs_root, "bus/pci/devices", _normalize_bus_id(bus_id), "numa_node"))
+        text = _read(
+            os.path.join(sysfs_root, "bus/pci/devices", _normalize_bus_id(bus_id), "numa_node")
+        )
         node = int(text) if text is not None else -1
     except (ValueError, IndexError):
         return None
@@ -126,15 +143,18 @@ def _node_of(bus_id: str, sysfs_root: str) -> int | None:
 
 
 def gpu_numa_node(device_index: int = 0, sysfs_root: str = "/sys") -> int | None:
-    """The NUMA node of CUDA device ``device_index`` (from sysfs ``numa_node``); None when unknown or -1.
+    """The NUMA node of CUDA device ``device_index`` (from sysfs ``numa_node``); None when unknown
+    or -1.
 
-    The PCI bus id comes from ``torch.cuda.get_device_properties`` (``pci_bus_id``/``pci_domain_id``/
-    ``pci_device_id``, torch >= 2.7); without those, if every NVIDIA PCI device sits on the same node, that
-    node (no index mapping needed). No nvidia-smi.
+    The PCI bus id comes from ``torch.cuda.get_device_properties``
+    (``pci_bus_id``/``pci_domain_id``/ ``pci_device_id``, torch >= 2.7); without those, if every
+    NVIDIA PCI device sits on the same node, that node (no index mapping needed). No nvidia-smi.
     """
     try:
         props = torch.cuda.get_device_properties(device_index)
-        bus, dom, dev = (getattr(props, k, None) for k in ("pci_bus_id", "pci_domain_id", "pci_device_id"))
+        bus, dom, dev = (
+            getattr(props, k, None) for k in ("pci_bus_id", "pci_domain_id", "pci_device_id")
+        )
         if isinstance(bus, str):
             return _node_of(bus, sysfs_root)
         if all(isinstance(x, int) for x in (bus, dom, dev)):
@@ -151,31 +171,35 @@ def gpu_numa_node(device_index: int = 0, sysfs_root: str = "/sys") -> int | None
 
 @dataclass(frozen=True)
 class Placement:
-    threads: int                 # torch.set_num_threads on the worker (its OpenMP team size)
-    cores: tuple[int, ...]       # the worker's affinity mask; its OpenMP threads inherit it
+    threads: int  # torch.set_num_threads on the worker (its OpenMP team size)
+    cores: tuple[int, ...]  # the worker's affinity mask; its OpenMP threads inherit it
     main_cores: tuple[int, ...]  # kept free of optimizer threads, for pin_main_thread
-    numa_node: int | None        # the node the cores were taken from first
-    shared_with_main: bool       # the optimizer had to use the main thread's core(s) (1-core box)
+    numa_node: int | None  # the node the cores were taken from first
+    shared_with_main: bool  # the optimizer had to use the main thread's core(s) (1-core box)
     reason: str
 
     def describe(self) -> str:
-        return (f"host optimizer: {self.threads} thread(s) on cores {_fmt(self.cores)}, main thread on "
-                f"{_fmt(self.main_cores) or '-'} ({self.reason})")
+        return (
+            f"host optimizer: {self.threads} thread(s) on cores {_fmt(self.cores)}, main thread on "
+            f"{_fmt(self.main_cores) or '-'} ({self.reason})"
+        )
 
 
 def _fmt(cores) -> str:
     return ",".join(map(str, cores))
 
 
-def plan_placement(topology: dict, gpu_numa_node: int | None, reserve_main: int = 1,
-                   threads: int | None = None) -> Placement:
+def plan_placement(
+    topology: dict, gpu_numa_node: int | None, reserve_main: int = 1, threads: int | None = None
+) -> Placement:
     """Choose the optimizer's cores and the main thread's core(s).
 
-    Home node: the GPU's node when it has usable cores, else the node with the most. The main thread gets the
-    first ``reserve_main`` physical cores of the home node. ``threads=None`` ("auto"): one thread per other
-    physical core of the home node (at least 1). An explicit count takes cores in this order: home node's
-    physical cores, other nodes' physical cores, then SMT siblings; a count above the cores available is
-    kept (oversubscribed) and said so in ``reason``. With no core left, the optimizer shares the main's.
+    Home node: the GPU's node when it has usable cores, else the node with the most. The main thread
+    gets the first ``reserve_main`` physical cores of the home node. ``threads=None`` ("auto"): one
+    thread per other physical core of the home node (at least 1). An explicit count takes cores in
+    this order: home node's physical cores, other nodes' physical cores, then SMT siblings; a count
+    above the cores available is kept (oversubscribed) and said so in ``reason``. With no core left,
+    the optimizer shares the main's.
     """
     nodes: dict[int, list[int]] = topology["nodes"]
     siblings: dict[int, tuple[int, ...]] = topology.get("siblings") or {}
@@ -187,8 +211,10 @@ def plan_placement(topology: dict, gpu_numa_node: int | None, reserve_main: int 
         notes.append(f"GPU's NUMA node {home}")
     else:
         home = max(nodes, key=lambda n: (len(nodes[n]), -n))
-        notes.append(f"NUMA node {home} (most cores; GPU node "
-                     + ("unknown)" if gpu_numa_node is None else f"{gpu_numa_node} has no usable cores)"))
+        notes.append(
+            f"NUMA node {home} (most cores; GPU node "
+            + ("unknown)" if gpu_numa_node is None else f"{gpu_numa_node} has no usable cores)")
+        )
 
     def split(cpus):  # physical cores (lowest sibling) and the SMT siblings left over
         phys, smt, seen = [], [], set()
@@ -211,12 +237,14 @@ def plan_placement(topology: dict, gpu_numa_node: int | None, reserve_main: int 
     reserve_main = max(0, reserve_main)
     main = home_phys[:reserve_main]
     if len(main) < reserve_main:  # a tiny home node: the rest from other nodes
-        main += other_phys[:reserve_main - len(main)]
+        main += other_phys[: reserve_main - len(main)]
     main_set = set(main)
-    for c in list(main):  # the main thread's SMT siblings are left idle, not handed to the optimizer
+    # the main thread's SMT siblings are left idle, not handed to the optimizer
+    for c in list(main):
         main_set.update(siblings.get(c, (c,)))
     order = [c for c in home_phys + other_phys + home_smt + other_smt if c not in main_set]
-    order += sorted(main_set - set(main))  # last resort before sharing: the main thread's SMT siblings
+    # last resort before sharing: the main thread's SMT siblings
+    order += sorted(main_set - set(main))
     shared = False
     if threads is None:
         cores = [c for c in home_phys if c not in main_set]
@@ -238,12 +266,19 @@ def plan_placement(topology: dict, gpu_numa_node: int | None, reserve_main: int 
             notes.append(f"oversubscribed: {threads} threads on {len(cores)} core(s)")
     if shared:
         notes.append("no core left besides the main thread's: shared")
-    return Placement(threads=n, cores=tuple(cores), main_cores=tuple(main), numa_node=home,
-                     shared_with_main=shared, reason="; ".join(notes))
+    return Placement(
+        threads=n,
+        cores=tuple(cores),
+        main_cores=tuple(main),
+        numa_node=home,
+        shared_with_main=shared,
+        reason="; ".join(notes),
+    )
 
 
 def parse_setting(setting) -> int | str:
-    """``megatrain.host_threads`` checked, with no side effects: "auto", "off" or a thread count >= 1."""
+    """``megatrain.host_threads`` checked, with no side effects: "auto", "off" or a thread count
+    >= 1."""
     if setting is None:
         return "auto"
     if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
@@ -255,12 +290,14 @@ def parse_setting(setting) -> int | str:
     raise ValueError(f'{SETTING} must be "auto", "off" or a thread count >= 1, got {setting!r}')
 
 
-def share_between_local_ranks(topology: dict, node_of_rank: list[int | None], local_rank: int) -> dict:
-    """Data parallel (several ranks on one host): this rank's share of the host's cores, disjoint from the other
-    local ranks' (each runs its own host AdamW). Ranks whose GPUs sit on the same NUMA node split that node's
-    physical cores (with their SMT siblings) into equal contiguous parts; a rank's topology then holds its part
-    only, so no thread count spills onto a neighbour's cores. Ranks whose GPU node is unknown split the node with
-    the most cores."""
+def share_between_local_ranks(
+    topology: dict, node_of_rank: list[int | None], local_rank: int
+) -> dict:
+    """Data parallel (several ranks on one host): this rank's share of the host's cores, disjoint
+    from the other local ranks' (each runs its own host AdamW). Ranks whose GPUs sit on the same
+    NUMA node split that node's physical cores (with their SMT siblings) into equal contiguous
+    parts; a rank's topology then holds its part only, so no thread count spills onto a neighbour's
+    cores. Ranks whose GPU node is unknown split the node with the most cores."""
     nodes, siblings = topology["nodes"], topology.get("siblings") or {}
     biggest = max(nodes, key=lambda n: (len(nodes[n]), -n))
     home = [n if n is not None and nodes.get(n) else biggest for n in node_of_rank]
@@ -278,27 +315,39 @@ def share_between_local_ranks(topology: dict, node_of_rank: list[int | None], lo
     return {**topology, "nodes": {node: mine}}
 
 
-def resolve(setting="auto", device_index: int | None = None, topology: dict | None = None,
-            reserve_main: int = 1, local_rank: int = 0, local_world: int = 1) -> Placement | None:
-    """``megatrain.host_threads``: "auto" (default; plan as above), "off" (touch nothing: None), or a thread
-    count >= 1. Call on the main thread. Anything else raises ValueError; a host where the topology cannot be
-    read warns once and returns None (training goes on unplaced). ``local_world`` > 1 (data parallel): this
-    rank plans within its share of the host (``share_between_local_ranks``; GPU i is local rank i's), unless the
-    launcher bound the process to some cores already (its affinity is then its share)."""
+def resolve(
+    setting="auto",
+    device_index: int | None = None,
+    topology: dict | None = None,
+    reserve_main: int = 1,
+    local_rank: int = 0,
+    local_world: int = 1,
+) -> Placement | None:
+    """``megatrain.host_threads``: "auto" (default; plan as above), "off" (touch nothing: None), or
+    a thread count >= 1. Call on the main thread. Anything else raises ValueError; a host where the
+    topology cannot be read warns once and returns None (training goes on unplaced). ``local_world``
+    > 1 (data parallel): this rank plans within its share of the host
+    (``share_between_local_ranks``; GPU i is local rank i's), unless the launcher bound the process
+    to some cores already (its affinity is then its share)."""
     threads = parse_setting(setting)
     if threads == "off":
         return None
     threads = None if threads == "auto" else threads
     try:
-        torch.get_num_threads()  # fixes the main thread's OpenMP count before the worker's set_num_threads
+        # fixes the main thread's OpenMP count before the worker's set_num_threads
+        torch.get_num_threads()
         topo = topology if topology is not None else host_topology()
         node = None
         if device_index is None and torch.cuda.is_available():
             device_index = torch.cuda.current_device()
         if device_index is not None:
             node = gpu_numa_node(device_index)
-        if local_world > 1 and len(_usable_cpus()) >= (os.cpu_count() or 1):  # not bound to a share by the
-            others = [gpu_numa_node(r) if r < torch.cuda.device_count() else None for r in range(local_world)]
+        # not bound to a share by the
+        if local_world > 1 and len(_usable_cpus()) >= (os.cpu_count() or 1):
+            others = [
+                gpu_numa_node(r) if r < torch.cuda.device_count() else None
+                for r in range(local_world)
+            ]
             others[local_rank] = node
             topo = share_between_local_ranks(topo, others, local_rank)
         return plan_placement(topo, node, reserve_main=reserve_main, threads=threads)
@@ -308,15 +357,19 @@ def resolve(setting="auto", device_index: int | None = None, topology: dict | No
 
 
 def apply_placement(placement: Placement | None) -> bool:
-    """On the worker thread (the executor's initializer): confine this thread to ``placement.cores`` and set
-    its OpenMP team size. Returns whether the affinity was applied; failures warn once, never raise."""
+    """On the worker thread (the executor's initializer): confine this thread to ``placement.cores``
+    and set its OpenMP team size. Returns whether the affinity was applied; failures warn once,
+    never raise."""
     if placement is None:
         return False
     applied = True
     try:
         os.sched_setaffinity(0, placement.cores)  # 0 = the calling thread on Linux
     except (AttributeError, OSError, ValueError) as exc:
-        _warn_once("affinity", f"could not set the host worker's affinity to {_fmt(placement.cores)} ({exc})")
+        _warn_once(
+            "affinity",
+            f"could not set the host worker's affinity to {_fmt(placement.cores)} ({exc})",
+        )
         applied = False
     try:
         torch.set_num_threads(placement.threads)
@@ -326,8 +379,9 @@ def apply_placement(placement: Placement | None) -> bool:
 
 
 def task_affinities() -> dict[int, set[int]]:
-    """Every thread of this process (Linux task id) -> its allowed cpus, from /proc/self/task/*/status: how
-    docs/placement.md's finding on OpenMP threads' inherited masks was checked."""
+    """Every thread of this process (Linux task id) -> its allowed cpus, from
+    /proc/self/task/*/status: how docs/placement.md's finding on OpenMP threads' inherited masks was
+    checked."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         status = _read(f"/proc/self/task/{tid}/status") or ""
@@ -338,10 +392,11 @@ def task_affinities() -> dict[int, set[int]]:
 
 
 def pin_main_thread(placement: Placement | None) -> set[int] | None:
-    """Confine the calling (main) thread to ``placement.main_cores``; returns its previous mask (to restore with
-    ``os.sched_setaffinity(0, previous)``), or None when nothing was changed. Note the main thread's own
-    OpenMP threads created after this inherit the narrow mask (its CPU-side torch ops then run on those
-    cores only); call it after the main thread's first CPU parallel op if that matters."""
+    """Confine the calling (main) thread to ``placement.main_cores``; returns its previous mask (to
+    restore with ``os.sched_setaffinity(0, previous)``), or None when nothing was changed. Note the
+    main thread's own OpenMP threads created after this inherit the narrow mask (its CPU-side torch
+    ops then run on those cores only); call it after the main thread's first CPU parallel op if that
+    matters."""
     if placement is None or not placement.main_cores:
         return None
     try:

@@ -2,68 +2,90 @@
 
 [Note: host threads]
 
-Three threads touch the optimizer: the main thread (the script's: backward, step, forward), the landing thread
-(``worker``, "megatrain-host": gradient folds, squared norms, the norm task) and the AdamW thread (``opt_worker``,
-"megatrain-adamw": speculative updates, then each step's update tasks, then its close task, then its deferred moments
-passes). Each host thread is FIFO.
-What one of them writes and another reads goes through one of these hand-offs (a future, the order of a FIFO submit,
+Three threads touch the optimizer: the main thread (the script's: backward, step, forward), the
+landing thread (``worker``, "megatrain-host": gradient folds, squared norms, the norm task) and the
+AdamW thread (``opt_worker``, "megatrain-adamw": speculative updates, then each step's update tasks,
+then its close task, then its deferred moments passes). Each host thread is FIFO. What one of them
+writes and another reads goes through one of these hand-offs (a future, the order of a FIFO submit,
 or a flag named here); everything else of HostAdamW is the main thread's:
 
-| hand-off                  | produced by (thread)       | waited / read by (thread)    | orders / protects           |
-|---------------------------|----------------------------|------------------------------|-----------------------------|
-| landing future            | main submits the fold; the | the norm task (landing       | the window's gradient sum   |
-| (``schedule.landing``,    | landing thread returns its | thread, FIFO after them);    | is in its host home, its    |
-| ``res.sq_norm``)          | sq-norm                    | engine after a failed        | norm known                  |
-|                           |                            | backward                     |                             |
-| ``LandingListener`` calls | landing thread, inside the | HostAdamW on the landing     | a speculative update reads  |
-| (landing.py)              | landing task               | thread: it submits the       | a gradient only after its   |
-|                           |                            | speculative update to the    | final fold                  |
-|                           |                            | AdamW thread                 |                             |
-| ``_unspeculate`` (a       | landing thread submits it  | AdamW thread                 | the undo uses the gradient  |
-| second final landing of a | and waits (``.result()``)  |                              | the step used, not the sum  |
-| layer)                    | before the fold            |                              | the fold writes             |
-| ``_landing_spec``         | main:                      | landing thread (the listener | each landing's submit       |
-|                           | ``begin_speculation``      | calls)                       | orders the write before its |
-|                           | (before the backward       |                              | reads                       |
-|                           | queues its landings),      |                              |                             |
-|                           | ``abandon_speculation``    |                              |                             |
-| ``Speculation``:          | landing thread (listener,  | AdamW thread, before each    | a cancel flag: updates not  |
-| ``stopped``, ``closed``   | norm task); main (abandon, | speculative update           | started are left to the     |
-|                           | after the landings ran)    |                              | plain update                |
-| ``Speculation``:          | AdamW thread (speculative  | AdamW tasks queued after     | which layers a settle or an |
-| ``done``,                 | updates)                   | them (FIFO); main after      | undo treats                 |
-| ``resident_done``         |                            | ``undo_all``; the norm task  |                             |
-|                           |                            | (a read-ahead hint)          |                             |
-| decision future (the norm | landing thread, after      | the step's AdamW tasks       | no update before the norm;  |
-| task's ``StepDecision``)  | every landing of the       | (``.result()``); main:       | skip, coefficient, Adam     |
-|                           | window (FIFO)              | engine.step waits the norm   | step, verdict, message,     |
-|                           |                            | future made from it, then    | error: one immutable value  |
-|                           |                            | ``_decided()``               |                             |
-| loss scaler               | landing thread (the norm   | main, after the norm future: | the scale of the next       |
-| (``scaler.update``)       | task)                      | the next backward,           | backward                    |
-|                           |                            | ``cur_scale``                |                             |
-| update futures            | main submits the AdamW     | main: ``wait_rewritten(i)``  | a wire copy is rewritten    |
-| (``schedule.rewrite``,    | tasks                      | before the H2D of wire i;    | before an H2D reads it; a   |
-| ``res.rewrite``)          |                            | ``res.upload`` (the result:  | GPU-held resident update is |
-|                           |                            | an opt event)                | done                        |
-| ``wire_read[i]``          | main, when it issues the   | the AdamW tasks queued after | the H2D reading the old     |
-| (schedule),               | H2D                        | it (``synchronize`` before a | bytes has finished          |
-| ``res.wire_read``         |                            | rewrite)                     |                             |
-| (events)                  |                            |                              |                             |
-| moments futures           | main submits the moments   | main: ``wait_moments(i)``    | the moments pass has read   |
-| (``schedule.moments_due``)| tasks after the close task | before the D2H into grad i;  | gradient i and written the  |
-|                           | (last layer first); the    | landing thread before a fold | moments before a new        |
-|                           | AdamW thread runs them     | into grad i; engine.         | gradient of i lands or      |
-|                           |                            | synchronize                  | anyone reads the moments    |
-| ``_closing`` (the close   | main submits it after the  | main: ``begin_speculation``, | the policy's record of the  |
-| task)                     | step's update tasks; the   | ``engine.synchronize``       | step is in before the next  |
-|                           | AdamW thread writes        |                              | speculation                 |
-|                           | ``policy``                 |                              |                             |
-| abandon: a no-op landing  | main                       | main waits for each in turn  | the landings have run (no   |
-| task, then ``undo_all``   |                            |                              | more speculative updates    |
-|                           |                            |                              | queued), then they are      |
-|                           |                            |                              | undone                      |
+| hand-off                   | produced by (thread)    | waited / read by       | orders /         |
+|                            |                         | (thread)               | protects         |
+|----------------------------|-------------------------|------------------------|------------------|
+| landing future             | main submits the fold;  | the norm task (landing | the window's     |
+| (``schedule.landing``,     | the landing thread      | thread, FIFO after     | gradient sum is  |
+| ``res.sq_norm``)           | returns its sq-norm     | them); engine after a  | in its host      |
+|                            |                         | failed backward        | home, its norm   |
+|                            |                         |                        | known            |
+| ``LandingListener`` calls  | landing thread, inside  | HostAdamW on the       | a speculative    |
+| (landing.py)               | the landing task        | landing thread: it     | update reads a   |
+|                            |                         | submits the            | gradient only    |
+|                            |                         | speculative update to  | after its final  |
+|                            |                         | the AdamW thread       | fold             |
+| ``_unspeculate`` (a second | landing thread submits  | AdamW thread           | the undo uses    |
+| final landing of a layer)  | it and waits            |                        | the gradient the |
+|                            | (``.result()``) before  |                        | step used, not   |
+|                            | the fold                |                        | the sum the fold |
+|                            |                         |                        | writes           |
+| ``_landing_spec``          | main:                   | landing thread (the    | each landing's   |
+|                            | ``begin_speculation``   | listener calls)        | submit orders    |
+|                            | (before the backward    |                        | the write before |
+|                            | queues its landings),   |                        | its reads        |
+|                            | ``abandon_speculation`` |                        |                  |
+| ``Speculation``:           | landing thread          | AdamW thread, before   | a cancel flag:   |
+| ``stopped``, ``closed``    | (listener, norm task);  | each speculative       | updates not      |
+|                            | main (abandon, after    | update                 | started are left |
+|                            | the landings ran)       |                        | to the plain     |
+|                            |                         |                        | update           |
+| ``Speculation``: ``done``, | AdamW thread            | AdamW tasks queued     | which layers a   |
+| ``resident_done``          | (speculative updates)   | after them (FIFO);     | settle or an     |
+|                            |                         | main after             | undo treats      |
+|                            |                         | ``undo_all``; the norm |                  |
+|                            |                         | task (a read-ahead     |                  |
+|                            |                         | hint)                  |                  |
+| decision future (the norm  | landing thread, after   | the step's AdamW tasks | no update before |
+| task's ``StepDecision``)   | every landing of the    | (``.result()``); main: | the norm; skip,  |
+|                            | window (FIFO)           | engine.step waits the  | coefficient,     |
+|                            |                         | norm future made from  | Adam step,       |
+|                            |                         | it, then               | verdict,         |
+|                            |                         | ``_decided()``         | message, error:  |
+|                            |                         |                        | one immutable    |
+|                            |                         |                        | value            |
+| loss scaler                | landing thread (the     | main, after the norm   | the scale of the |
+| (``scaler.update``)        | norm task)              | future: the next       | next backward    |
+|                            |                         | backward,              |                  |
+|                            |                         | ``cur_scale``          |                  |
+| update futures             | main submits the AdamW  | main:                  | a wire copy is   |
+| (``schedule.rewrite``,     | tasks                   | ``wait_rewritten(i)``  | rewritten before |
+| ``res.rewrite``)           |                         | before the H2D of wire | an H2D reads it; |
+|                            |                         | i; ``res.upload`` (the | a GPU-held       |
+|                            |                         | result: an opt event)  | resident update  |
+|                            |                         |                        | is done          |
+| ``wire_read[i]``           | main, when it issues    | the AdamW tasks queued | the H2D reading  |
+| (schedule),                | the H2D                 | after it               | the old bytes    |
+| ``res.wire_read`` (events) |                         | (``synchronize``       | has finished     |
+|                            |                         | before a rewrite)      |                  |
+| moments futures            | main submits the        | main:                  | the moments pass |
+| (``schedule.moments_due``) | moments tasks after the | ``wait_moments(i)``    | has read         |
+|                            | close task (last layer  | before the D2H into    | gradient i and   |
+|                            | first); the AdamW       | grad i; landing thread | written the      |
+|                            | thread runs them        | before a fold into     | moments before a |
+|                            |                         | grad i; engine.        | new gradient of  |
+|                            |                         | synchronize            | i lands or       |
+|                            |                         |                        | anyone reads the |
+|                            |                         |                        | moments          |
+| ``_closing`` (the close    | main submits it after   | main:                  | the policy's     |
+| task)                      | the step's update       | ``begin_speculation``, | record of the    |
+|                            | tasks; the AdamW thread | ``engine.synchronize`` | step is in       |
+|                            | writes ``policy``       |                        | before the next  |
+|                            |                         |                        | speculation      |
+| abandon: a no-op landing   | main                    | main waits for each in | the landings     |
+| task, then ``undo_all``    |                         | turn                   | have run (no     |
+|                            |                         |                        | more speculative |
+|                            |                         |                        | updates queued), |
+|                            |                         |                        | then they are    |
+|                            |                         |                        | undone           |
 
-Adam's step count is the main thread's: the norm task receives it (``enqueue_step`` waits for the previous decision)
-and returns the advanced one in its decision (``step_count`` reads it).
+Adam's step count is the main thread's: the norm task receives it (``enqueue_step`` waits for the
+previous decision) and returns the advanced one in its decision (``step_count`` reads it).
 """

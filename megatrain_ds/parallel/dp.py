@@ -1,72 +1,85 @@
 """Data parallelism over the processes of a run: who owns which layer, and the process groups.
 
-[Note: data parallel] N processes (one per GPU; ``torchrun``, the ``deepspeed`` launcher, ``accelerate launch``)
-train one model on N micro-batches at once. Every persistent tensor stays in host memory, once per host:
+[Note: data parallel] N processes (one per GPU; ``torchrun``, the ``deepspeed`` launcher,
+``accelerate launch``) train one model on N micro-batches at once. Every persistent tensor stays in
+host memory, once per host:
 
-- **Shards.** The ranks that split the host state between them form a *shard*: the ranks of one node (host) with
-  ``megatrain.host_sharding: "node"`` (the default), every rank of the job with ``"job"``. Which ranks share a node
-  is asked of the launcher (torchrun's GROUP_RANK, the deepspeed launcher's CROSS_RANK, SLURM's SLURM_NODEID, and
-  the host name; LOCAL_RANK / LOCAL_WORLD_SIZE agree with it), never assumed from WORLD_SIZE: two ``torchrun
-  --nnodes 2`` launches on one machine are two hosts. With one node both modes are the same. ``Topology`` holds it.
-- **Ownership.** Within a shard of S ranks, streamed layer i is owned by the rank at position ``i % S``; a trained
-  resident parameter (embeddings, final norm, head) by the position its size is given to (``resident_positions``:
-  largest first, to the position holding the fewest resident elements). Only an owner holds the host state (fp32
-  master, Adam moments, gradient, pinned wire copy) and steps it, on its own cores: host bytes summed over the
-  shard are those of one process. With several shards ("node" mode, several nodes) each shard holds one copy:
-  the owner at the same position of every shard steps the same bytes to the same result (a *replica*).
-- **Weights in.** The owner copies layer i's wire H2D into a slot (or casts its GPU-held master), then the slot is
-  broadcast from the owner to every rank of its shard (NCCL over NVLink; gloo on CPU). Round-robin ownership means
-  consecutive layers come over different PCIe links. A resident parameter's compute copy is refreshed the same
-  way before a forward (``ResidentParams.upload``). No weight crosses between shards.
-- **Gradients out.** Layer i's (or a resident parameter's) gradient is reduced (sum) to its owner within the shard,
-  then all-reduced among the replicas (the owners at that position of every shard: across nodes), then scaled by
-  1/N on the owner (the mean over ranks, as DeepSpeed averages data-parallel gradients), which lands it in host
-  memory (D2H) as one process does. Ranks that do not own it move nothing over PCIe.
-- **The global norm** is summed in one order whatever the topology: every squared norm (per layer, then per
-  resident parameter) goes into its own entry of a vector, filled by the entry's owner in shard 0 only, the vector
-  is all-reduced (each entry has one non-zero term: exact) by the landing thread over a gloo group of its own, and
-  its entries are added in index order, as one process adds them: clipping is exact, every rank reaches the same
-  skip / clip decision (fp16 overflow included), and two nodes of one rank train bit for bit as one node of two.
+- **Shards.** The ranks that split the host state between them form a *shard*: the ranks of one node
+  (host) with ``megatrain.host_sharding: "node"`` (the default), every rank of the job with
+  ``"job"``. Which ranks share a node is asked of the launcher (torchrun's GROUP_RANK, the deepspeed
+  launcher's CROSS_RANK, SLURM's SLURM_NODEID, and the host name; LOCAL_RANK / LOCAL_WORLD_SIZE
+  agree with it), never assumed from WORLD_SIZE: two ``torchrun --nnodes 2`` launches on one machine
+  are two hosts. With one node both modes are the same. ``Topology`` holds it.
+- **Ownership.** Within a shard of S ranks, streamed layer i is owned by the rank at position ``i %
+  S``; a trained resident parameter (embeddings, final norm, head) by the position its size is given
+  to (``resident_positions``: largest first, to the position holding the fewest resident elements).
+  Only an owner holds the host state (fp32 master, Adam moments, gradient, pinned wire copy) and
+  steps it, on its own cores: host bytes summed over the shard are those of one process. With
+  several shards ("node" mode, several nodes) each shard holds one copy: the owner at the same
+  position of every shard steps the same bytes to the same result (a *replica*).
+- **Weights in.** The owner copies layer i's wire H2D into a slot (or casts its GPU-held master),
+  then the slot is broadcast from the owner to every rank of its shard (NCCL over NVLink; gloo on
+  CPU). Round-robin ownership means consecutive layers come over different PCIe links. A resident
+  parameter's compute copy is refreshed the same way before a forward (``ResidentParams.upload``).
+  No weight crosses between shards.
+- **Gradients out.** Layer i's (or a resident parameter's) gradient is reduced (sum) to its owner
+  within the shard, then all-reduced among the replicas (the owners at that position of every shard:
+  across nodes), then scaled by 1/N on the owner (the mean over ranks, as DeepSpeed averages
+  data-parallel gradients), which lands it in host memory (D2H) as one process does. Ranks that do
+  not own it move nothing over PCIe.
+- **The global norm** is summed in one order whatever the topology: every squared norm (per layer,
+  then per resident parameter) goes into its own entry of a vector, filled by the entry's owner in
+  shard 0 only, the vector is all-reduced (each entry has one non-zero term: exact) by the landing
+  thread over a gloo group of its own, and its entries are added in index order, as one process adds
+  them: clipping is exact, every rank reaches the same skip / clip decision (fp16 overflow
+  included), and two nodes of one rank train bit for bit as one node of two.
 
-Ordering. The collectives of the device groups (broadcast, reduce, the replicas' all-reduce) are issued by the main
-thread only, in the order the executor loads and evacuates layers, which is the same on every rank as long as
-every rank runs the same forwards and backwards (as DeepSpeed ZeRO-3 requires) and agrees on which layers are
-kept on the GPU (the auto placement takes the minimum over ranks) and which slots are stale (a rollback
-invalidates every layer on every rank). On CUDA a collective issued with ``h2d`` (broadcast) or ``d2h``
-(reduce) current runs on NCCL's stream after that stream's queued work, and that stream waits for it: the
-three-stream overlap is kept, NCCL's stream being the fourth. A replica all-reduce follows its shard's reduce on
-the same stream, on the owner only: every rank enqueues its communicators' work in one order.
-Host-side scalars (the norm, placement budgets) and checkpoint exchange go over gloo groups of every rank, so a
-collective on one thread never interleaves with another thread's; their job-wide exchanges name one canonical
-owner per layer (``owner``: shard 0's).
+Ordering. The collectives of the device groups (broadcast, reduce, the replicas' all-reduce) are
+issued by the main thread only, in the order the executor loads and evacuates layers, which is the
+same on every rank as long as every rank runs the same forwards and backwards (as DeepSpeed ZeRO-3
+requires) and agrees on which layers are kept on the GPU (the auto placement takes the minimum over
+ranks) and which slots are stale (a rollback invalidates every layer on every rank). On CUDA a
+collective issued with ``h2d`` (broadcast) or ``d2h`` (reduce) current runs on NCCL's stream after
+that stream's queued work, and that stream waits for it: the three-stream overlap is kept, NCCL's
+stream being the fourth. A replica all-reduce follows its shard's reduce on the same stream, on the
+owner only: every rank enqueues its communicators' work in one order. Host-side scalars (the norm,
+placement budgets) and checkpoint exchange go over gloo groups of every rank, so a collective on one
+thread never interleaves with another thread's; their job-wide exchanges name one canonical owner
+per layer (``owner``: shard 0's).
 
-[Note: collective timeouts] A rank that does not arrive (a stalled data loader, a debugger, a branch only some ranks
-take, a crash) must not leave the others waiting for ever, and the rank that gives up must say who it waited for.
-- **Bounded waits.** Every group the engine makes waits at most ``megatrain.collective_timeout`` seconds
-  (``CollectiveError``): the gloo groups (norm, host scalars, checkpoints) and, on gloo (CPU), the engine's own group
-  for the layer collectives. NCCL's collectives run on the GPU, so the host never waits in one; the engine checks
-  arrival over gloo instead, where a rank can stall in the script's own code: a barrier at the top of every
-  ``forward()`` and ``backward()`` (one gloo round trip each), while ``step()``'s norm all-reduce is one already.
-  The NCCL group itself keeps its own timeout (its watchdog aborts the process: set
-  ``init_process_group(timeout=)``, which megatrain_ds sets to ``collective_timeout`` when it creates the group).
-- **Who did not arrive.** At each engine call (forward, backward and its return, step and its return,
-  save_checkpoint, load_checkpoint, GatheredParameters) and each collective the calling thread enters, a rank leaves
-  its position in the process group's store (``_Board``: a background thread writes the latest one, at most every
-  50 ms; the main thread never waits on the store). A rank whose wait ends reads every rank's last report (bounded:
-  5 s). Every rank makes the same calls and collectives in the same order, so the ranks whose (call, collective)
-  count is behind its own did not arrive; their report says where they are ("between backward() and step() of
-  micro-step 3: backward() returned, step() not called yet", host, pid). With two ranks it is the other one. A
-  closed connection (a peer that died) is said as such, naming the rank whose pid is gone where it ran on this host.
-- **Who exited.** A report is the rank's last position, not its fate: a rank whose script ended (or raised) reports
-  nothing more. So at interpreter exit each rank writes an exit record of its own (``exit/<rank>``, synchronously,
-  bounded, before its groups are destroyed: it is in the store before any peer sees the connection close), saying
-  whether an exception escaped the script and its last engine call. A peer that waited for it says "exited" with
-  that, not its last progress; a rank that left no record and whose pid is gone (same host) was killed or crashed
-  (SIGKILL, ``os._exit``, a segfault: its launcher's log has the status).
-- **Exit.** Nothing is left waiting: gloo's operations fail at the timeout, so a script that lets the error
-  propagate exits (its process groups destroyed at exit, comm.py); the rank that stalled fails in its next collective
-  once it resumes (its peers are gone).
+[Note: collective timeouts] A rank that does not arrive (a stalled data loader, a debugger, a branch
+only some ranks take, a crash) must not leave the others waiting for ever, and the rank that gives
+up must say who it waited for.
+- **Bounded waits.** Every group the engine makes waits at most ``megatrain.collective_timeout``
+  seconds (``CollectiveError``): the gloo groups (norm, host scalars, checkpoints) and, on gloo
+  (CPU), the engine's own group for the layer collectives. NCCL's collectives run on the GPU, so the
+  host never waits in one; the engine checks arrival over gloo instead, where a rank can stall in
+  the script's own code: a barrier at the top of every ``forward()`` and ``backward()`` (one gloo
+  round trip each), while ``step()``'s norm all-reduce is one already. The NCCL group itself keeps
+  its own timeout (its watchdog aborts the process: set ``init_process_group(timeout=)``, which
+  megatrain_ds sets to ``collective_timeout`` when it creates the group).
+- **Who did not arrive.** At each engine call (forward, backward and its return, step and its
+  return, save_checkpoint, load_checkpoint, GatheredParameters) and each collective the calling
+  thread enters, a rank leaves its position in the process group's store (``_Board``: a background
+  thread writes the latest one, at most every 50 ms; the main thread never waits on the store). A
+  rank whose wait ends reads every rank's last report (bounded: 5 s). Every rank makes the same
+  calls and collectives in the same order, so the ranks whose (call, collective) count is behind its
+  own did not arrive; their report says where they are ("between backward() and step() of micro-step
+  3: backward() returned, step() not called yet", host, pid). With two ranks it is the other one. A
+  closed connection (a peer that died) is said as such, naming the rank whose pid is gone where it
+  ran on this host.
+- **Who exited.** A report is the rank's last position, not its fate: a rank whose script ended (or
+  raised) reports nothing more. So at interpreter exit each rank writes an exit record of its own
+  (``exit/<rank>``, synchronously, bounded, before its groups are destroyed: it is in the store
+  before any peer sees the connection close), saying whether an exception escaped the script and its
+  last engine call. A peer that waited for it says "exited" with that, not its last progress; a rank
+  that left no record and whose pid is gone (same host) was killed or crashed (SIGKILL,
+  ``os._exit``, a segfault: its launcher's log has the status).
+- **Exit.** Nothing is left waiting: gloo's operations fail at the timeout, so a script that lets
+  the error propagate exits (its process groups destroyed at exit, comm.py); the rank that stalled
+  fails in its next collective once it resumes (its peers are gone).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -85,11 +98,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 600.0  # megatrain.collective_timeout's default (NCCL's own default wait, 10 minutes)
-BOARD_READ_TIMEOUT_S = 5.0  # reading the other ranks' reports after a failed collective: never longer
-WRITE_INTERVAL_S = 0.05  # a rank's reports reach the store at most this often (the latest one; a stalled rank's is)
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
-              "Connection refused", "Socket closed")
+# megatrain.collective_timeout's default (NCCL's own default wait, 10 minutes)
+DEFAULT_TIMEOUT_S = 600.0
+# reading the other ranks' reports after a failed collective: never longer
+BOARD_READ_TIMEOUT_S = 5.0
+# a rank's reports reach the store at most this often (the latest one; a stalled rank's is)
+WRITE_INTERVAL_S = 0.05
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Read error",
+    "Connection refused",
+    "Socket closed",
+)
 
 
 def done(value=None) -> Future:
@@ -99,25 +121,30 @@ def done(value=None) -> Future:
     return fut
 
 
-HOST_SHARDING = ("node", "job")  # megatrain.host_sharding: which ranks split the host state (the Note)
-NODE_ENV = ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID")  # torchrun, the deepspeed launcher, SLURM: this node's index
+# megatrain.host_sharding: which ranks split the host state (the Note)
+HOST_SHARDING = ("node", "job")
+# torchrun, the deepspeed launcher, SLURM: this node's index
+NODE_ENV = ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID")
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Where the host state lives ([Note: data parallel]): ``shards`` are the groups of ranks that split it (global
-    ranks, in rank order; the shard holding rank 0 first), ``nodes`` the ranks of each host. Every shard has the same
-    size S; layer i is owned at position ``i % S`` of every shard. Pure: the planner builds one too."""
+    """Where the host state lives ([Note: data parallel]): ``shards`` are the groups of ranks that
+    split it (global ranks, in rank order; the shard holding rank 0 first), ``nodes`` the ranks of
+    each host. Every shard has the same size S; layer i is owned at position ``i % S`` of every
+    shard. Pure: the planner builds one too."""
 
     shards: tuple[tuple[int, ...], ...]
     nodes: tuple[tuple[int, ...], ...]
 
     @classmethod
     def of(cls, node_keys: list, sharding: str = "node") -> "Topology":
-        """From each rank's node key (equal keys: one host), in rank order. "node": a shard per node (every node with
-        the same number of ranks); "job": one shard of every rank."""
+        """From each rank's node key (equal keys: one host), in rank order. "node": a shard per node
+        (every node with the same number of ranks); "job": one shard of every rank."""
         if sharding not in HOST_SHARDING:
-            raise ValueError(f"megatrain.host_sharding must be one of {HOST_SHARDING}, got {sharding!r}")
+            raise ValueError(
+                f"megatrain.host_sharding must be one of {HOST_SHARDING}, got {sharding!r}"
+            )
         groups: dict = {}
         for rank, key in enumerate(node_keys):
             groups.setdefault(key, []).append(rank)
@@ -127,16 +154,21 @@ class Topology:
         sizes = sorted({len(g) for g in nodes})
         if len(sizes) > 1:
             from ..errors import ConfigError
-            raise ConfigError(f"megatrain.host_sharding \"node\" holds one copy of the host state per node, split over "
-                              f"its ranks: every node needs the same number of ranks, got {[len(g) for g in nodes]} "
-                              "(launch the same --nproc_per_node on every node, or set megatrain.host_sharding "
-                              "\"job\": the state split over every rank of the job)")
+
+            raise ConfigError(
+                f"megatrain.host_sharding \"node\" holds one copy of the host state per node, "
+                "split over "
+                "its ranks: every node needs the same number of ranks, got "
+                f"{[len(g) for g in nodes]} "
+                "(launch the same --nproc_per_node on every node, or set megatrain.host_sharding "
+                "\"job\": the state split over every rank of the job)"
+            )
         return cls(nodes, nodes)
 
     @classmethod
     def uniform(cls, nodes: int, per_node: int, sharding: str = "node") -> "Topology":
-        """``nodes`` hosts of ``per_node`` ranks each, ranks numbered node by node (torchrun, the deepspeed
-        launcher)."""
+        """``nodes`` hosts of ``per_node`` ranks each, ranks numbered node by node (torchrun, the
+        deepspeed launcher)."""
         return cls.of([r // per_node for r in range(nodes * per_node)], sharding)
 
     @property
@@ -160,30 +192,33 @@ class Topology:
         return [i % self.size == pos for i in range(n_layers)]
 
     def position_order(self) -> list[int]:
-        """The shard's positions in the order resident parameters are dealt to them (``resident_positions``): the
-        first rank of every node, then the second, ...: with "job" sharding the embedding and the head go to
-        different hosts."""
+        """The shard's positions in the order resident parameters are dealt to them
+        (``resident_positions``): the first rank of every node, then the second, ...: with "job"
+        sharding the embedding and the head go to different hosts."""
         shard = self.shards[0]
         where = {r: (node.index(r), n) for n, node in enumerate(self.nodes) for r in node}
         return sorted(range(len(shard)), key=lambda p: where[shard[p]])
 
     def resident_mask(self, rank: int, positions: list[int | None]) -> list[bool]:
-        """Which resident parameters ``rank`` holds the host state of (``resident_positions``; a frozen one, with no
-        state: every rank)."""
+        """Which resident parameters ``rank`` holds the host state of (``resident_positions``; a
+        frozen one, with no state: every rank)."""
         pos = self.position(rank)
         return [p is None or p == pos for p in positions]
 
 
-def resident_positions(resident: list[tuple[int, bool]], size: int, order: list[int] | None = None
-                       ) -> list[int | None]:
-    """Per resident parameter ``(elements, trained)``, the shard position that owns its host state: trained ones
-    largest first (ties in order), each to the position holding the fewest resident elements so far (ties: the first
-    in ``order``, default 0, 1, ...; ``Topology.position_order``); None for a frozen one (no state: nothing to own).
-    An untied 14B's embedding and head go to different ranks of a 2-rank shard. Pure: the engine and the planner give
-    the same answer."""
+def resident_positions(
+    resident: list[tuple[int, bool]], size: int, order: list[int] | None = None
+) -> list[int | None]:
+    """Per resident parameter ``(elements, trained)``, the shard position that owns its host state:
+    trained ones largest first (ties in order), each to the position holding the fewest resident
+    elements so far (ties: the first in ``order``, default 0, 1, ...; ``Topology.position_order``);
+    None for a frozen one (no state: nothing to own). An untied 14B's embedding and head go to
+    different ranks of a 2-rank shard. Pure: the engine and the planner give the same answer."""
     load, out = [0] * max(1, size), [None] * len(resident)
     rank_of = {pos: i for i, pos in enumerate(order if order is not None else range(len(load)))}
-    for k in sorted((k for k, (_, trained) in enumerate(resident) if trained), key=lambda k: -resident[k][0]):
+    for k in sorted(
+        (k for k, (_, trained) in enumerate(resident) if trained), key=lambda k: -resident[k][0]
+    ):
         pos = min(range(len(load)), key=lambda r: (load[r], rank_of[r]))
         out[k] = pos
         load[pos] += resident[k][0]
@@ -191,16 +226,18 @@ def resident_positions(resident: list[tuple[int, bool]], size: int, order: list[
 
 
 def node_key() -> tuple[str, str]:
-    """This process's host, as the launcher names it: (the node index the launcher set, the host name)."""
+    """This process's host, as the launcher names it: (the node index the launcher set, the host
+    name)."""
     index = next((os.environ[k] for k in NODE_ENV if os.environ.get(k, "") != ""), "")
     return index, socket.gethostname()
 
 
 class CollectiveError(RuntimeError):
-    """A collective of the engine failed on this rank: a peer did not arrive within ``megatrain.collective_timeout``
-    seconds, or its connection closed (its process died). The message names this rank, the collective and where
-    (micro-step, global step, layer), the ranks that did not arrive and where they last reported being, and what to
-    do. ``rank``, ``collective`` and ``missing`` (the ranks that did not arrive, as far as known) say it to code."""
+    """A collective of the engine failed on this rank: a peer did not arrive within
+    ``megatrain.collective_timeout`` seconds, or its connection closed (its process died). The
+    message names this rank, the collective and where (micro-step, global step, layer), the ranks
+    that did not arrive and where they last reported being, and what to do. ``rank``, ``collective``
+    and ``missing`` (the ranks that did not arrive, as far as known) say it to code."""
 
     def __init__(self, message: str, rank: int, collective: str, missing: list[int]) -> None:
         super().__init__(message)
@@ -211,49 +248,64 @@ _PHASES = {  # what a rank's last report means, for the message of the rank that
     "initialize": "initialize()",
     "forward": "in forward() of micro-step {m}",
     "backward": "in backward() of micro-step {m}",
-    "backward_done": "between backward() and step() of micro-step {m}: backward() returned, step() not called yet",
+    "backward_done": "between backward() and step() of micro-step {m}: backward() returned, step() "
+    "not called yet",
     "step": "in step() of micro-step {m} (global step {g})",
-    "step_done": "after step() (global step {g}): in the script's own code (the next batch?), forward() not called "
-                 "yet",
+    "step_done": "after step() (global step {g}): in the script's own code (the next batch?), "
+    "forward() not called "
+    "yet",
     "gather": "in GatheredParameters (global step {g})",
     "save": "in save_checkpoint() (global step {g})",
     "load": "in load_checkpoint() (global step {g} before it)",
 }
-_instances = itertools.count()  # one board per engine: every rank makes its engines in the same order
+# one board per engine: every rank makes its engines in the same order
+_instances = itertools.count()
 
 
 class DataParallel:
-    """This process's place in the run: rank, world size, layer ownership and the groups collectives use.
+    """This process's place in the run: rank, world size, layer ownership and the groups collectives
+    use.
 
-    With one process every method is a no-op and the rank owns every layer (the single-GPU engine)."""
+    With one process every method is a no-op and the rank owns every layer (the single-GPU
+    engine)."""
 
-    def __init__(self, device: torch.device, timeout: float = DEFAULT_TIMEOUT_S, sharding: str = "node") -> None:
+    def __init__(
+        self, device: torch.device, timeout: float = DEFAULT_TIMEOUT_S, sharding: str = "node"
+    ) -> None:
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         self.device = device
         self.timeout_s = float(timeout)
-        self.group = None  # every rank's device collectives: NCCL's default group on CUDA, a gloo group of ours on CPU
-        self.shard_group = None  # the device collectives of this rank's shard (``group`` when it is every rank)
-        self.replica_group = None  # the owners at this rank's position of every shard (None: one shard)
+        # every rank's device collectives: NCCL's default group on CUDA, a gloo group of ours on CPU
+        self.group = None
+        # the device collectives of this rank's shard (``group`` when it is every rank)
+        self.shard_group = None
+        # the owners at this rank's position of every shard (None: one shard)
+        self.replica_group = None
         self.cpu_group = None  # gloo, main thread: host scalars and checkpoint exchange
         self.norm_group = None  # gloo, the landing thread: the global norm
         self.topology = Topology(((0,),), ((0,),))  # one process
-        self.shard, self.shard_pos, self.local_world = (0,), 0, 1  # its shard, its place there, its host's ranks
-        self.resident_pos: list[int | None] = []  # per resident parameter, its owning position (``set_resident``)
-        # this rank's last report: the engine call it is in (seq counts them) and the collectives the calling
-        # thread has entered in it (c; the last one: "in")
+        # its shard, its place there, its host's ranks
+        self.shard, self.shard_pos, self.local_world = (0,), 0, 1
+        # per resident parameter, its owning position (``set_resident``)
+        self.resident_pos: list[int | None] = []
+        # this rank's last report: the engine call it is in (seq counts them) and the collectives
+        # the calling thread has entered in it (c; the last one: "in")
         self.position = {"phase": "initialize", "seq": 0, "m": 0, "g": 0, "c": 0, "in": None}
         self._caller = threading.get_ident()
         self._board = None
         if self.world > 1:
             self.backend = dist.get_backend()
             if device.type == "cuda" and self.backend != "nccl":
-                raise RuntimeError(f"data parallel on CUDA needs the NCCL backend; the process group uses "
-                                   f"{self.backend!r} (init_distributed(dist_backend='nccl'), or let "
-                                   "megatrain_ds initialize it)")
+                raise RuntimeError(
+                    f"data parallel on CUDA needs the NCCL backend; the process group uses "
+                    f"{self.backend!r} (init_distributed(dist_backend='nccl'), or let "
+                    "megatrain_ds initialize it)"
+                )
             self.cpu_group = self._gloo_group()
             self.norm_group = self._gloo_group()
-            if self.backend == "gloo":  # ours, so its waits are bounded too (the default group's are the script's)
+            # ours, so its waits are bounded too (the default group's are the script's)
+            if self.backend == "gloo":
                 self.group = self._gloo_group()
             keys = [None] * self.world  # which ranks share a host: as the launcher says (the Note)
             dist.all_gather_object(keys, node_key(), group=self.cpu_group)
@@ -262,13 +314,15 @@ class DataParallel:
             self._board = _Board(self.rank, self.world, next(_instances))
             self._board.report(self._entry())
             from .comm import destroy_at_exit
+
             destroy_at_exit()  # gloo groups left alive at exit can abort the process (comm.py)
 
     def _gloo_group(self, ranks: list[int] | None = None):
-        """A gloo group (of ``ranks``, default every rank) whose collectives wait at most ``collective_timeout``. Made
-        with a longer wait (connecting its pairs waits for every rank to get here: the ranks reach initialize() as
-        far apart as their model loading), then set to ``collective_timeout`` for its collectives. Every rank makes
-        every group, in the same order (torch.distributed's rule), members or not: None where not a member."""
+        """A gloo group (of ``ranks``, default every rank) whose collectives wait at most
+        ``collective_timeout``. Made with a longer wait (connecting its pairs waits for every rank
+        to get here: the ranks reach initialize() as far apart as their model loading), then set to
+        ``collective_timeout`` for its collectives. Every rank makes every group, in the same order
+        (torch.distributed's rule), members or not: None where not a member."""
         timeout = timedelta(seconds=self.timeout_s)
         try:
             from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -281,20 +335,23 @@ class DataParallel:
         return None
 
     def _device_group(self, ranks: list[int]):
-        """A group of ``ranks`` for the device collectives (NCCL on CUDA, with ``collective_timeout``; gloo on CPU):
-        made by every rank in the same order, returned to its members (None elsewhere)."""
+        """A group of ``ranks`` for the device collectives (NCCL on CUDA, with
+        ``collective_timeout``; gloo on CPU): made by every rank in the same order, returned to its
+        members (None elsewhere)."""
         if self.backend == "gloo":
             return self._gloo_group(ranks)
         group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))
         return group if self.rank in ranks else None
 
     def _shard_groups(self) -> None:
-        """The groups of [Note: data parallel] beyond every rank's: with one shard, its group is every rank's; with
-        several (one per node), a group per shard and one per position (the replicas), every rank making all."""
+        """The groups of [Note: data parallel] beyond every rank's: with one shard, its group is
+        every rank's; with several (one per node), a group per shard and one per position (the
+        replicas), every rank making all."""
         topo = self.topology
         self.shard = topo.shard_of(self.rank)  # global ranks of this rank's shard
         self.shard_pos = topo.position(self.rank)
-        self.local_world = len(topo.node_of(self.rank))  # the ranks sharing this host's memory and cores
+        # the ranks sharing this host's memory and cores
+        self.local_world = len(topo.node_of(self.rank))
         if len(topo.shards) == 1:
             self.shard_group = self.group
             return
@@ -311,10 +368,10 @@ class DataParallel:
     def active(self) -> bool:
         return self.world > 1
 
-    # --- who holds what ([Note: data parallel]) ---------------------------------------------------------------
+    # --- who holds what ([Note: data parallel]) ---------------------------------------------------
     def owner(self, i: int) -> int:
-        """The canonical holder of layer i (global rank, shard 0's): the source of job-wide exchanges (checkpoints,
-        GatheredParameters, full state dicts), the same on every rank."""
+        """The canonical holder of layer i (global rank, shard 0's): the source of job-wide
+        exchanges (checkpoints, GatheredParameters, full state dicts), the same on every rank."""
         return self.topology.shards[0][i % self.topology.size]
 
     def owners(self, i: int) -> list[int]:
@@ -333,24 +390,39 @@ class DataParallel:
         return self.topology.node_of(self.rank) if self.active else (0,)
 
     def set_resident(self, resident: list[tuple[int, bool]]) -> list[bool]:
-        """Decide the owners of the resident parameters (``(elements, trained)`` each, in the engine's order); returns
-        this rank's mask (``resident_positions``: the same on every rank)."""
-        self.resident_pos = resident_positions(resident, self.topology.size, self.topology.position_order())
-        return self.topology.resident_mask(self.rank, self.resident_pos) if self.active else [True] * len(resident)
+        """Decide the owners of the resident parameters (``(elements, trained)`` each, in the
+        engine's order); returns this rank's mask (``resident_positions``: the same on every
+        rank)."""
+        self.resident_pos = resident_positions(
+            resident, self.topology.size, self.topology.position_order()
+        )
+        return (
+            self.topology.resident_mask(self.rank, self.resident_pos)
+            if self.active
+            else [True] * len(resident)
+        )
 
     def resident_owner(self, k: int) -> int:
-        """The canonical holder of resident parameter k's state (shard 0's; rank 0 for a frozen one)."""
+        """The canonical holder of resident parameter k's state (shard 0's; rank 0 for a frozen
+        one)."""
         pos = self.resident_pos[k] if self.active else None
         return 0 if pos is None else self.topology.shards[0][pos]
 
-    # --- where this rank is (the engine reports its calls; see [Note: collective timeouts]) ---------------
+    # --- where this rank is (the engine reports its calls; see [Note: collective timeouts]) -------
     def mark(self, phase: str, micro_step: int, global_step: int, arrive: bool = False) -> None:
-        """Report this rank's position (``_PHASES``); with ``arrive``, wait (bounded) until every rank has reached
-        the same point, before any collective of the call is issued (NCCL's never raise on the host)."""
+        """Report this rank's position (``_PHASES``); with ``arrive``, wait (bounded) until every
+        rank has reached the same point, before any collective of the call is issued (NCCL's never
+        raise on the host)."""
         if not self.active:
             return
-        self.position = {"phase": phase, "seq": self.position["seq"] + 1, "m": micro_step, "g": global_step,
-                         "c": 0, "in": None}
+        self.position = {
+            "phase": phase,
+            "seq": self.position["seq"] + 1,
+            "m": micro_step,
+            "g": global_step,
+            "c": 0,
+            "in": None,
+        }
         self._caller = threading.get_ident()
         self._board.report(self._entry())
         if arrive:
@@ -362,11 +434,13 @@ class DataParallel:
 
     @contextmanager
     def watch(self, collective: str):
-        """Around one collective (or a few, on one thread): a failure of the collective machinery (gloo's timeout,
-        a peer's closed connection, NCCL's blocking-wait timeout) becomes a ``CollectiveError`` that names this
-        rank, ``collective``, where this rank is, and the ranks that did not arrive."""
+        """Around one collective (or a few, on one thread): a failure of the collective machinery
+        (gloo's timeout, a peer's closed connection, NCCL's blocking-wait timeout) becomes a
+        ``CollectiveError`` that names this rank, ``collective``, where this rank is, and the ranks
+        that did not arrive."""
         start = time.monotonic()
-        if self._board is not None and threading.get_ident() == self._caller:  # the calling thread's, in order
+        # the calling thread's, in order
+        if self._board is not None and threading.get_ident() == self._caller:
             self.position = {**self.position, "c": self.position["c"] + 1, "in": collective}
             self._board.report(self._entry())
         try:
@@ -379,88 +453,149 @@ class DataParallel:
             raise self.explain(exc, collective, time.monotonic() - start) from exc
 
     def explain(self, exc: BaseException, collective: str, waited: float) -> CollectiveError:
-        """The error for ``exc`` in ``collective``: who did not arrive, where they are, what to do."""
+        """The error for ``exc`` in ``collective``: who did not arrive, where they are, what to
+        do."""
         text = str(exc)
         gone = any(marker in text for marker in _PEER_GONE)
-        timed_out = not gone and ("Timed out" in text or "timed out" in text or "Timeout" in text or
-                                  waited >= 0.9 * self.timeout_s)
+        timed_out = not gone and (
+            "Timed out" in text
+            or "timed out" in text
+            or "Timeout" in text
+            or waited >= 0.9 * self.timeout_s
+        )
         reports = self._board.read() if self._board is not None else None
         me, seq = self.rank, self.position["seq"]
         where = _PHASES.get(self.position["phase"], self.position["phase"]).format(**self.position)
         if reports is not None:
-            reports[me] = self._entry()  # this rank's own, current (its last write may still be queued)
+            # this rank's own, current (its last write may still be queued)
+            reports[me] = self._entry()
         lines = []
         exits: dict = {}
         if reports is None:
-            missing, dead = ([1 - me], []) if self.world == 2 else ([], [])  # two ranks: the other one
-            lines.append("  (the other ranks' reports could not be read: the store's host -- rank 0 under a plain "
-                         "launch, the launcher's agent under torchrun -- may be gone)")
+            # two ranks: the other one
+            missing, dead = ([1 - me], []) if self.world == 2 else ([], [])
+            lines.append(
+                "  (the other ranks' reports could not be read: the store's host -- rank 0 under a "
+                "plain "
+                "launch, the launcher's agent under torchrun -- may be gone)"
+            )
         else:
             exits = {r: e["exit"] for r, e in reports.items() if r != me and "exit" in e}
             dead = [r for r, e in reports.items() if r != me and (r in exits or not _alive(e))]
-            order = (seq, self.position["c"])  # every rank makes the same calls and collectives in the same order
-            behind = [r for r in range(self.world) if r != me and
-                      (r not in reports or (reports[r]["seq"], reports[r].get("c", 0)) < order)]
+            # every rank makes the same calls and collectives in the same order
+            order = (seq, self.position["c"])
+            behind = [
+                r
+                for r in range(self.world)
+                if r != me
+                and (r not in reports or (reports[r]["seq"], reports[r].get("c", 0)) < order)
+            ]
             missing = sorted(set(dead) | set(behind))
-            if not missing and self.world == 2:  # two ranks: the other one (stalled on another thread, say)
+            # two ranks: the other one (stalled on another thread, say)
+            if not missing and self.world == 2:
                 missing = [1 - me]
             now = time.time()
             for r in range(self.world):
                 e = reports.get(r)
                 if e is None:
-                    lines.append(f"  rank {r}: no report (it never reached this engine's initialize())")
+                    lines.append(
+                        f"  rank {r}: no report (it never reached this engine's initialize())"
+                    )
                     continue
                 if r in exits:
                     x = exits[r]
-                    lines.append(f"  rank {r} (exited; host {e['host']}, pid {e['pid']}): {_exit_text(x)}, "
-                                 f"{now - x['t']:.1f} s ago; its last engine call: {_last_call(e)}")
+                    lines.append(
+                        f"  rank {r} (exited; host {e['host']}, pid {e['pid']}): {_exit_text(x)}, "
+                        f"{now - x['t']:.1f} s ago; its last engine call: {_last_call(e)}"
+                    )
                     continue
                 state = _PHASES.get(e["phase"], e["phase"]).format(**e)
                 if e.get("in"):
                     state += f"; its last collective entered: {e['in']}"
-                tag = ("this rank" if r == me else "its process is gone: killed or crashed, no exit recorded"
-                       if r in dead else "did not arrive" if r in missing else "arrived")
-                lines.append(f"  rank {r} ({tag}; host {e['host']}, pid {e['pid']}): {state} "
-                             f"[report {now - e['t']:.1f} s ago]")
-        who = (", ".join(f"rank {r}" for r in missing) if missing else
-               "no rank is behind by the reports (a rank stalled inside the same call)" if reports else "unknown")
+                tag = (
+                    "this rank"
+                    if r == me
+                    else "its process is gone: killed or crashed, no exit recorded"
+                    if r in dead
+                    else "did not arrive"
+                    if r in missing
+                    else "arrived"
+                )
+                lines.append(
+                    f"  rank {r} ({tag}; host {e['host']}, pid {e['pid']}): {state} "
+                    f"[report {now - e['t']:.1f} s ago]"
+                )
+        who = (
+            ", ".join(f"rank {r}" for r in missing)
+            if missing
+            else "no rank is behind by the reports (a rank stalled inside the same call)"
+            if reports
+            else "unknown"
+        )
         ended = [r for r in missing if r in exits and exits[r].get("raised") is None]
         if gone or (missing and all(r in exits for r in missing)):
-            fate = ("exited" if missing and all(r in exits for r in missing) else
-                    "was killed or crashed (no exit recorded)" if missing and
-                    all(r in dead and r not in exits for r in missing) else "exited or crashed")
-            what = (f"a peer's connection closed while rank {me} waited in {collective}, {where}: "
-                    f"{'the process of ' + who if missing else 'a peer process'} {fate}")
-            todo = ("its own log says why; this run cannot go on without it: restart from the last checkpoint (every "
-                    "rank exits)")
+            fate = (
+                "exited"
+                if missing and all(r in exits for r in missing)
+                else "was killed or crashed (no exit recorded)"
+                if missing and all(r in dead and r not in exits for r in missing)
+                else "exited or crashed"
+            )
+            what = (
+                f"a peer's connection closed while rank {me} waited in {collective}, {where}: "
+                f"{'the process of ' + who if missing else 'a peer process'} {fate}"
+            )
+            todo = (
+                "its own log says why; this run cannot go on without it: restart from the last "
+                "checkpoint (every "
+                "rank exits)"
+            )
             if ended:
                 scripts = "its script" if len(ended) == 1 else "their scripts"
-                todo = (f"{', '.join(f'rank {r}' for r in ended)} ended {scripts} while rank {me} still made engine "
-                        "calls: every rank must make the same engine calls in the same order -- save_checkpoint() "
-                        "and GatheredParameters on every rank, not only on rank 0 (as with DeepSpeed) -- and the "
-                        "same number of steps")
+                todo = (
+                    f"{', '.join(f'rank {r}' for r in ended)} ended {scripts} while rank {me} "
+                    "still made engine "
+                    "calls: every rank must make the same engine calls in the same order -- "
+                    "save_checkpoint() "
+                    "and GatheredParameters on every rank, not only on rank 0 (as with DeepSpeed) "
+                    "-- and the "
+                    "same number of steps"
+                )
         else:
-            what = (f"{collective}, {where}, did not complete within megatrain.collective_timeout = "
-                    f"{self.timeout_s:g} s" + (f" (waited {waited:.1f} s)" if not timed_out else "") +
-                    f"; did not arrive: {who}")
-            todo = ("every rank must make the same engine calls in the same order (forward, backward, step, "
-                    "save_checkpoint, GatheredParameters). Find what the rank that did not arrive is doing -- e.g. "
-                    "`py-spy dump --pid <pid>` on its host: a stalled data loader, a debugger, slow I/O, a branch "
-                    "only some ranks take -- or, if ranks legitimately drift apart for longer (a slow checkpoint "
-                    "write, evaluation on one rank), raise megatrain.collective_timeout")
+            what = (
+                f"{collective}, {where}, did not complete within megatrain.collective_timeout = "
+                f"{self.timeout_s:g} s"
+                + (f" (waited {waited:.1f} s)" if not timed_out else "")
+                + f"; did not arrive: {who}"
+            )
+            todo = (
+                "every rank must make the same engine calls in the same order (forward, backward, "
+                "step, "
+                "save_checkpoint, GatheredParameters). Find what the rank that did not arrive is "
+                "doing -- e.g. "
+                "`py-spy dump --pid <pid>` on its host: a stalled data loader, a debugger, slow "
+                "I/O, a branch "
+                "only some ranks take -- or, if ranks legitimately drift apart for longer (a slow "
+                "checkpoint "
+                "write, evaluation on one rank), raise megatrain.collective_timeout"
+            )
         cause = text.splitlines()[0][:300] if text else type(exc).__name__
-        message = (f"[megatrain_ds] rank {me} of {self.world}: {what}.\n" + "\n".join(lines) +
-                   f"\nWhat to do: {todo}.\n({self.backend}: {cause})")
+        message = (
+            f"[megatrain_ds] rank {me} of {self.world}: {what}.\n"
+            + "\n".join(lines)
+            + f"\nWhat to do: {todo}.\n({self.backend}: {cause})"
+        )
         return CollectiveError(message, me, collective, missing)
 
-    # --- device collectives (main thread) -----------------------------------------------------------------
+    # --- device collectives (main thread) ---------------------------------------------------------
     def broadcast_layer(self, buf: torch.Tensor, i: int) -> None:
-        """Layer i's weights, from its owner's slot into every rank's of the shard (called with ``h2d`` current on
-        CUDA). A shard of one rank loads its own: nothing to send."""
+        """Layer i's weights, from its owner's slot into every rank's of the shard (called with
+        ``h2d`` current on CUDA). A shard of one rank loads its own: nothing to send."""
         self._broadcast(buf, i % self.topology.size, f"layer {i}'s weights")
 
     def broadcast_resident(self, data: torch.Tensor, k: int) -> None:
-        """Resident parameter k's compute copy, from its owner into every rank's of the shard (``h2d`` current)."""
+        """Resident parameter k's compute copy, from its owner into every rank's of the shard
+        (``h2d`` current)."""
         self._broadcast(data, self.resident_pos[k], f"resident parameter {k}'s weights")
 
     def _broadcast(self, buf: torch.Tensor, pos: int, what: str) -> None:
@@ -469,8 +604,9 @@ class DataParallel:
                 dist.broadcast(buf, src=self.shard[pos], group=self.shard_group)
 
     def reduce_layer_grad(self, flat: torch.Tensor, i: int) -> None:
-        """Sum layer i's flat gradient over every rank into its owners' ``flat`` and take the mean there (``d2h``
-        current): a reduce within the shard, then the replicas' all-reduce (several shards)."""
+        """Sum layer i's flat gradient over every rank into its owners' ``flat`` and take the mean
+        there (``d2h`` current): a reduce within the shard, then the replicas' all-reduce (several
+        shards)."""
         self._reduce(flat, i % self.topology.size, f"layer {i}'s gradient")
 
     def reduce_resident_grad(self, grad: torch.Tensor, k: int) -> None:
@@ -479,9 +615,12 @@ class DataParallel:
 
     def _reduce(self, flat: torch.Tensor, pos: int, what: str) -> None:
         mine = pos == self.shard_pos
-        # one watch for both: every rank counts the same collectives ([Note: collective timeouts]), owners or not
-        with self.watch(f"the reduce of {what} to rank {self.shard[pos]}" +
-                        (" and between the nodes" if self.replica_group is not None else "")):
+        # one watch for both: every rank counts the same collectives ([Note: collective timeouts]),
+        # owners or not
+        with self.watch(
+            f"the reduce of {what} to rank {self.shard[pos]}"
+            + (" and between the nodes" if self.replica_group is not None else "")
+        ):
             if self.topology.size > 1:
                 dist.reduce(flat, dst=self.shard[pos], group=self.shard_group)
             if mine and self.replica_group is not None:
@@ -489,10 +628,10 @@ class DataParallel:
         if mine:
             flat.div_(self.world)
 
-    # --- host collectives ---------------------------------------------------------------------------------
+    # --- host collectives -------------------------------------------------------------------------
     def sum_norms(self, squares: list[float]) -> list[float]:
-        """Landing thread: every entry's squared norm from its one filler (each rank passes its entries, 0.0
-        elsewhere; the sum is exact), on every rank."""
+        """Landing thread: every entry's squared norm from its one filler (each rank passes its
+        entries, 0.0 elsewhere; the sum is exact), on every rank."""
         if not self.active:
             return squares
         t = torch.tensor(squares, dtype=torch.float64)
@@ -501,11 +640,14 @@ class DataParallel:
         return t.tolist()
 
     def min_int(self, value: int) -> int:
-        """Main thread: the smallest ``value`` over the ranks (placement decisions every rank must share)."""
+        """Main thread: the smallest ``value`` over the ranks (placement decisions every rank must
+        share)."""
         if not self.active:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        with self.watch("the all-reduce of a decision every rank must share (placement, recompute check)"):
+        with self.watch(
+            "the all-reduce of a decision every rank must share (placement, recompute check)"
+        ):
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t)
 
@@ -516,16 +658,18 @@ class DataParallel:
 
 
 def _collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is the collective machinery failing (a timeout, a lost peer), not a usage error (a shape or
-    dtype the collective refused before sending anything)."""
+    """Whether ``exc`` is the collective machinery failing (a timeout, a lost peer), not a usage
+    error (a shape or dtype the collective refused before sending anything)."""
     text = str(exc)
     return isinstance(exc, getattr(dist, "DistError", ())) or any(
-        marker in text for marker in _PEER_GONE + ("Timed out waiting", "gloo/transport", "gloo/"))
+        marker in text for marker in _PEER_GONE + ("Timed out waiting", "gloo/transport", "gloo/")
+    )
 
 
 def _alive(entry: dict) -> bool:
-    """False when the report's process is known to be gone (same host: no such pid, or a zombie its launcher has not
-    reaped yet -- torchrun's agent polls its workers); True when it lives or cannot be checked from here."""
+    """False when the report's process is known to be gone (same host: no such pid, or a zombie its
+    launcher has not reaped yet -- torchrun's agent polls its workers); True when it lives or cannot
+    be checked from here."""
     if entry.get("host") != socket.gethostname():
         return True
     try:
@@ -545,28 +689,39 @@ def _alive(entry: dict) -> bool:
 def _exit_text(x: dict) -> str:
     """An exit record, said: how the script ended."""
     if x.get("raised"):
-        return f"exited after an uncaught {x['raised']}" + (" (exit status 1)" if x.get("status") == 1 else "")
+        return f"exited after an uncaught {x['raised']}" + (
+            " (exit status 1)" if x.get("status") == 1 else ""
+        )
     return "exited: its script ended without an uncaught exception (returned, or called sys.exit)"
 
 
 def _last_call(e: dict) -> str:
     """A report's engine call, briefly: "step() returned (micro-step 4, global step 2)"."""
     name = e["phase"].removesuffix("_done")
-    call = {"save": "save_checkpoint()", "load": "load_checkpoint()", "gather": "GatheredParameters",
-            "initialize": "initialize()"}.get(name, f"{name}()")
+    call = {
+        "save": "save_checkpoint()",
+        "load": "load_checkpoint()",
+        "gather": "GatheredParameters",
+        "initialize": "initialize()",
+    }.get(name, f"{name}()")
     if name == "initialize":
         return call
-    return call + (" returned" if e["phase"].endswith("_done") else "") + \
-        f" (micro-step {e.get('m', 0)}, global step {e.get('g', 0)})"
+    return (
+        call
+        + (" returned" if e["phase"].endswith("_done") else "")
+        + f" (micro-step {e.get('m', 0)}, global step {e.get('g', 0)})"
+    )
 
 
 class _Exit:
-    """How this process ends, for its exit records: the uncaught exception ``sys.excepthook`` saw (it runs before
-    ``atexit`` handlers), if any. Python gives an ``atexit`` handler no exit status, so a script's clean end and its
-    ``sys.exit(n)`` read the same ("without an uncaught exception")."""
+    """How this process ends, for its exit records: the uncaught exception ``sys.excepthook`` saw
+    (it runs before ``atexit`` handlers), if any. Python gives an ``atexit`` handler no exit status,
+    so a script's clean end and its ``sys.exit(n)`` read the same ("without an uncaught
+    exception")."""
 
     raised: str | None = None  # "TypeName: first line of its message"
-    status: int | None = None  # 1 for an uncaught exception (Python's exit status), None when not known
+    # 1 for an uncaught exception (Python's exit status), None when not known
+    status: int | None = None
     boards: list = []  # the live boards of this process (one per engine), written at exit
     _hooked = False
 
@@ -583,8 +738,10 @@ class _Exit:
             cls.raised = f"{kind.__name__}: {text}" if text else kind.__name__
             cls.status = 1 if not issubclass(kind, KeyboardInterrupt) else None
             previous(kind, value, tb)
+
         sys.excepthook = hook
-        atexit.register(cls.write)  # after comm.destroy_at_exit's registration: runs before the groups go
+        # after comm.destroy_at_exit's registration: runs before the groups go
+        atexit.register(cls.write)
 
     @classmethod
     def write(cls) -> None:
@@ -593,9 +750,10 @@ class _Exit:
 
 
 class _Board:
-    """Every rank's last reported position, in the process group's store (``megatrain_ds/dp<k>/<rank>``). Written by
-    one background thread per process (the latest report only; the caller never waits on the store), read after a
-    failed collective in a thread joined with a bound (an unreachable store cannot hang the error)."""
+    """Every rank's last reported position, in the process group's store
+    (``megatrain_ds/dp<k>/<rank>``). Written by one background thread per process (the latest report
+    only; the caller never waits on the store), read after a failed collective in a thread joined
+    with a bound (an unreachable store cannot hang the error)."""
 
     _lock = threading.Condition()
     _pending: dict = {}  # board -> its latest entry not written yet
@@ -605,8 +763,11 @@ class _Board:
         self.rank, self.world = rank, world
         self.host, self.pid = socket.gethostname(), os.getpid()
         try:
-            self.store = dist.PrefixStore(f"megatrain_ds/dp{instance}/", dist.distributed_c10d._get_default_store())
-        except Exception:  # noqa: BLE001 - no store (a group made some other way): the message says "unknown"
+            self.store = dist.PrefixStore(
+                f"megatrain_ds/dp{instance}/", dist.distributed_c10d._get_default_store()
+            )
+        # no store (a group made some other way): the message says "unknown"
+        except Exception:  # noqa: BLE001
             self.store = None
         self.latest: dict | None = None  # the last report (its exit record repeats it)
         if self.store is not None:
@@ -619,7 +780,9 @@ class _Board:
         with _Board._lock:
             _Board._pending[self] = entry
             if _Board._thread is None:
-                _Board._thread = threading.Thread(target=_Board._write_loop, name="megatrain-dp-board", daemon=True)
+                _Board._thread = threading.Thread(
+                    target=_Board._write_loop, name="megatrain-dp-board", daemon=True
+                )
                 _Board._thread.start()
             _Board._lock.notify()
 
@@ -633,14 +796,16 @@ class _Board:
             try:
                 if board.store is not None:
                     board.store.set(str(board.rank), json.dumps(entry))
-            except Exception:  # noqa: BLE001 - the store's host is gone: stop reporting (collectives will say so)
+            # the store's host is gone: stop reporting (collectives will say so)
+            except Exception:  # noqa: BLE001
                 board.store = None
-            time.sleep(WRITE_INTERVAL_S)  # at most this often: the reports of a burst of collectives coalesce
+            # at most this often: the reports of a burst of collectives coalesce
+            time.sleep(WRITE_INTERVAL_S)
 
     def exited(self, how: dict) -> None:
-        """At exit: this rank's exit record (``exit/<rank>``: ``how`` and its last report), written now, bounded (a
-        store whose host is gone cannot hold the exit up). Its own key: the writer thread may still be writing an
-        older report to ``<rank>``."""
+        """At exit: this rank's exit record (``exit/<rank>``: ``how`` and its last report), written
+        now, bounded (a store whose host is gone cannot hold the exit up). Its own key: the writer
+        thread may still be writing an older report to ``<rank>``."""
         store, latest = self.store, self.latest
         if store is None or latest is None:
             return
@@ -648,8 +813,9 @@ class _Board:
         _bounded(lambda: store.set(f"exit/{self.rank}", record), "megatrain-dp-board-exit")
 
     def read(self) -> dict[int, dict] | None:
-        """rank -> its last report (ranks that never reported are absent), with ``"exit"`` where the rank exited
-        (its exit record, which holds its last report); None when the store cannot be read."""
+        """rank -> its last report (ranks that never reported are absent), with ``"exit"`` where the
+        rank exited (its exit record, which holds its last report); None when the store cannot be
+        read."""
         store = self.store
         if store is None:
             return None
@@ -662,12 +828,13 @@ class _Board:
                 elif store.check([str(r)]):
                     out[r] = json.loads(store.get(str(r)))
             return out
+
         return _bounded(read_all, "megatrain-dp-board-read")
 
 
 def _bounded(work, name: str):
-    """``work()`` on a thread joined for at most ``BOARD_READ_TIMEOUT_S``: its result, or None if it raised (the
-    store's host is gone) or is still waiting."""
+    """``work()`` on a thread joined for at most ``BOARD_READ_TIMEOUT_S``: its result, or None if it
+    raised (the store's host is gone) or is still waiting."""
     result = {}
 
     def run():
@@ -675,6 +842,7 @@ def _bounded(work, name: str):
             result["value"] = work()
         except Exception:  # noqa: BLE001 - the store's host is gone: "could not be read"
             pass
+
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     thread.join(BOARD_READ_TIMEOUT_S)

@@ -1,4 +1,24 @@
 """The streaming core: the pipelined, double-buffered executor over three streams (``executor``,
-``streams``), the per-layer schedule, the gradient landing, the step timer, pinned activations and the no-grad
-forwards of generation (``inference``). Uses ``host`` (the state it streams), ``parallel`` and ``model``.
+``streams``), the per-layer schedule, the gradient landing, the step timer, pinned activations and
+the no-grad forwards of generation (``inference``). Uses ``host`` (the state it streams),
+``parallel`` and ``model``.
 """
+
+from .activations import HostActivations
+from .executor import StreamedLayers, positional_names
+from .landing import LandingListener
+from .schedule import LayerSchedule
+from .streams import make_streams
+from .timing import StepTimer, traced
+
+# the names the other packages (and the top-level modules) use: test_structure.py's face rule
+__all__ = [
+    "HostActivations",
+    "StreamedLayers",
+    "positional_names",
+    "LandingListener",
+    "LayerSchedule",
+    "make_streams",
+    "StepTimer",
+    "traced",
+]

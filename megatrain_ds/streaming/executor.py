@@ -1,26 +1,29 @@
 """The pipelined, double-buffered layer executor.
 
-Every streamed layer's ``forward`` is rerouted here. In training, a layer call becomes one node of an
-``autograd.Function`` whose forward runs the layer on streamed weights without building a graph (saving
-only the layer input, the boundary activation) and whose backward re-runs the layer from that input and
-takes a local ``autograd.grad`` with respect to [the slot's trainable region, the input]. So no autograd
-graph spans layers, each layer crosses PCIe at most twice per step (forward, backward recompute), and the
-layer gradient leaves the GPU as one flat tensor: one D2H burst per layer (landing.py).
+Every streamed layer's ``forward`` is rerouted here. In training, a layer call becomes one node of
+an ``autograd.Function`` whose forward runs the layer on streamed weights without building a graph
+(saving only the layer input, the boundary activation) and whose backward re-runs the layer from
+that input and takes a local ``autograd.grad`` with respect to [the slot's trainable region, the
+input]. So no autograd graph spans layers, each layer crosses PCIe at most twice per step (forward,
+backward recompute), and the layer gradient leaves the GPU as one flat tensor: one D2H burst per
+layer (landing.py).
 
-Slots are flat device buffers sized for the largest layer. While layer i computes in one slot, the next
-layer of the current direction (i+1 in forward, i-1 in backward) loads into another. The last layers of a
-forward are still in their slots when backward starts and are reused, not reloaded.
-See [Note: stream and event ordering] in streams.py for every record and wait below.
+Slots are flat device buffers sized for the largest layer. While layer i computes in one slot, the
+next layer of the current direction (i+1 in forward, i-1 in backward) loads into another. The last
+layers of a forward are still in their slots when backward starts and are reused, not reloaded. See
+[Note: stream and event ordering] in streams.py for every record and wait below.
 
-[Note: kept layers] Recompute costs a quarter of a step's FLOPs. When GPU memory allows (``set_keep``, sized by
-the engine from the first step's measured peak and the largest layer graph a recompute built), the last
-``n`` layers skip it: their training forward runs with grad on, into a weight buffer of their own, and the
-Function keeps that graph (``LayerCall.graph``) for its backward, which takes ``autograd.grad`` through it.
-The last layers because their backward comes first: a graph is held for the shortest time and no weights
-are reloaded (their buffers still hold them). A kept buffer is rewritten only when the layer's version
-changes, i.e. after the backward that consumed its graph (``slot.free`` orders the H2D after that backward's
-kernels). Results equal the recompute's: the same kernels on the same inputs, RNG consumed once.
+[Note: kept layers] Recompute costs a quarter of a step's FLOPs. When GPU memory allows
+(``set_keep``, sized by the engine from the first step's measured peak and the largest layer graph a
+recompute built), the last ``n`` layers skip it: their training forward runs with grad on, into a
+weight buffer of their own, and the Function keeps that graph (``LayerCall.graph``) for its
+backward, which takes ``autograd.grad`` through it. The last layers because their backward comes
+first: a graph is held for the shortest time and no weights are reloaded (their buffers still hold
+them). A kept buffer is rewritten only when the layer's version changes, i.e. after the backward
+that consumed its graph (``slot.free`` orders the H2D after that backward's kernels). Results equal
+the recompute's: the same kernels on the same inputs, RNG consumed once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,13 +35,22 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..host.layer_state import LayerStates
+from ..host import LayerStates
 from .landing import GradientLanding, LandingListener
-from ..model.recompute_check import RecomputeCheck
-from ..model.replay import autocast_as, autocast_state, get_rng_state, replay_rng
+from ..model import (
+    RecomputeCheck,
+    autocast_as,
+    autocast_state,
+    get_rng_state,
+    replay_rng,
+    HOOK_DICTS,
+    LayerLayout,
+    has_tied_tensors,
+    make_template,
+    per_layer_attributes,
+    submodule_pairs,
+)
 from .schedule import LayerSchedule
-from ..model.model_map import HOOK_DICTS, LayerLayout, has_tied_tensors, make_template, per_layer_attributes, \
-    submodule_pairs
 from .inference import InferenceCache
 from .slot import Slot
 from .timing import StepTimer
@@ -53,36 +65,61 @@ class LayerCall:
     args: tuple
     kwargs: dict
     rng_state: tuple | None = None
-    autocast: tuple | None = None  # the forward's torch.autocast on the device ((dtype, cache) or None: off), replayed
-    # The layer's other outputs, recorded by the forward so the backward's recompute can match them one to one:
-    # ``extras``: the non-primary items when the layer returns a tuple (tensors replaced by the Function's
-    # outputs, so they carry gradient); ``captured``: tensors that output-capturing hooks on the layer's
-    # submodules appended to Hugging Face's collector (router logits, attention weights), as (key, position).
+    # the forward's torch.autocast on the device ((dtype, cache) or None: off), replayed
+    autocast: tuple | None = None
+    # The layer's other outputs, recorded by the forward so the backward's recompute can match them
+    # one to one: ``extras``: the non-primary items when the layer returns a tuple (tensors replaced
+    # by the Function's outputs, so they carry gradient); ``captured``: tensors that
+    # output-capturing hooks on the layer's submodules appended to Hugging Face's collector (router
+    # logits, attention weights), as (key, position).
     extras: tuple = ()
     extra_tensor_at: tuple = ()  # positions in ``extras`` that are Function outputs
     captured: tuple = ()  # ((collector key, list position), ...) in output order
-    capture_keys: tuple = ()  # keys of the collector active in the forward (recreated for the recompute)
-    buffers: dict | None = None  # pre-forward copies of the buffers the layer mutates (replayed by recompute)
-    prev: "LayerCall | None" = None  # the previous layer's call of the same forward (its input loads next)
-    graph: tuple | None = None  # kept layer (``StreamedLayers.keep``): the forward's own graph, used by backward
-    check: object = None  # what the recompute must match while the recompute check is on (recompute_check.py)
+    # keys of the collector active in the forward (recreated for the recompute)
+    capture_keys: tuple = ()
+    # pre-forward copies of the buffers the layer mutates (replayed by recompute)
+    buffers: dict | None = None
+    # the previous layer's call of the same forward (its input loads next)
+    prev: "LayerCall | None" = None
+    # kept layer (``StreamedLayers.keep``): the forward's own graph, used by backward
+    graph: tuple | None = None
+    # what the recompute must match while the recompute check is on (recompute_check.py)
+    check: object = None
 
 
 class StreamedLayers(GradientLanding):
-    """Runs the streamed layers of one model. Owns the slots, the templates and the gradient landing (its methods
-    are landing.py's ``GradientLanding``)."""
+    """Runs the streamed layers of one model. Owns the slots, the templates and the gradient landing
+    (its methods are landing.py's ``GradientLanding``)."""
 
-    def __init__(self, layers: nn.ModuleList, layouts: list[LayerLayout], states: LayerStates,
-                 device: torch.device, streams, worker: ThreadPoolExecutor, num_slots: int = 2,
-                 compute_dtype: torch.dtype | None = None, dp=None, check: RecomputeCheck | None = None,
-                 timer: StepTimer | None = None, trace: bool = False, inference_cache: bool | str = "auto",
-                 inference_cache_memory: float = 0.5, activations=None, open_implicit_backward=None) -> None:
+    def __init__(
+        self,
+        layers: nn.ModuleList,
+        layouts: list[LayerLayout],
+        states: LayerStates,
+        device: torch.device,
+        streams,
+        worker: ThreadPoolExecutor,
+        num_slots: int = 2,
+        compute_dtype: torch.dtype | None = None,
+        dp=None,
+        check: RecomputeCheck | None = None,
+        timer: StepTimer | None = None,
+        trace: bool = False,
+        inference_cache: bool | str = "auto",
+        inference_cache_memory: float = 0.5,
+        activations=None,
+        open_implicit_backward=None,
+    ) -> None:
         if num_slots < 2:
-            raise ValueError(f"megatrain.num_slots must be >= 2 for double buffering, got {num_slots}")
+            raise ValueError(
+                f"megatrain.num_slots must be >= 2 for double buffering, got {num_slots}"
+            )
         self.layouts, self.store, self.device = layouts, states.store, device
-        self.states = states  # where each layer's state lives (layer_state.py): asked, never written here
+        # where each layer's state lives (layer_state.py): asked, never written here
+        self.states = states
         self.streams, self.worker = streams, worker
-        self.dp = dp if dp is not None and dp.active else None  # data parallel (dp.py); None: one process
+        # data parallel (dp.py); None: one process
+        self.dp = dp if dp is not None and dp.active else None
         self.templates: list[nn.Module] = []
         self.template_of: list[int] = []
         by_signature: dict[tuple, int] = {}
@@ -92,97 +129,136 @@ class StreamedLayers(GradientLanding):
                 by_signature[key] = len(self.templates)
                 self.templates.append(make_template(layer, device))
             self.template_of.append(by_signature[key])
-        # functional_call's tie search only where a template shares a tensor between two names (model_map.py)
+        # functional_call's tie search only where a template shares a tensor between two names
+        # (model_map.py)
         self.tie_weights = [has_tied_tensors(t) for t in self.templates]
-        self.layers = list(layers)  # the model's own modules: their train/eval flag drives the templates
-        self.overlays: list[list] = [[] for _ in layers]  # per-layer scalar attributes set on the template
+        # the model's own modules: their train/eval flag drives the templates
+        self.layers = list(layers)
+        # per-layer scalar attributes set on the template
+        self.overlays: list[list] = [[] for _ in layers]
         for t, template in enumerate(self.templates):
             members = [i for i, g in enumerate(self.template_of) if g == t]
-            for i, overlay in zip(members, per_layer_attributes(template, [self.layers[i] for i in members])):
+            for i, overlay in zip(
+                members, per_layer_attributes(template, [self.layers[i] for i in members])
+            ):
                 self.overlays[i] = overlay
-        # Each layer's buffers on the device, and the module holds the same tensors: what the layer updates in
-        # place (BatchNorm statistics) is what ``state_dict()`` and checkpoints see.
+        # Each layer's buffers on the device, and the module holds the same tensors: what the layer
+        # updates in place (BatchNorm statistics) is what ``state_dict()`` and checkpoints see.
         self.buffers = [_buffers_to_device(layer, device) for layer in layers]
-        # Names of the buffers a training forward of layer i mutates (None until its first training forward,
-        # which snapshots them all and compares): their pre-forward values are kept for the recompute, so the
-        # recompute sees what the forward saw and its own in-place updates are discarded (one update per
-        # forward, as without recompute). A buffer the first forward leaves unchanged is assumed constant.
+        # Names of the buffers a training forward of layer i mutates (None until its first training
+        # forward, which snapshots them all and compares): their pre-forward values are kept for the
+        # recompute, so the recompute sees what the forward saw and its own in-place updates are
+        # discarded (one update per forward, as without recompute). A buffer the first forward
+        # leaves unchanged is assumed constant.
         self.mutated: list[set[str] | None] = [None] * len(layers)
-        # Hooks the model (Hugging Face's output capturing, the user) puts on a layer's submodules run on the
-        # template's submodules while that layer runs: pairs of (template submodule, layer submodule).
-        self.hook_pairs = [submodule_pairs(self.templates[self.template_of[i]], layer)
-                           for i, layer in enumerate(layers)]
-        # Parameters a layer shares with another layer or with the rest of the model stay resident (one device
-        # copy, its gradient accumulated into ``param.grad``): name in layer -> the model's parameter.
-        self.shared = [{name: p for name, p in layer.named_parameters(remove_duplicate=False)
-                        if name in layout.shared} for layer, layout in zip(layers, layouts)]
-        self.arg_names = [positional_names(type(layer))[1:] for layer in layers]  # after the hidden states
-        # every recompute compared with its forward while on ([Note: recompute check] in recompute_check.py)
-        self.check = check if check is not None else RecomputeCheck(False, "auto", torch.float32, "", False)
+        # Hooks the model (Hugging Face's output capturing, the user) puts on a layer's submodules
+        # run on the template's submodules while that layer runs: pairs of (template submodule,
+        # layer submodule).
+        self.hook_pairs = [
+            submodule_pairs(self.templates[self.template_of[i]], layer)
+            for i, layer in enumerate(layers)
+        ]
+        # Parameters a layer shares with another layer or with the rest of the model stay resident
+        # (one device copy, its gradient accumulated into ``param.grad``): name in layer -> the
+        # model's parameter.
+        self.shared = [
+            {
+                name: p
+                for name, p in layer.named_parameters(remove_duplicate=False)
+                if name in layout.shared
+            }
+            for layer, layout in zip(layers, layouts)
+        ]
+        # after the hidden states
+        self.arg_names = [positional_names(type(layer))[1:] for layer in layers]
+        # every recompute compared with its forward while on ([Note: recompute check] in
+        # recompute_check.py)
+        self.check = (
+            check if check is not None else RecomputeCheck(False, "auto", torch.float32, "", False)
+        )
         self._last_call: LayerCall | None = None
-        self.in_engine_backward = False  # between begin_backward() and end_backward(); other backwards are refused
-        # the engine's: called (on autograd's thread) by a backward through the streamed layers outside
-        # engine.backward(loss), e.g. a script's loss.backward(); it opens the backward or raises why it cannot
+        # between begin_backward() and end_backward(); other backwards are refused
+        self.in_engine_backward = False
+        # the engine's: called (on autograd's thread) by a backward through the streamed layers
+        # outside engine.backward(loss), e.g. a script's loss.backward(); it opens the backward or
+        # raises why it cannot
         self.open_implicit_backward = open_implicit_backward
         # told of each final landing, on the landing thread (landing.py); set once, by ``listen``
         self.landing_listener: LandingListener | None = None
         max_numel = max(l.numel for l in layouts)
         compute_dtype = compute_dtype or self.store.wire_dtype
         staged = compute_dtype != self.store.wire_dtype
-        self.slots = [Slot(torch.empty(max_numel, dtype=compute_dtype, device=device),
-                           torch.empty(max_numel, dtype=self.store.wire_dtype, device=device) if staged else None)
-                      for _ in range(min(num_slots, len(layouts)))]
-        # Kept layers (``set_keep``): the trailing layers whose forward builds its graph and keeps it until the
-        # backward, in a weight buffer of their own (no recompute, no reload): [Note: kept layers] below.
+        self.slots = [
+            Slot(
+                torch.empty(max_numel, dtype=compute_dtype, device=device),
+                torch.empty(max_numel, dtype=self.store.wire_dtype, device=device)
+                if staged
+                else None,
+            )
+            for _ in range(min(num_slots, len(layouts)))
+        ]
+        # Kept layers (``set_keep``): the trailing layers whose forward builds its graph and keeps
+        # it until the backward, in a weight buffer of their own (no recompute, no reload): [Note:
+        # kept layers] below.
         self.keep: frozenset[int] = frozenset()
         self.keep_slots: dict[int, Slot] = {}
-        self.graph_bytes = 0  # the largest layer graph a recompute built (CUDA): what keeping one layer costs
+        # the largest layer graph a recompute built (CUDA): what keeping one layer costs
+        self.graph_bytes = 0
         # versions, optimizer tasks, H2D reads, landings, forward counts: one owner (schedule.py)
         self.schedule = LayerSchedule(len(layouts))
-        self.backward_done = None  # mark_backward_done(): event on compute after the last backward (device-state
+        # mark_backward_done(): event on compute after the last backward (device-state
+        self.backward_done = None
         # updates wait on it)
         self.activations = activations  # HostActivations when layer inputs are kept in host memory
-        # per-layer gradient norms taken on the GPU (GA 1, device-state layers) and their pinned host landing
+        # per-layer gradient norms taken on the GPU (GA 1, device-state layers) and their pinned
+        # host landing
         self.norm_dev = torch.zeros(len(layouts), dtype=torch.float32, device=device)
         self.norm_host = torch.zeros(len(layouts), dtype=torch.float32)
         if device.type == "cuda":
             self.norm_host = self.norm_host.pin_memory()
         self.final_micro = True  # begin_backward(): this backward closes the accumulation window
-        self.trace: list[tuple] | None = [] if trace else None  # (op, layer, slot) when tracing is on
-        # H2D layer loads, per direction ("forward", "backward", "cache": uploads into the inference cache)
+        # (op, layer, slot) when tracing is on
+        self.trace: list[tuple] | None = [] if trace else None
+        # H2D layer loads, per direction ("forward", "backward", "cache": uploads into the inference
+        # cache)
         self.h2d_loads = {d: [0] * len(layouts) for d in ("forward", "backward", "cache")}
-        # no-grad forwards on device-resident weights (inference.py; megatrain.inference_cache and _memory)
+        # no-grad forwards on device-resident weights (inference.py; megatrain.inference_cache and
+        # _memory)
         self.inference = InferenceCache(self, inference_cache, inference_cache_memory)
         self._direction = "forward"
-        self.timer = timer if timer is not None else StepTimer(streams, enabled=False)  # the engine's breakdown
+        # the engine's breakdown
+        self.timer = timer if timer is not None else StepTimer(streams, enabled=False)
         self._tick = 0
         self._anchor = torch.zeros((), requires_grad=True)
         for i, layer in enumerate(layers):
             layer.forward = _make_layer_forward(self, i)
 
-    # --- what the engine tells it ---------------------------------------------------------------------
+    # --- what the engine tells it -----------------------------------------------------------------
     def listen(self, listener: LandingListener) -> None:
-        """Main thread, before any backward: ``listener`` is told of every final landing, on the landing thread
-        (``LandingListener``; the host optimizer's speculative step)."""
+        """Main thread, before any backward: ``listener`` is told of every final landing, on the
+        landing thread (``LandingListener``; the host optimizer's speculative step)."""
         self.landing_listener = listener
 
     def begin_backward(self, final: bool) -> None:
-        """Main thread, ``engine.backward`` before autograd runs: a backward through the streamed layers is allowed
-        until ``end_backward``; ``final``: it closes the accumulation window (its landings are the final ones)."""
+        """Main thread, ``engine.backward`` before autograd runs: a backward through the streamed
+        layers is allowed until ``end_backward``; ``final``: it closes the accumulation window (its
+        landings are the final ones)."""
         self.final_micro = final
         self.in_engine_backward = True
 
     def end_backward(self) -> None:
-        """Main thread, once autograd returned or raised: backwards are refused again; forward counts restart."""
+        """Main thread, once autograd returned or raised: backwards are refused again; forward
+        counts restart."""
         self.in_engine_backward = False
         self.schedule.backward_finished()
 
     def mark_backward_done(self) -> None:
-        """Main thread, after the backward's last kernels (the resident folds too) are queued on compute: the event
-        the GPU-held updates wait for (``backward_done`` in [Note: stream and event ordering])."""
+        """Main thread, after the backward's last kernels (the resident folds too) are queued on
+        compute: the event the GPU-held updates wait for (``backward_done`` in [Note: stream and
+        event ordering])."""
         self.backward_done = self.streams.record(self.streams.compute())
 
-    # --- slots -------------------------------------------------------------------------------------
+    # --- slots ------------------------------------------------------------------------------------
     def _find(self, i: int) -> Slot | None:
         if i in self.keep:
             slot = self.keep_slots[i]
@@ -193,54 +269,67 @@ class StreamedLayers(GradientLanding):
         return None
 
     def set_keep(self, n: int) -> None:
-        """Keep the graphs of the last ``n`` layers (between steps: no graph may be pending). Each gets a weight
-        buffer of its own; see [Note: kept layers]."""
+        """Keep the graphs of the last ``n`` layers (between steps: no graph may be pending). Each
+        gets a weight buffer of its own; see [Note: kept layers]."""
         n = max(0, min(int(n), len(self.layouts)))
         keep = frozenset(range(len(self.layouts) - n, len(self.layouts)))
         for i in list(self.keep_slots):
             if i not in keep:
                 del self.keep_slots[i]
-        stage = self.slots[0].stage  # the staging buffer is only used on the h2d stream, in order: shareable
+        # the staging buffer is only used on the h2d stream, in order: shareable
+        stage = self.slots[0].stage
         for i in keep:
             if i not in self.keep_slots:
                 numel = self.layouts[i].numel
-                self.keep_slots[i] = Slot(torch.empty(numel, dtype=self.slots[0].buf.dtype, device=self.device),
-                                          stage)
+                self.keep_slots[i] = Slot(
+                    torch.empty(numel, dtype=self.slots[0].buf.dtype, device=self.device), stage
+                )
         self.keep = keep
 
-    def _load(self, i: int, busy: Slot | None, slot: Slot | None = None, direction: str | None = None) -> Slot:
-        """Issue the H2D copy of layer i into ``slot`` when given (the inference cache's), else its own buffer
-        (a kept layer) or the least recently used slot other than ``busy``."""
+    def _load(
+        self, i: int, busy: Slot | None, slot: Slot | None = None, direction: str | None = None
+    ) -> Slot:
+        """Issue the H2D copy of layer i into ``slot`` when given (the inference cache's), else its
+        own buffer (a kept layer) or the least recently used slot other than ``busy``."""
         if slot is None:
-            slot = self.keep_slots[i] if i in self.keep else \
-                min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
-        self.h2d_loads[direction or self._direction][i] += 1  # (the direction of the current _acquire)
-        # the slot holds no layer until its new one is in: an exception (a Ctrl-C) between the copy and the identity
-        # below left it named after its old layer with the new one's weights, and the next forward used them (found
-        # by tests/fault_driver.py)
+            slot = (
+                self.keep_slots[i]
+                if i in self.keep
+                else min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
+            )
+        # (the direction of the current _acquire)
+        self.h2d_loads[direction or self._direction][i] += 1
+        # the slot holds no layer until its new one is in: an exception (a Ctrl-C) between the copy
+        # and the identity below left it named after its old layer with the new one's weights, and
+        # the next forward used them (found by tests/fault_driver.py)
         slot.layer, slot.version = -1, -1
         st = self.streams
         st.wait(st.h2d, slot.free)  # do not overwrite weights a kernel may still read
         n = self.layouts[i].numel
-        if self.store.owned[i]:  # data parallel: the owner's copy, then broadcast (below)
-            self.schedule.wait_rewritten(i, self.timer)  # CPU-side wait for the optimizer's update of layer i
+        if self.states.holds(i):  # data parallel: the owner's copy, then broadcast (below)
+            # CPU-side wait for the optimizer's update of layer i
+            self.schedule.wait_rewritten(i, self.timer)
             wire = self.store.wire_of(i)
             owned = self.states.on_gpu(i)
             if owned:
-                st.wait(st.h2d, self.schedule.device_ready[i])  # its GPU-side update (opt stream) is done
+                # its GPU-side update (opt stream) is done
+                st.wait(st.h2d, self.schedule.device_ready[i])
             with st.on(st.h2d), self.timer.span("h2d", st.h2d), _range("h2d", i):
-                if owned:  # device master: a cast, no PCIe (a compact store's frozen region: from the wire)
-                    master = self.states.device_state.master_of(i)
+                # device master: a cast, no PCIe (a compact store's frozen region: from the wire)
+                if owned:
+                    master = self.states.device_master(i)
                     m = master.numel()
                     slot.buf[:m].copy_(master)
                     if m < n:
                         slot.buf[m:n].copy_(wire[m:], non_blocking=True)
                 elif slot.stage is None:
                     slot.buf[:n].copy_(wire, non_blocking=True)
-                else:  # fp32 master over PCIe, cast to the compute dtype on the GPU (same stream: ordered)
+                # fp32 master over PCIe, cast to the compute dtype on the GPU (same stream: ordered)
+                else:
                     slot.stage[:n].copy_(wire, non_blocking=True)
                     slot.buf[:n].copy_(slot.stage[:n])
-        if self.dp is not None:  # NCCL's stream runs it after h2d's queued work; h2d waits for it (dp.py)
+        # NCCL's stream runs it after h2d's queued work; h2d waits for it (dp.py)
+        if self.dp is not None:
             with st.on(st.h2d), self.timer.span("comm", st.h2d), _range("broadcast", i):
                 self.dp.broadcast_layer(slot.buf[:n], i)
         slot.ready = st.record(st.h2d)
@@ -252,7 +341,8 @@ class StreamedLayers(GradientLanding):
         return slot
 
     def _acquire(self, i: int, step: int) -> Slot:
-        """Slot holding layer i, ready for compute; also prefetches layer i+step into another slot."""
+        """Slot holding layer i, ready for compute; also prefetches layer i+step into another
+        slot."""
         self._direction = "forward" if step > 0 else "backward"  # counted by _load (h2d_loads)
         slot = self._find(i) or self._load(i, busy=None)
         self._tick += 1
@@ -266,19 +356,30 @@ class StreamedLayers(GradientLanding):
     def _release(self, slot: Slot) -> None:
         slot.free = self.streams.record(self.streams.compute())
 
-    def _bind(self, i: int, slot: Slot, trainable_leaf: torch.Tensor | None, buffers: dict | None = None,
-              shared: dict | None = None) -> dict[str, torch.Tensor]:
-        """Parameter views of layer i into ``slot`` (zero-copy), the shared (resident) parameters, and the
-        layer's buffers (``buffers`` overrides some: the recompute's pre-forward copies)."""
+    def _bind(
+        self,
+        i: int,
+        slot: Slot,
+        trainable_leaf: torch.Tensor | None,
+        buffers: dict | None = None,
+        shared: dict | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Parameter views of layer i into ``slot`` (zero-copy), the shared (resident) parameters,
+        and the layer's buffers (``buffers`` overrides some: the recompute's pre-forward copies)."""
         layout = self.layouts[i]
         buf = slot.buf
         if trainable_leaf is None and slot.views is not None and slot.views[0] == i:
-            params = dict(slot.views[1])  # the same views of the same buffer (a decode step calls each layer once
+            # the same views of the same buffer (a decode step calls each layer once
+            params = dict(slot.views[1])
         else:  # per token: built once per layer held, not per call)
-            train = trainable_leaf if trainable_leaf is not None else buf[:layout.n_train]
-            frozen = buf[layout.n_train:layout.numel]
-            params = {s.name: (train if s.trainable else frozen)[s.offset:s.offset + s.numel].view(s.shape)
-                      for s in layout.slots}
+            train = trainable_leaf if trainable_leaf is not None else buf[: layout.n_train]
+            frozen = buf[layout.n_train : layout.numel]
+            params = {
+                s.name: (train if s.trainable else frozen)[s.offset : s.offset + s.numel].view(
+                    s.shape
+                )
+                for s in layout.slots
+            }
             if trainable_leaf is None:
                 slot.views = (i, dict(params))
         params.update(shared if shared is not None else self.shared[i])
@@ -289,37 +390,45 @@ class StreamedLayers(GradientLanding):
 
     def _log(self, op: str, i: int, slot: Slot | None) -> None:
         if self.trace is not None:
-            where = next((k for k, s in enumerate(self.slots) if s is slot), None)  # a slot's index, or
-            if where is None and slot is not None:  # a buffer of its own: a kept layer's, the inference cache's
+            # a slot's index, or
+            where = next((k for k, s in enumerate(self.slots) if s is slot), None)
+            # a buffer of its own: a kept layer's, the inference cache's
+            if where is None and slot is not None:
                 where = "keep" if self.keep_slots.get(i) is slot else "cache"
             self.trace.append((op, i, where))
 
-    # --- forward / backward ------------------------------------------------------------------------
+    # --- forward / backward -----------------------------------------------------------------------
     def _template(self, i: int) -> nn.Module:
         template = self.templates[self.template_of[i]]
-        if template.training != self.layers[i].training:  # engine.train()/eval() reach the model's layers
+        # engine.train()/eval() reach the model's layers
+        if template.training != self.layers[i].training:
             template.train(self.layers[i].training)
         for module, name, value in self.overlays[i]:  # e.g. layer_idx, sliding_window of layer i
             setattr(module, name, value)
-        for mirror, original in self.hook_pairs[i]:  # layer i's submodule hooks, by reference (no copy)
+        # layer i's submodule hooks, by reference (no copy)
+        for mirror, original in self.hook_pairs[i]:
             for attr in HOOK_DICTS:
                 mirror.__dict__[attr] = original.__dict__[attr]
         return template
 
     def run_forward(self, call: LayerCall, hidden: torch.Tensor, training: bool):
-        """Layer ``call.index`` on streamed weights, without a graph. ``training`` (a grad-enabled call, made
-        by the autograd Function): also record what the recompute must replay (RNG, buffers it mutates)."""
+        """Layer ``call.index`` on streamed weights, without a graph. ``training`` (a grad-enabled
+        call, made by the autograd Function): also record what the recompute must replay (RNG,
+        buffers it mutates)."""
         i = call.index
-        # no-grad: the inference cache's device-resident copy when its policy allows (None: stream as ever); a
-        # grad-enabled call frees the cache first (inference.py)
+        # no-grad: the inference cache's device-resident copy when its policy allows (None: stream
+        # as ever); a grad-enabled call frees the cache first (inference.py)
         slot = self.inference.acquire(i, training)
         slot = slot or self._acquire(i, step=+1)
         template = self._template(i)
         if training and i in self.keep:
             return self._run_forward_kept(call, hidden, slot, template)
-        if training and template.training:  # every training forward, as torch.utils.checkpoint preserves it: random
-            call.rng_state = get_rng_state(self.device)  # draws outside dropout modules (MoE router jitter) replay too
-        if training:  # the script's torch.autocast around the forward (the backward's thread has none): replayed
+        # every training forward, as torch.utils.checkpoint preserves it: random
+        if training and template.training:
+            # draws outside dropout modules (MoE router jitter) replay too
+            call.rng_state = get_rng_state(self.device)
+        # the script's torch.autocast around the forward (the backward's thread has none): replayed
+        if training:
             call.autocast = autocast_state(self.device)
         if training and self.buffers[i] and self.mutated[i] != set():
             names = self.mutated[i] if self.mutated[i] is not None else self.buffers[i].keys()
@@ -327,46 +436,77 @@ class StreamedLayers(GradientLanding):
             versions = {n: b._version for n, b in self.buffers[i].items()}
         own = None if training else self.inference.bound(i, slot)
         with self.timer.span("compute", self.streams.compute()), _range("fwd", i):
-            if own is not None:  # a layer of the inference cache: its own module, bound once (inference.py)
+            # a layer of the inference cache: its own module, bound once (inference.py)
+            if own is not None:
                 out = own(hidden, *call.args, **call.kwargs)
             else:
-                out = functional_call(template, self._bind(i, slot, None), (hidden, *call.args), call.kwargs,
-                                      tie_weights=self.tie_weights[self.template_of[i]])
-        if training and self.buffers[i] and self.mutated[i] is None:  # learnt once per layer, from the values:
-            # kernels that update running statistics in place (batch_norm) do not bump the version counter
-            self.mutated[i] = {n for n, b in self.buffers[i].items()
-                               if b._version != versions[n] or not torch.equal(b, call.buffers[n])}
+                out = functional_call(
+                    template,
+                    self._bind(i, slot, None),
+                    (hidden, *call.args),
+                    call.kwargs,
+                    tie_weights=self.tie_weights[self.template_of[i]],
+                )
+        # learnt once per layer, from the values:
+        if training and self.buffers[i] and self.mutated[i] is None:
+            # kernels that update running statistics in place (batch_norm) do not bump the version
+            # counter
+            self.mutated[i] = {
+                n
+                for n, b in self.buffers[i].items()
+                if b._version != versions[n] or not torch.equal(b, call.buffers[n])
+            }
             call.buffers = {n: t for n, t in call.buffers.items() if n in self.mutated[i]}
         self._release(slot)
         self._log("fwd", i, slot)
         return out
 
-    def run_backward(self, call: LayerCall, hidden: torch.Tensor, grad_outs: tuple,
-                     need_input_grad: bool) -> torch.Tensor | None:
-        """Recompute layer ``call.index`` from its saved input with a local graph and take the gradient of its
-        outputs (``grad_outs``: one per Function output, None where the loss did not use it) with respect to
-        [the slot's trainable region, shared parameters, the input]. The trainable gradient leaves as one flat
-        D2H burst; shared parameters accumulate into ``param.grad``; the input gradient is returned."""
+    def run_backward(
+        self, call: LayerCall, hidden: torch.Tensor, grad_outs: tuple, need_input_grad: bool
+    ) -> torch.Tensor | None:
+        """Recompute layer ``call.index`` from its saved input with a local graph and take the
+        gradient of its outputs (``grad_outs``: one per Function output, None where the loss did not
+        use it) with respect to [the slot's trainable region, shared parameters, the input]. The
+        trainable gradient leaves as one flat D2H burst; shared parameters accumulate into
+        ``param.grad``; the input gradient is returned."""
         i, layout = call.index, self.layouts[call.index]
         slot = self._acquire(i, step=-1)
         if self.activations is not None and call.prev is not None and call.prev.graph is None:
-            self.activations.prefetch(call.prev)  # the next backward layer's input loads while i recomputes
-        with torch.enable_grad(), self.timer.span("compute", self.streams.compute()), _range("bwd", i):
+            # the next backward layer's input loads while i recomputes
+            self.activations.prefetch(call.prev)
+        with (
+            torch.enable_grad(),
+            self.timer.span("compute", self.streams.compute()),
+            _range("bwd", i),
+        ):
             if call.graph is not None:  # a kept layer: the forward's graph, no recompute
                 outputs, train_leaf, shared, x = call.graph
                 call.graph = None
             else:
                 outputs, train_leaf, shared, x = self._recompute(call, hidden, slot)
-            self.check.give_input(call, x)  # the previous layer's forward output: its recompute's reference
-            wrt = ([train_leaf] if train_leaf is not None else [])
+            # the previous layer's forward output: its recompute's reference
+            self.check.give_input(call, x)
+            wrt = [train_leaf] if train_leaf is not None else []
             shared_leaves = list(dict.fromkeys(shared.values()))  # a tied name appears once
             wrt += shared_leaves
             if need_input_grad:
                 wrt.append(x)
-            pairs = [(o, g) for o, g in zip(outputs, grad_outs)
-                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
-                                        materialize_grads=True) if (wrt and pairs) else [None] * len(wrt)
+            pairs = [
+                (o, g)
+                for o, g in zip(outputs, grad_outs)
+                if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
+            ]
+            grads = (
+                torch.autograd.grad(
+                    [o for o, _ in pairs],
+                    wrt,
+                    [g for _, g in pairs],
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                if (wrt and pairs)
+                else [None] * len(wrt)
+            )
         self._release(slot)
         self._log("bwd", i, slot)
         grads = list(grads)
@@ -384,12 +524,14 @@ class StreamedLayers(GradientLanding):
         return g if g is not None else torch.zeros_like(x)
 
     def _leaves(self, i: int, slot: Slot, hidden: torch.Tensor):
-        """The recorded inputs of layer i's local graph: the slot's trainable region, the shared parameters
-        that require grad, the input."""
+        """The recorded inputs of layer i's local graph: the slot's trainable region, the shared
+        parameters that require grad, the input."""
         n_train = self.layouts[i].n_train
         train_leaf = slot.buf[:n_train].detach().requires_grad_(True) if n_train else None
-        leaves: dict[int, torch.Tensor] = {}  # one leaf per parameter: a name tied to another gets the same leaf
-        for p in self.shared[i].values():  # (functional_call's tie search then binds both; the grad sums both uses)
+        # one leaf per parameter: a name tied to another gets the same leaf
+        leaves: dict[int, torch.Tensor] = {}
+        # (functional_call's tie search then binds both; the grad sums both uses)
+        for p in self.shared[i].values():
             if p.requires_grad and id(p) not in leaves:
                 leaves[id(p)] = p.detach().requires_grad_(True)
         shared = {n: leaves[id(p)] for n, p in self.shared[i].items() if p.requires_grad}
@@ -397,42 +539,69 @@ class StreamedLayers(GradientLanding):
         return train_leaf, shared, x
 
     def _recompute(self, call: LayerCall, hidden: torch.Tensor, slot: Slot):
-        """Re-run layer ``call.index`` from its saved input, building its local graph (grad mode on)."""
+        """Re-run layer ``call.index`` from its saved input, building its local graph (grad mode
+        on)."""
         i = call.index
         template = self._template(i)
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.check.check_inputs(call, self.arg_names[i])  # raises if the forward changed an argument in place
+        # raises if the forward changed an argument in place
+        self.check.check_inputs(call, self.arg_names[i])
         train_leaf, shared, x = self._leaves(i, slot, hidden)
         bind = self._bind(i, slot, train_leaf, call.buffers, {**self.shared[i], **shared})
-        with replay_rng(call.rng_state, self.device), _fresh_collector(call.capture_keys) as collector, \
-                autocast_as(call.autocast, self.device):
-            out = functional_call(template, bind, (x, *call.args), call.kwargs,
-                                  tie_weights=self.tie_weights[self.template_of[i]])
+        with (
+            replay_rng(call.rng_state, self.device),
+            _fresh_collector(call.capture_keys) as collector,
+            autocast_as(call.autocast, self.device),
+        ):
+            out = functional_call(
+                template,
+                bind,
+                (x, *call.args),
+                call.kwargs,
+                tie_weights=self.tie_weights[self.template_of[i]],
+            )
         outputs = _function_outputs(call, out, collector, recompute=True)
-        self.check.compare(call, outputs)  # queued on the compute stream; read at the step (no sync here)
+        # queued on the compute stream; read at the step (no sync here)
+        self.check.compare(call, outputs)
         if self.device.type == "cuda":  # what keeping this layer's graph would cost (sizes "auto")
-            self.graph_bytes = max(self.graph_bytes, torch.cuda.memory_allocated(self.device) - before)
+            self.graph_bytes = max(
+                self.graph_bytes, torch.cuda.memory_allocated(self.device) - before
+            )
         return outputs, train_leaf, shared, x
 
-    def _run_forward_kept(self, call: LayerCall, hidden: torch.Tensor, slot: Slot, template: nn.Module):
-        """A kept layer's training forward: build the graph now and hold it (with the weights in the layer's own
-        buffer) until the backward. Returns the layer's graph-carrying output: the autograd Function keeps those
-        (and the captured ones) in ``call.graph`` and returns detached aliases as its own outputs."""
+    def _run_forward_kept(
+        self, call: LayerCall, hidden: torch.Tensor, slot: Slot, template: nn.Module
+    ):
+        """A kept layer's training forward: build the graph now and hold it (with the weights in the
+        layer's own buffer) until the backward. Returns the layer's graph-carrying output: the
+        autograd Function keeps those (and the captured ones) in ``call.graph`` and returns detached
+        aliases as its own outputs."""
         i = call.index
-        with torch.enable_grad(), self.timer.span("compute", self.streams.compute()), _range("fwd", i):
+        with (
+            torch.enable_grad(),
+            self.timer.span("compute", self.streams.compute()),
+            _range("fwd", i),
+        ):
             train_leaf, shared, x = self._leaves(i, slot, hidden)
-            out = functional_call(template, self._bind(i, slot, train_leaf, None, {**self.shared[i], **shared}),
-                                  (x, *call.args), call.kwargs, tie_weights=self.tie_weights[self.template_of[i]])
-        call.graph = (None, train_leaf, shared, x)  # the outputs: set by the Function (they include captured ones)
+            out = functional_call(
+                template,
+                self._bind(i, slot, train_leaf, None, {**self.shared[i], **shared}),
+                (x, *call.args),
+                call.kwargs,
+                tie_weights=self.tie_weights[self.template_of[i]],
+            )
+        # the outputs: set by the Function (they include captured ones)
+        call.graph = (None, train_leaf, shared, x)
         self._release(slot)
         self._log("fwd", i, slot)
         return out
 
-    # --- gradient landing: landing.py (GradientLanding._evacuate, called by run_backward) --------------
+    # --- gradient landing: landing.py (GradientLanding._evacuate, called by run_backward) ---------
     def reset_window(self) -> None:
         self.schedule.reset_window()
 
-    # read-only views of the schedule's fields (tests, surface.py); changes go through ``self.schedule``
+    # read-only views of the schedule's fields (tests, surface.py); changes go through
+    # ``self.schedule``
     version = property(lambda self: self.schedule.version)
     wire_ready = property(lambda self: self.schedule.wire_ready)
     wire_read = property(lambda self: self.schedule.wire_read)
@@ -444,20 +613,23 @@ class StreamedLayers(GradientLanding):
 def _make_layer_forward(executor: StreamedLayers, index: int):
     def forward(hidden_states, *args, **kwargs):
         return _layer_forward(executor, index, hidden_states, args, kwargs)
+
     forward._megatrain_executor = True  # engine.destroy() removes exactly these
     return forward
 
 
-# KV-cache arguments of Hugging Face decoder layers, by name (transformers >= 5.24 calls it ``cache``; earlier
-# releases ``past_key_values``, older ones ``past_key_value``, GPT-2 ``layer_past``). A value that is a cache object
-# is recognised by its type too, whatever its name (``_is_cache``): a rename upstream cannot slip one through.
+# KV-cache arguments of Hugging Face decoder layers, by name (transformers >= 5.24 calls it
+# ``cache``; earlier releases ``past_key_values``, older ones ``past_key_value``, GPT-2
+# ``layer_past``). A value that is a cache object is recognised by its type too, whatever its name
+# (``_is_cache``): a rename upstream cannot slip one through.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 @functools.lru_cache(maxsize=None)
 def positional_names(cls: type) -> tuple[str, ...]:
-    """The parameter names ``cls.forward`` binds positional arguments to (after ``self``): a decoder layer's start
-    with its hidden states (GPT-2 passes its cache positionally after them), a model's with its inputs."""
+    """The parameter names ``cls.forward`` binds positional arguments to (after ``self``): a decoder
+    layer's start with its hidden states (GPT-2 passes its cache positionally after them), a model's
+    with its inputs."""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
@@ -466,40 +638,60 @@ def positional_names(cls: type) -> tuple[str, ...]:
 
 
 def _is_cache(value) -> bool:
-    """A KV cache object: transformers' ``Cache`` (any subclass, the hybrid Mamba caches included), or anything
-    shaped like one (``update`` and ``get_seq_length``), so a cache passed under a name we do not know is still
-    seen."""
+    """A KV cache object: transformers' ``Cache`` (any subclass, the hybrid Mamba caches included),
+    or anything shaped like one (``update`` and ``get_seq_length``), so a cache passed under a name
+    we do not know is still seen."""
     if value is None or isinstance(value, (torch.Tensor, bool, int, float, str, tuple, list, dict)):
         return False
-    return callable(getattr(value, "get_seq_length", None)) and callable(getattr(value, "update", None))
+    return callable(getattr(value, "get_seq_length", None)) and callable(
+        getattr(value, "update", None)
+    )
 
 
 def _without_cache(i: int, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
-    """A grad-enabled layer call runs without the KV cache, as Hugging Face's own gradient checkpointing does:
-    the forward appends this step's keys/values to the cache, so the backward's recompute would append them a
-    second time and attend to both (a wrong gradient for every loss taken from the logits). An empty cache is
-    dropped (nothing in it changes the result); a cache that already holds tokens cannot be: an error.
+    """A grad-enabled layer call runs without the KV cache, as Hugging Face's own gradient
+    checkpointing does: the forward appends this step's keys/values to the cache, so the backward's
+    recompute would append them a second time and attend to both (a wrong gradient for every loss
+    taken from the logits). An empty cache is dropped (nothing in it changes the result); a cache
+    that already holds tokens cannot be: an error.
 
-    A cache is found by name (``_CACHE_KWARGS``, positional ones through ``names``) or by type (``_is_cache``)."""
-    named = {name: j for j, name in enumerate(names[:len(args)])}
-    cache_at = [("arg", j) for j, v in enumerate(args)
-                if _is_cache(v) or (names[j:j + 1] and names[j] in _CACHE_KWARGS and v is not None)]
-    cache_at += [("kw", k) for k, v in kwargs.items() if _is_cache(v) or (k in _CACHE_KWARGS and v is not None)]
-    flag_at = [("arg", named["use_cache"])] if "use_cache" in named and args[named["use_cache"]] else []
+    A cache is found by name (``_CACHE_KWARGS``, positional ones through ``names``) or by type
+    (``_is_cache``)."""
+    named = {name: j for j, name in enumerate(names[: len(args)])}
+    cache_at = [
+        ("arg", j)
+        for j, v in enumerate(args)
+        if _is_cache(v) or (names[j : j + 1] and names[j] in _CACHE_KWARGS and v is not None)
+    ]
+    cache_at += [
+        ("kw", k)
+        for k, v in kwargs.items()
+        if _is_cache(v) or (k in _CACHE_KWARGS and v is not None)
+    ]
+    flag_at = (
+        [("arg", named["use_cache"])] if "use_cache" in named and args[named["use_cache"]] else []
+    )
     flag_at += [("kw", "use_cache")] if kwargs.get("use_cache") else []
     if not cache_at and not flag_at:
         return args, kwargs
     args, kwargs = list(args), dict(kwargs)
     for where, key in cache_at:
         cache = args[key] if where == "arg" else kwargs[key]
-        name = (names[key] if key < len(names) else f"argument {key + 2}") if where == "arg" else key
-        length = cache.get_seq_length() if callable(getattr(cache, "get_seq_length", None)) else None
+        name = (
+            (names[key] if key < len(names) else f"argument {key + 2}") if where == "arg" else key
+        )
+        length = (
+            cache.get_seq_length() if callable(getattr(cache, "get_seq_length", None)) else None
+        )
         if length != 0:
             raise NotImplementedError(
                 f"layer {i} was called with grad enabled and a KV cache that already holds "
-                f"{'some' if length is None else length} tokens ({name}=): megatrain_ds recomputes each layer in "
-                "backward and cannot replay a cache the forward has changed. Train without a prefix cache "
-                "(use_cache=False, no cache passed), or run this forward under torch.no_grad()")
+                f"{'some' if length is None else length} tokens ({name}=): megatrain_ds recomputes "
+                "each layer in "
+                "backward and cannot replay a cache the forward has changed. Train without a "
+                "prefix cache "
+                "(use_cache=False, no cache passed), or run this forward under torch.no_grad()"
+            )
         if where == "arg":
             args[key] = None
         else:
@@ -512,7 +704,9 @@ def _without_cache(i: int, args: tuple, kwargs: dict, names: tuple[str, ...]) ->
     return tuple(args), kwargs
 
 
-def _layer_forward(executor: StreamedLayers, i: int, hidden: torch.Tensor, args: tuple, kwargs: dict):
+def _layer_forward(
+    executor: StreamedLayers, i: int, hidden: torch.Tensor, args: tuple, kwargs: dict
+):
     if not torch.is_grad_enabled():
         return executor.run_forward(LayerCall(i, args, kwargs), hidden, training=False)
     args, kwargs = _without_cache(i, args, kwargs, executor.arg_names[i])
@@ -520,10 +714,13 @@ def _layer_forward(executor: StreamedLayers, i: int, hidden: torch.Tensor, args:
         leaves = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
             raise NotImplementedError(
-                f"layer {i} was called with an extra tensor argument that requires grad; megatrain_ds "
-                "propagates gradients only through the hidden states of a streamed block")
+                f"layer {i} was called with an extra tensor argument that requires grad; "
+                "megatrain_ds "
+                "propagates gradients only through the hidden states of a streamed block"
+            )
     call = LayerCall(i, args, kwargs)
-    executor.schedule.forward(i)  # since the last backward: speculation needs exactly one (speculation.py)
+    # since the last backward: speculation needs exactly one (speculation.py)
+    executor.schedule.forward(i)
     last = executor._last_call
     call.prev = last if last is not None and last.index == i - 1 else None
     executor._last_call = call
@@ -533,12 +730,12 @@ def _layer_forward(executor: StreamedLayers, i: int, hidden: torch.Tensor, args:
     executor.check.remember_output(call, outs[0])
     n_extra = len(call.extra_tensor_at)
     collector = _hf_collector()
-    for (key, pos, _), tensor in zip(call.captured, outs[1 + n_extra:]):
+    for (key, pos, _), tensor in zip(call.captured, outs[1 + n_extra :]):
         collector[key][pos] = tensor  # the collected value now carries the layer's gradient
     if call.extras is None:  # the layer returned a tensor
         return outs[0]
     extras = list(call.extras)
-    for j, tensor in zip(call.extra_tensor_at, outs[1:1 + n_extra]):
+    for j, tensor in zip(call.extra_tensor_at, outs[1 : 1 + n_extra]):
         extras[j] = tensor
     return (outs[0], *extras)
 
@@ -546,30 +743,44 @@ def _layer_forward(executor: StreamedLayers, i: int, hidden: torch.Tensor, args:
 class _StreamedLayerFn(torch.autograd.Function):
     """One streamed layer as one autograd node: saves its input, recomputes in backward.
 
-    Outputs: the primary output (hidden states), then the layer's other floating-point tensor outputs, then
-    the tensors output-capturing hooks recorded inside the layer (see ``LayerCall``): every output a loss may
-    use carries its gradient. Outputs the loss did not use get ``None`` in backward (materialize off)."""
+    Outputs: the primary output (hidden states), then the layer's other floating-point tensor
+    outputs, then the tensors output-capturing hooks recorded inside the layer (see ``LayerCall``):
+    every output a loss may use carries its gradient. Outputs the loss did not use get ``None`` in
+    backward (materialize off)."""
 
     @staticmethod
     def forward(ctx, anchor, hidden, executor, call):
         collector = _hf_collector()
-        sizes = {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else {}
+        sizes = (
+            {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else {}
+        )
         out = executor.run_forward(call, hidden, training=True)
         if collector:
-            call.capture_keys = tuple((k, isinstance(v, list), None if isinstance(v, list) else v)
-                                      for k, v in collector.items())
-            call.captured = tuple((k, pos, pos - n) for k, n in sizes.items() for pos in range(n, len(collector[k]))
-                                  if isinstance(collector[k][pos], torch.Tensor)
-                                  and collector[k][pos].is_floating_point())
+            call.capture_keys = tuple(
+                (k, isinstance(v, list), None if isinstance(v, list) else v)
+                for k, v in collector.items()
+            )
+            call.captured = tuple(
+                (k, pos, pos - n)
+                for k, n in sizes.items()
+                for pos in range(n, len(collector[k]))
+                if isinstance(collector[k][pos], torch.Tensor)
+                and collector[k][pos].is_floating_point()
+            )
         if isinstance(out, torch.Tensor):
             call.extras = None
         elif isinstance(out, (tuple, list)):
             call.extras = tuple(out[1:])
-            call.extra_tensor_at = tuple(j for j, t in enumerate(call.extras)
-                                         if isinstance(t, torch.Tensor) and t.is_floating_point())
+            call.extra_tensor_at = tuple(
+                j
+                for j, t in enumerate(call.extras)
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            )
         else:
-            raise NotImplementedError(f"layer {call.index} returned {type(out).__name__}; megatrain_ds streams "
-                                      "layers that return a tensor or a tuple whose first item is the hidden states")
+            raise NotImplementedError(
+                f"layer {call.index} returned {type(out).__name__}; megatrain_ds streams "
+                "layers that return a tensor or a tuple whose first item is the hidden states"
+            )
         outputs = _function_outputs(call, out, collector)
         ctx.executor, ctx.call = executor, call
         ctx.set_materialize_grads(False)
@@ -577,10 +788,13 @@ class _StreamedLayerFn(torch.autograd.Function):
             executor.check.after_forward(call, outputs)
         else:  # a kept layer is not recomputed: nothing of its own to compare
             call.check = None
-        if call.graph is not None:  # a kept layer: the graph stays with the call; the Function's outputs are
-            call.graph = (outputs, *call.graph[1:])  # aliases without it (their grad_fn becomes this node)
+        # a kept layer: the graph stays with the call; the Function's outputs are
+        if call.graph is not None:
+            # aliases without it (their grad_fn becomes this node)
+            call.graph = (outputs, *call.graph[1:])
             return tuple(o.detach() for o in outputs)
-        if executor.activations is not None:  # the input goes to pinned host memory (activations.py)
+        # the input goes to pinned host memory (activations.py)
+        if executor.activations is not None:
             executor.activations.save(call, hidden)
         else:
             ctx.save_for_backward(hidden)
@@ -589,13 +803,18 @@ class _StreamedLayerFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         if not ctx.executor.in_engine_backward and ctx.executor.open_implicit_backward is not None:
-            ctx.executor.open_implicit_backward()  # loss.backward() (engine.py: [Note: loss.backward()])
+            # loss.backward() (engine.py: [Note: loss.backward()])
+            ctx.executor.open_implicit_backward()
         if not ctx.executor.in_engine_backward:
             raise RuntimeError(
-                "a backward through the streamed layers outside engine.backward(loss) (loss.backward() or "
-                "torch.autograd.grad): megatrain_ds lands each layer's gradient in host memory and needs the "
-                "engine to scale it and close the accumulation window. Call engine.backward(loss) (accelerate: "
-                "accelerator.backward(loss)); the gradients of this backward were not kept")
+                "a backward through the streamed layers outside engine.backward(loss) "
+                "(loss.backward() or "
+                "torch.autograd.grad): megatrain_ds lands each layer's gradient in host memory and "
+                "needs the "
+                "engine to scale it and close the accumulation window. Call engine.backward(loss) "
+                "(accelerate: "
+                "accelerator.backward(loss)); the gradients of this backward were not kept"
+            )
         if ctx.call.graph is not None:
             hidden = None  # a kept layer: its graph holds what it needs
         elif ctx.executor.activations is not None:
@@ -608,9 +827,9 @@ class _StreamedLayerFn(torch.autograd.Function):
 
 
 def _function_outputs(call: LayerCall, out, collector, recompute: bool = False) -> list:
-    """[primary, the extras at ``call.extra_tensor_at``, the captured tensors] of one run of the layer. In the
-    recompute ``collector`` is a fresh one (``_fresh_collector``): captured items sit at their relative
-    positions."""
+    """[primary, the extras at ``call.extra_tensor_at``, the captured tensors] of one run of the
+    layer. In the recompute ``collector`` is a fresh one (``_fresh_collector``): captured items sit
+    at their relative positions."""
     items = [out if call.extras is None else out[0]]
     if call.extras is not None:
         items += [out[1 + j] for j in call.extra_tensor_at]
@@ -623,22 +842,24 @@ _collector_var = None  # transformers' active output collector (a ContextVar), o
 
 
 def _hf_collector() -> dict | None:
-    """The dict Hugging Face's output-capturing hooks append to during this model forward (router logits,
-    attention weights, ...), or None (no capture requested, or a transformers without it)."""
+    """The dict Hugging Face's output-capturing hooks append to during this model forward (router
+    logits, attention weights, ...), or None (no capture requested, or a transformers without
+    it)."""
     global _collector_var
     if _collector_var is None:
         try:
             from transformers.utils.output_capturing import _active_collector
-        except Exception:  # older/newer transformers: hooks still run (mirrored), values carry no gradient
+        # older/newer transformers: hooks still run (mirrored), values carry no gradient
+        except Exception:
             _active_collector = False
         _collector_var = _active_collector
     return _collector_var.get() if _collector_var else None
 
 
 class _fresh_collector:
-    """Context manager for the recompute: an empty collector with the forward's keys, so the hooks record the
-    recomputed (graph-carrying) values where ``_function_outputs`` finds them and the user's lists stay as
-    the forward left them."""
+    """Context manager for the recompute: an empty collector with the forward's keys, so the hooks
+    record the recomputed (graph-carrying) values where ``_function_outputs`` finds them and the
+    user's lists stay as the forward left them."""
 
     def __init__(self, capture_keys: tuple) -> None:
         self.capture_keys, self.token, self.collector = capture_keys, None, None
@@ -656,7 +877,8 @@ class _fresh_collector:
 
 
 def _buffers_to_device(layer: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """Move ``layer``'s buffers to ``device`` inside the module itself; name -> tensor, as bound per call."""
+    """Move ``layer``'s buffers to ``device`` inside the module itself; name -> tensor, as bound per
+    call."""
     out = {}
     for path, module in layer.named_modules():
         for name, buf in list(module._buffers.items()):

@@ -1,15 +1,17 @@
 """Step-time breakdown: H2D, compute, D2H, CPU optimizer, GPU idle.
 
-On only with ``wall_clock_breakdown``. Device spans are timed with CUDA events recorded on the stream doing
-the work; they are read once per step, at the start of the next step's forward, after a device sync. With
-all optimizer state on the host the GPU has drained by then anyway (the resident upload waited for the
-norm task, which waited for every gradient landing); with part of it on the GPU the sync also waits for
-those update kernels (~tens of ms at 3B). Host spans (optimizer tasks, the main thread's waits for the
-optimizer) are wall-clock. On CPU every span is wall-clock and the streams are stand-ins.
+On only with ``wall_clock_breakdown``. Device spans are timed with CUDA events recorded on the
+stream doing the work; they are read once per step, at the start of the next step's forward, after a
+device sync. With all optimizer state on the host the GPU has drained by then anyway (the resident
+upload waited for the norm task, which waited for every gradient landing); with part of it on the
+GPU the sync also waits for those update kernels (~tens of ms at 3B). Host spans (optimizer tasks,
+the main thread's waits for the optimizer) are wall-clock. On CPU every span is wall-clock and the
+streams are stand-ins.
 
     compute  = sum of per-layer forward/backward(recompute) spans + the LM-head loss span
     idle     = wall - compute (the GPU's compute stream had nothing to run)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,13 +21,14 @@ import time
 import torch
 
 
-_TIMELINE: list | None = None  # (start_s, end_s, thread, name) of every traced range, while one is recorded
+# (start_s, end_s, thread, name) of every traced range, while one is recorded
+_TIMELINE: list | None = None
 
 
 def start_timeline() -> None:
-    """Record every ``traced`` range (all threads, ``time.perf_counter`` seconds) and, through the step timer, the
-    device spans, until ``take_timeline``: the host optimizer's threads included, which ``torch.profiler`` does not
-    show (benchmarks/trace_gaps.py --timeline)."""
+    """Record every ``traced`` range (all threads, ``time.perf_counter`` seconds) and, through the
+    step timer, the device spans, until ``take_timeline``: the host optimizer's threads included,
+    which ``torch.profiler`` does not show (benchmarks/trace_gaps.py --timeline)."""
     global _TIMELINE
     _TIMELINE = []
 
@@ -38,7 +41,8 @@ def take_timeline() -> list:
 
 @contextlib.contextmanager
 def traced(name: str):
-    """A ``torch.profiler`` range, and a timeline entry while one is recorded (near-free otherwise)."""
+    """A ``torch.profiler`` range, and a timeline entry while one is recorded (near-free
+    otherwise)."""
     with torch.profiler.record_function(name):
         if _TIMELINE is None:
             yield
@@ -52,8 +56,8 @@ def traced(name: str):
 
 
 def layer_range(op: str, i: int):
-    """A profiler range naming the phase and layer (``torch.profiler`` traces show the overlap; near-free when
-    no profiler is recording)."""
+    """A profiler range naming the phase and layer (``torch.profiler`` traces show the overlap;
+    near-free when no profiler is recording)."""
     return traced(f"megatrain.{op}.L{i}")
 
 
@@ -62,15 +66,27 @@ class StepTimer:
         self.streams, self.enabled = streams, enabled
         self.cuda = streams.kind == "cuda"
         self.spans: dict[str, list] = {"h2d": [], "d2h": [], "compute": [], "comm": []}
-        # host spans: optimizer updates after the norm, speculative updates during the backward, rollbacks
-        self.host = {"optimizer_s": 0.0, "landing_s": 0.0, "wait_for_optimizer_s": 0.0, "speculative_s": 0.0,
-                     "rollback_s": 0.0, "nvme_wait_s": 0.0,  # nvme_wait_s: within the optimizer spans
-                     "moments_s": 0.0, "wait_for_moments_s": 0.0,  # the deferred moments passes; a landing's wait
-                     "updated_params": 0.0}  # parameters the host AdamW updated (for its Gparam/s)
-        self.counters = dict  # the engine installs a callable returning cumulative counts (speculated steps)
+        # host spans: optimizer updates after the norm, speculative updates during the backward,
+        # rollbacks
+        self.host = {
+            "optimizer_s": 0.0,
+            "landing_s": 0.0,
+            "wait_for_optimizer_s": 0.0,
+            "speculative_s": 0.0,
+            # nvme_wait_s: within the optimizer spans
+            "rollback_s": 0.0,
+            "nvme_wait_s": 0.0,
+            # the deferred moments passes; a landing's wait
+            "moments_s": 0.0,
+            "wait_for_moments_s": 0.0,
+            "updated_params": 0.0,
+        }  # parameters the host AdamW updated (for its Gparam/s)
+        # the engine installs a callable returning cumulative counts (speculated steps)
+        self.counters = dict
         self._lock = threading.Lock()
         self._step_start = None
-        self._ref = None  # timeline: (an event recorded when the device had drained, its perf_counter time)
+        # timeline: (an event recorded when the device had drained, its perf_counter time)
+        self._ref = None
         self._window_open = False
         self.last: dict = {}
 
@@ -100,9 +116,10 @@ class StepTimer:
     # host spans -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def host_span(self, key: str):
-        """Time a host span. The body may put counts in the yielded dict (``span["updated_params"] = n``): they
-        are added with the span's seconds under one lock, so a step boundary that falls while a layer is being
-        updated puts both the layer's time and its parameters in the same step (a rate from halves is wrong)."""
+        """Time a host span. The body may put counts in the yielded dict (``span["updated_params"] =
+        n``): they are added with the span's seconds under one lock, so a step boundary that falls
+        while a layer is being updated puts both the layer's time and its parameters in the same
+        step (a rate from halves is wrong)."""
         t0 = time.perf_counter()
         counts: dict = {}
         try:
@@ -140,18 +157,31 @@ class StepTimer:
             host = dict(self.host)
             for key in self.host:
                 self.host[key] = 0.0
-        # the host update's rate: parameters updated (after the norm and speculatively) per second of updating
+        # the host update's rate: parameters updated (after the norm and speculatively) per second
+        # of updating
         busy = host["optimizer_s"] + host["speculative_s"]
         rate = host["updated_params"] / 1e9 / busy if host["updated_params"] and busy > 0 else 0.0
-        self.last = {"step_s": wall, "h2d_s": h2d, "compute_s": compute, "d2h_s": d2h, "comm_s": self._sum("comm"),
-                     "cpu_optimizer_s": host["optimizer_s"], "cpu_grad_landing_s": host["landing_s"],
-                     "wait_for_optimizer_s": host["wait_for_optimizer_s"],
-                     "cpu_speculative_optimizer_s": host["speculative_s"], "cpu_rollback_s": host["rollback_s"],
-                     "cpu_nvme_wait_s": host["nvme_wait_s"], "cpu_deferred_moments_s": host["moments_s"],
-                     "wait_for_moments_s": host["wait_for_moments_s"],
-                     "cpu_optimizer_gparam_s": rate, "cpu_updated_params": int(host["updated_params"]),
-                     "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None, **self.counters()}
-        if self.cuda and _TIMELINE is not None and self._ref is not None:  # device spans on the host's clock
+        self.last = {
+            "step_s": wall,
+            "h2d_s": h2d,
+            "compute_s": compute,
+            "d2h_s": d2h,
+            "comm_s": self._sum("comm"),
+            "cpu_optimizer_s": host["optimizer_s"],
+            "cpu_grad_landing_s": host["landing_s"],
+            "wait_for_optimizer_s": host["wait_for_optimizer_s"],
+            "cpu_speculative_optimizer_s": host["speculative_s"],
+            "cpu_rollback_s": host["rollback_s"],
+            "cpu_nvme_wait_s": host["nvme_wait_s"],
+            "cpu_deferred_moments_s": host["moments_s"],
+            "wait_for_moments_s": host["wait_for_moments_s"],
+            "cpu_optimizer_gparam_s": rate,
+            "cpu_updated_params": int(host["updated_params"]),
+            "gpu_idle_s": max(0.0, wall - compute) if self.cuda else None,
+            **self.counters(),
+        }
+        # device spans on the host's clock
+        if self.cuda and _TIMELINE is not None and self._ref is not None:
             ref, t_ref = self._ref
             for kind, spans in self.spans.items():
                 for start, end in spans:
@@ -164,16 +194,34 @@ class StepTimer:
     def format(b: dict) -> str:
         if not b:
             return "(no complete step yet)"
-        idle = "n/a" if b.get("gpu_idle_s") is None else f"{b['gpu_idle_s']*1e3:.0f}"
-        return (f"step {b['step_s']*1e3:.0f} ms | compute {b['compute_s']*1e3:.0f} | "
-                f"H2D {b['h2d_s']*1e3:.0f} | D2H {b['d2h_s']*1e3:.0f} | "
-                + (f"collectives {b['comm_s']*1e3:.0f} | " if b.get("comm_s") else "")
-                + f"CPU optim {b['cpu_optimizer_s']*1e3:.0f} "
-                f"(+{b.get('cpu_speculative_optimizer_s', 0)*1e3:.0f} during backward"
-                + (f"; {b['cpu_optimizer_gparam_s']:.2f} Gparam/s" if b.get("cpu_optimizer_gparam_s") else "") + ") "
-                + (f"of which NVMe read wait {b['cpu_nvme_wait_s']*1e3:.0f} " if b.get("nvme_read_bytes") else "")
-                + (f"| moments pass {b['cpu_deferred_moments_s']*1e3:.0f} (landings waited "
-                   f"{b.get('wait_for_moments_s', 0)*1e3:.0f}) " if b.get("cpu_deferred_moments_s") else "")
-                + f"| fwd waited on optim {b['wait_for_optimizer_s']*1e3:.0f} | GPU idle {idle} ms"
-                + (f" | speculated {b['speculated_steps']} rolled back {b['rolled_back_steps']}"
-                   if "speculated_steps" in b else ""))
+        idle = "n/a" if b.get("gpu_idle_s") is None else f"{b['gpu_idle_s'] * 1e3:.0f}"
+        return (
+            f"step {b['step_s'] * 1e3:.0f} ms | compute {b['compute_s'] * 1e3:.0f} | "
+            f"H2D {b['h2d_s'] * 1e3:.0f} | D2H {b['d2h_s'] * 1e3:.0f} | "
+            + (f"collectives {b['comm_s'] * 1e3:.0f} | " if b.get("comm_s") else "")
+            + f"CPU optim {b['cpu_optimizer_s'] * 1e3:.0f} "
+            f"(+{b.get('cpu_speculative_optimizer_s', 0) * 1e3:.0f} during backward"
+            + (
+                f"; {b['cpu_optimizer_gparam_s']:.2f} Gparam/s"
+                if b.get("cpu_optimizer_gparam_s")
+                else ""
+            )
+            + ") "
+            + (
+                f"of which NVMe read wait {b['cpu_nvme_wait_s'] * 1e3:.0f} "
+                if b.get("nvme_read_bytes")
+                else ""
+            )
+            + (
+                f"| moments pass {b['cpu_deferred_moments_s'] * 1e3:.0f} (landings waited "
+                f"{b.get('wait_for_moments_s', 0) * 1e3:.0f}) "
+                if b.get("cpu_deferred_moments_s")
+                else ""
+            )
+            + f"| fwd waited on optim {b['wait_for_optimizer_s'] * 1e3:.0f} | GPU idle {idle} ms"
+            + (
+                f" | speculated {b['speculated_steps']} rolled back {b['rolled_back_steps']}"
+                if "speculated_steps" in b
+                else ""
+            )
+        )

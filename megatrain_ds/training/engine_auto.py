@@ -1,39 +1,71 @@
 """The "auto" placements made after the second step, from what the first two steps measured.
 
-This module owns the decisions decisions.py leaves to the first steps (``Decisions.auto_device_state`` for
-``gpu_optimizer_layers: "auto"``, ``Decisions.auto_keep`` for ``keep_activations: "auto"``): the GPU memory the steps
-left free above their peak (``auto_budget_bytes``), less the reserve, goes to the resident parameters' optimizer state,
-then to kept layers and the optimizer state of leading layers, in the order the measured exposure of the host update
-says ([Note: auto placement order]; ``AutoPlacer.after_step``, which the engine calls after each of the first
-two steps). Off CUDA nothing is measured, so nothing is placed.
+This module owns the decisions decisions.py leaves to the first steps
+(``Decisions.auto_device_state`` for ``gpu_optimizer_layers: "auto"``, ``Decisions.auto_keep`` for
+``keep_activations: "auto"``): the GPU memory the steps left free above their peak
+(``auto_budget_bytes``), less the reserve, goes to the resident parameters' optimizer state, then to
+kept layers and the optimizer state of leading layers, in the order the measured exposure of the
+host update says ([Note: auto placement order]; ``AutoPlacer.after_step``, which the engine calls
+after each of the first two steps). Off CUDA nothing is measured, so nothing is placed.
 
-[Note: auto placement order] A kept layer (no recompute) saves its recompute, at most a quarter of its compute, and
-takes its largest activation graph (about 2 GB per 3B layer at 16K tokens/step). A layer whose optimizer state is on
-the GPU takes 16 bytes per parameter (1.2 GB per 3B layer) and leaves the host update. The second step's forward is
-the first that waits for a host update, so the placement is made after it: ``exposure`` is the time that forward
-waited for the host AdamW, ``update`` a layer's host update time at the rate the AdamW thread measured meanwhile.
-When the host update was exposed (the forward waited at least half a layer's update), the step is bound by the host: the GPU sat waiting, so
-a shorter GPU schedule (a kept layer) would only wait longer, while each layer whose state moves takes its update
-off the critical path. Optimizer state then goes first, for as many layers as the exposure pays for
-(``ceil(exposure / update)``), and kept layers take what is left. Otherwise (the host update is hidden: long
-sequences) kept layers go first. The second step's wall time measures neither a layer's recompute nor the step:
-that step still carries warm-up work, so neither rule reads it.
+[Note: auto placement order] A kept layer (no recompute) saves its recompute, at most a quarter of
+its compute, and takes its largest activation graph (about 2 GB per 3B layer at 16K tokens/step). A
+layer whose optimizer state is on the GPU takes 16 bytes per parameter (1.2 GB per 3B layer) and
+leaves the host update. The second step's forward is the first that waits for a host update, so the
+placement is made after it: ``exposure`` is the time that forward waited for the host AdamW,
+``update`` a layer's host update time at the rate the AdamW thread measured meanwhile. When the host
+update was exposed (the forward waited at least half a layer's update), the step is bound by the
+host: the GPU sat waiting, so a shorter GPU schedule (a kept layer) would only wait longer, while
+each layer whose state moves takes its update off the critical path. Optimizer state then goes
+first, for as many layers as the exposure pays for (``ceil(exposure / update)``), and kept layers
+take what is left. Otherwise (the host update is hidden: long sequences) kept layers go first. The
+second step's wall time measures neither a layer's recompute nor the step: that step still carries
+warm-up work, so neither rule reads it.
 """
+
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..host.device_state import DeviceOptimizerState
+from ..host import DeviceOptimizerState
 from ..log import ALL_RANKS, log
+
+if TYPE_CHECKING:
+    from ..host import HostLayerStore, LayerStates
+    from ..optim import ResidentParams
+    from ..parallel import DataParallel
+    from ..streaming import StepTimer
+
+
+@dataclass(frozen=True)
+class PlacementParts:
+    """What the placement reads and moves, handed to it by the engine (``placement_parts()``)
+    after each of the first two steps: the engine's parts as they are then, never the engine."""
+
+    timer: StepTimer  # the steps' host spans (``host``); ``enabled``: the breakdown resets them
+    device: torch.device
+    dp: DataParallel  # every rank places the same (``min_int``)
+    has_optimizer: bool  # without one there is no optimizer state to place
+    resident: ResidentParams  # its optimizer state goes first (``move_state_to_device``)
+    layer_states: LayerStates  # whether layers are GPU-held already (``gpu_layers``)
+    store: HostLayerStore  # the layers' layouts, the NVMe tier's first layer, the master dtype
+    graph_bytes: int  # the largest layer graph a recompute built (CUDA; 0: not measured)
+    weight_itemsize: int  # bytes per element of a layer's weight buffer on the device
+    set_keep: Callable[[int], None]  # keep the last n layers' activations (no recompute)
+    move_layer_state_to_device: Callable[[int], None]  # the first n layers' state to the GPU
+    synchronize: Callable[[], None]  # waits for every queued host task and device work
 
 
 def auto_budget_bytes(device: torch.device, reserve: float) -> int | None:
-    """GPU bytes free for optimizer state after the first step: what the driver reports free now (other
-    processes and non-PyTorch memory accounted for), less the step's transient peak above what the caching
-    allocator holds now, less the ``reserve`` fraction of the memory this process can use. None off CUDA."""
+    """GPU bytes free for optimizer state after the first step: what the driver reports free now
+    (other processes and non-PyTorch memory accounted for), less the step's transient peak above
+    what the caching allocator holds now, less the ``reserve`` fraction of the memory this process
+    can use. None off CUDA."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
@@ -43,65 +75,74 @@ def auto_budget_bytes(device: torch.device, reserve: float) -> int | None:
 
 
 def placement_budget(free: int, total: int, held: int, transient: int, reserve: float) -> int:
-    """The "auto" budget from the driver's ``free`` and ``total`` bytes, the bytes this process's allocator
-    ``held``, and the step's ``transient`` peak above them. The reserve is a fraction of what this process can use
-    (``free + held``, at most ``total``), not of the whole GPU: on a GPU that other processes share (or a 24 GiB
-    card's worth left of a large one), a fraction of the whole would keep free more than the process ever had."""
+    """The "auto" budget from the driver's ``free`` and ``total`` bytes, the bytes this process's
+    allocator ``held``, and the step's ``transient`` peak above them. The reserve is a fraction of
+    what this process can use (``free + held``, at most ``total``), not of the whole GPU: on a GPU
+    that other processes share (or a 24 GiB card's worth left of a large one), a fraction of the
+    whole would keep free more than the process ever had."""
     usable = min(total, free + held)
     return int(free - max(transient, 0) - usable * reserve)
 
 
 class AutoPlacer:
-    """The "auto" placements of one engine, as a value the engine holds (``engine.auto_placer``): what is still to place
-    (given by the resolver's ``Decisions``), the marks of the first step, and what was placed (for the out-of-memory
-    message and the harness). ``after_step`` is called after each step while ``pending``; it places after the
-    second."""
+    """The "auto" placements of one engine, as a value the engine holds (``engine.auto_placer``):
+    what is still to place (given by the resolver's ``Decisions``), the marks of the first step, and
+    what was placed (for the out-of-memory message and the harness). ``after_step`` is called after
+    each step while ``pending``; it places after the second."""
 
     def __init__(self, device_state: bool, keep: bool, reserve: float) -> None:
         self.device_state = device_state  # gpu_optimizer_layers "auto", not yet placed
         self.keep = keep  # keep_activations "auto", not yet placed
         self.reserve = reserve  # the fraction of the GPU left free (gpu_memory_reserve)
-        self.placed = ""  # what the placement put on the GPU ("" before it, or when it placed nothing)
+        # what the placement put on the GPU ("" before it, or when it placed nothing)
+        self.placed = ""
         self.marks: tuple[float, dict] | None = None  # (time, host spans) after the first step
 
     @property
     def pending(self) -> bool:
         return self.device_state or self.keep
 
-    def budget_bytes(self, engine) -> int | None:
-        """GPU bytes free for the placements now on the engine's device (``auto_budget_bytes``); None off CUDA."""
-        return auto_budget_bytes(engine.device, self.reserve)
+    def budget_bytes(self, parts: PlacementParts) -> int | None:
+        """GPU bytes free for the placements now on the engine's device (``auto_budget_bytes``);
+        None off CUDA."""
+        return auto_budget_bytes(parts.device, self.reserve)
 
-    def after_step(self, engine) -> None:
-        """After each of the first two steps; places after the second (``_place``). After the first it only notes
-        the host spans and the time, so the second step's exposure of the host update can be measured."""
-        host = dict(engine.timer.host)  # host spans are kept with or without wall_clock_breakdown (cumulative then)
+    def after_step(self, parts: PlacementParts) -> None:
+        """After each of the first two steps; places after the second (``_place``). After the first
+        it only notes the host spans and the time, so the second step's exposure of the host update
+        can be measured."""
+        host = dict(parts.timer.host)  # kept with or without wall_clock_breakdown (cumulative then)
         if self.marks is None:  # the first step of this engine (a resumed run's too)
             self.marks = (time.perf_counter(), host)
             return
         t0, before = self.marks
         wall = time.perf_counter() - t0
-        if engine.timer.enabled:  # the breakdown resets the host spans at each step's start: the second's are whole
+        if parts.timer.enabled:  # the breakdown resets the spans at each step: the second's whole
             before = {}
         delta = {k: v - before.get(k, 0.0) for k, v in host.items()}
         auto_state, auto_keep = self.device_state, self.keep
         self.device_state = self.keep = False  # placed once
-        budget = self.budget_bytes(engine)
+        budget = self.budget_bytes(parts)
         if budget is not None:
-            self.placed = _place(engine, auto_state, auto_keep, budget, wall, delta)
+            self.placed = _place(parts, auto_state, auto_keep, budget, wall, delta)
 
     def oom_hint(self) -> str | None:
-        """What to tell a device OOM after the placement used the memory the first steps left free; None before."""
+        """What to tell a device OOM after the placement used the memory the first steps left free;
+        None before."""
         if not self.placed:
             return None
-        return (f"after the second step, \"auto\" placed {self.placed} in the GPU memory that step left free; this "
-                "batch needs more: set megatrain.keep_activations and/or megatrain.gpu_optimizer_layers to 0 (or a "
-                "smaller count), or raise megatrain.gpu_memory_reserve")
+        return (
+            f"after the second step, \"auto\" placed {self.placed} in the GPU memory that step "
+            "left free; this "
+            "batch needs more: set megatrain.keep_activations and/or "
+            "megatrain.gpu_optimizer_layers to 0 (or a "
+            "smaller count), or raise megatrain.gpu_memory_reserve"
+        )
 
 
 def host_update_exposure(wall: float, delta: dict, layer_params: list[int]) -> tuple[float, float]:
-    """(exposure s, one layer's host update s) from the second step's host spans ``delta`` ([Note: auto placement
-    order]); ``wall`` is unused by the rule and kept for the caller's record."""
+    """(exposure s, one layer's host update s) from the second step's host spans ``delta`` ([Note:
+    auto placement order]); ``wall`` is unused by the rule and kept for the caller's record."""
     busy = delta.get("optimizer_s", 0.0) + delta.get("speculative_s", 0.0)
     params = delta.get("updated_params", 0.0)
     per_layer = max(layer_params) if layer_params else 0
@@ -109,27 +150,35 @@ def host_update_exposure(wall: float, delta: dict, layer_params: list[int]) -> t
     return delta.get("wait_for_optimizer_s", 0.0), update
 
 
-def _place(engine, auto_state: bool, auto_keep: bool, budget: int, wall: float, delta: dict) -> str:
-    """The "auto" placements, once the first steps have shown the working set (its measured peak) and the host
-    update's exposure: GPU memory the steps left free (``budget``) goes to (1) the resident parameters' optimizer
-    state (embeddings, head: their update otherwise sits between the backward and the next forward), then (2) kept
-    layers (no recompute) and (3) the optimizer state of leading layers, or (3) before (2) when the host update was
-    exposed ([Note: auto placement order]). Later batches are assumed no larger than the first (a longer one may run
-    out of memory: the error then names the keys). The reserve (``gpu_memory_reserve``) stays free. Returns what was
-    placed."""
-    budget = engine.dp.min_int(budget)  # every rank keeps the same layers (the collectives' order: dp.py)
+def _place(
+    parts: PlacementParts, auto_state: bool, auto_keep: bool, budget: int, wall: float, delta: dict
+) -> str:
+    """The "auto" placements, once the first steps have shown the working set (its measured peak)
+    and the host update's exposure: GPU memory the steps left free (``budget``) goes to (1) the
+    resident parameters' optimizer state (embeddings, head: their update otherwise sits between the
+    backward and the next forward), then (2) kept layers (no recompute) and (3) the optimizer state
+    of leading layers, or (3) before (2) when the host update was exposed ([Note: auto placement
+    order]). Later batches are assumed no larger than the first (a longer one may run out of memory:
+    the error then names the keys). The reserve (``gpu_memory_reserve``) stays free. Returns what
+    was placed."""
+    budget = parts.dp.min_int(budget)  # every rank keeps the same layers (the collectives' order)
     start, placed = budget, []
-    if auto_state and engine.optimizer is not None and not engine.resident.on_device:
-        need = engine.resident.device_bytes()
+    if auto_state and parts.has_optimizer and not parts.resident.on_device:
+        need = parts.resident.device_bytes()
         if 0 < need <= budget:
-            engine.synchronize()
-            engine.resident.move_state_to_device()
+            parts.synchronize()
+            parts.resident.move_state_to_device()
             budget -= need
             placed.append(f"resident optimizer state {need / 2**30:.1f} GiB")
-    store = engine.store
-    # layers' state: fp32 masters only (a GPU-held layer keeps an fp32 master; bf16-master mode has none)
-    state_ok = auto_state and engine.optimizer is not None and engine.layer_states.gpu_layers() is None and \
-        store.master_dtype == torch.float32
+    store = parts.store
+    # layers' state: fp32 masters only (a GPU-held layer keeps an fp32 master; bf16-master mode has
+    # none)
+    state_ok = (
+        auto_state
+        and parts.has_optimizer
+        and parts.layer_states.gpu_layers() is None
+        and store.master_dtype == torch.float32
+    )
     n_layers = min(len(store.layouts), store.disk_from)  # not the NVMe tier's (they trail)
     exposure, update = host_update_exposure(wall, delta, [lay.n_train for lay in store.layouts])
     cap = n_layers
@@ -137,51 +186,66 @@ def _place(engine, auto_state: bool, auto_keep: bool, budget: int, wall: float, 
     if state_ok and auto_keep and n_layers and update > 0 and exposure >= 0.5 * update:
         state_first = True  # a host-bound step: the GPU waited ([Note: auto placement order])
         cap = min(n_layers, math.ceil(exposure / update))
-    state_first = bool(engine.dp.min_int(int(state_first)))  # every rank the same order, and the same cap
-    cap = engine.dp.min_int(cap)
+    state_first = bool(parts.dp.min_int(int(state_first)))  # every rank the same order and cap
+    cap = parts.dp.min_int(cap)
     if state_first:
-        placed.append(f"the host update held the forward {exposure:.2f} s of a {wall:.2f} s step: optimizer state "
-                      f"first")
-        budget -= _state_layers(engine, budget, min(cap, n_layers), placed)
+        placed.append(
+            f"the host update held the forward {exposure:.2f} s of a {wall:.2f} s step: optimizer "
+            "state "
+            f"first"
+        )
+        budget -= _state_layers(parts, budget, min(cap, n_layers), placed)
     if auto_keep:
-        budget -= _keep_layers(engine, budget, placed)
+        budget -= _keep_layers(parts, budget, placed)
     if state_ok and not state_first:
-        budget -= _state_layers(engine, budget, n_layers, placed)
-    log(f"placed from the first steps' peak ({max(start, 0) / 2**30:.1f} GiB free above it "
-        f"and the reserve): {'; '.join(placed) or 'nothing'}", ranks=ALL_RANKS)
+        budget -= _state_layers(parts, budget, n_layers, placed)
+    log(
+        f"placed from the first steps' peak ({max(start, 0) / 2**30:.1f} GiB free above it "
+        f"and the reserve): {'; '.join(placed) or 'nothing'}",
+        ranks=ALL_RANKS,
+    )
     done = "; ".join(p for p in placed if not p.startswith("0 of"))
-    return f"{done} (of {max(start, 0) / 2**30:.1f} GiB free above the peak and the reserve)" if done else ""
+    return (
+        f"{done} (of {max(start, 0) / 2**30:.1f} GiB free above the peak and the reserve)"
+        if done
+        else ""
+    )
 
 
-def _state_layers(engine, budget: int, limit: int, placed: list[str]) -> int:
-    """Move the optimizer state of as many leading layers (up to ``limit``) as ``budget`` holds; returns the bytes."""
-    store, n = engine.store, 0
+def _state_layers(parts: PlacementParts, budget: int, limit: int, placed: list[str]) -> int:
+    """Move the optimizer state of as many leading layers (up to ``limit``) as ``budget`` holds;
+    returns the bytes."""
+    store, n = parts.store, 0
     n_layers = min(len(store.layouts), store.disk_from)
     while n < limit and DeviceOptimizerState.nbytes(store, n + 1) <= budget:
         n += 1
     if n > 0:
-        engine.move_layer_state_to_device(n)
-    placed.append(f"{n} of {n_layers} layers' optimizer state on the GPU "
-                  f"({DeviceOptimizerState.nbytes(store, n) / 2**30:.1f} GiB)")
+        parts.move_layer_state_to_device(n)
+    placed.append(
+        f"{n} of {n_layers} layers' optimizer state on the GPU "
+        f"({DeviceOptimizerState.nbytes(store, n) / 2**30:.1f} GiB)"
+    )
     return DeviceOptimizerState.nbytes(store, n) if n else 0
 
 
-def _keep_bytes_per_layer(engine) -> int:
-    """What keeping one more layer would take: its largest graph + 10% and its own weight buffer (0 when the
-    recompute's graph was not measured)."""
-    ex, layouts = engine.executor, engine.store.layouts
-    if not ex.graph_bytes:
+def _keep_bytes_per_layer(parts: PlacementParts) -> int:
+    """What keeping one more layer would take: its largest graph + 10% and its own weight buffer (0
+    when the recompute's graph was not measured)."""
+    if not parts.graph_bytes:
         return 0
-    weights = max(l.numel for l in layouts) * ex.slots[0].buf.element_size()  # noqa: E741
-    return int(ex.graph_bytes * 1.1) + weights
+    weights = max(lay.numel for lay in parts.store.layouts) * parts.weight_itemsize
+    return int(parts.graph_bytes * 1.1) + weights
 
 
-def _keep_layers(engine, budget: int, placed: list[str]) -> int:
-    """Keep as many trailing layers (no recompute) as ``budget`` holds, each its largest graph + 10% and its own
-    weight buffer; every rank the same number. Returns the bytes they take."""
-    per_layer = _keep_bytes_per_layer(engine)
-    n = min(len(engine.store.layouts), max(0, budget) // per_layer) if per_layer else 0
-    n = engine.dp.min_int(n)
-    engine.executor.set_keep(n)
-    placed.append(f"{n} of {len(engine.store.layouts)} layers kept without recompute ({n * per_layer / 2**30:.1f} GiB)")
+def _keep_layers(parts: PlacementParts, budget: int, placed: list[str]) -> int:
+    """Keep as many trailing layers (no recompute) as ``budget`` holds, each its largest graph + 10%
+    and its own weight buffer; every rank the same number. Returns the bytes they take."""
+    per_layer = _keep_bytes_per_layer(parts)
+    n_layers = len(parts.store.layouts)
+    n = min(n_layers, max(0, budget) // per_layer) if per_layer else 0
+    n = parts.dp.min_int(n)
+    parts.set_keep(n)
+    placed.append(
+        f"{n} of {n_layers} layers kept without recompute ({n * per_layer / 2**30:.1f} GiB)"
+    )
     return n * per_layer

@@ -1,4 +1,5 @@
 """Checkpoints: exact resume, DeepSpeed's layout and return values, crash-safe writes."""
+
 import json
 import os
 import signal
@@ -16,10 +17,16 @@ from megatrain_ds.checkpoints.checkpoint import MODEL_FILE, OPTIM_FILE
 from tests.models import tiny_hf
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
-CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-       "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-       "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 2,
-                                                         "total_num_steps": 6}}}
+CFG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 2, "total_num_steps": 6},
+    },
+}
 
 
 def _engine(seed=0, cfg=CFG):
@@ -31,7 +38,9 @@ def _steps(engine, first, count):
     losses = []
     for step in range(first, first + count):
         for micro in range(2):
-            ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(100 * step + micro))
+            ids = torch.randint(
+                0, 256, (2, 12), generator=torch.Generator().manual_seed(100 * step + micro)
+            )
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
@@ -53,8 +62,8 @@ print(json.dumps({{"path": path, "client": client, "losses": losses, "lr": engin
 
 
 def test_exact_resume_in_a_fresh_process(tmp_path):
-    """3 steps, save, a fresh process loads and runs 3 more == 6 straight steps, bit for bit (fp32, CPU,
-    GA 2, WarmupDecayLR, clipping)."""
+    """3 steps, save, a fresh process loads and runs 3 more == 6 straight steps, bit for bit (fp32,
+    CPU, GA 2, WarmupDecayLR, clipping)."""
     straight = _engine()
     want = _steps(straight, 0, 6)
     want_state = {k: v.clone() for k, v in straight.master_state_dict().items()}
@@ -64,11 +73,17 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
     assert sorted(os.listdir(tmp_path / "ckpt" / "global_step3")) == [
         "zero_pp_rank_0_checksums.sha256",  # checksums.py: verified by the load
-        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    ]
     script = tmp_path / "resume.py"
     script.write_text(RESUMER.format(repo=str(HERE.parent)))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "final.pt")],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "final.pt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["path"] == str(tmp_path / "ckpt" / "global_step3") and out["client"] == {"epoch": 7}
@@ -81,7 +96,8 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
 
 def test_nothing_to_load_and_module_only(tmp_path):
     engine = _engine()
-    with pytest.warns(UserWarning, match="Unable to find latest file"):  # DeepSpeed's behaviour and message
+    # DeepSpeed's behaviour and message
+    with pytest.warns(UserWarning, match="Unable to find latest file"):
         assert engine.load_checkpoint(str(tmp_path)) == (None, None)
     _steps(engine, 0, 1)
     engine.save_checkpoint(str(tmp_path), tag="mine")
@@ -137,13 +153,14 @@ def paused_replace(src, dst):
         in_progress(src)  # the new latest is written, not yet renamed over the old one
     real_replace(src, dst)
     if stage == "swap" and ".old-" in os.path.basename(dst):
-        in_progress(dst)  # the old folder of this tag is moved aside, the new one not yet renamed in
+        # the old folder of this tag is moved aside, the new one not yet renamed in
+        in_progress(dst)
 
 
 checkpoint_stream.StreamWriter._write, os.replace = half_written, paused_replace
 checkpoint_stream.StreamedFile.write = file_write
-engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", seed=1),
-                                     config={{"train_micro_batch_size_per_gpu": 1, "optimizer": {{"type": "AdamW"}}}})
+cfg = {{"train_micro_batch_size_per_gpu": 1, "optimizer": {{"type": "AdamW"}}}}
+engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", seed=1), config=cfg)
 engine.save_checkpoint(save_dir, tag=tag)
 print("SAVED", flush=True)
 """
@@ -151,10 +168,11 @@ print("SAVED", flush=True)
 
 @pytest.mark.parametrize("stage", ["model", "optim", "swap", "latest"])
 def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, stage):
-    """A save killed while it writes the model file, the optimizer file, between moving an old folder of the same
-    tag aside and renaming the new one in, or before renaming ``latest``: the previous checkpoint and ``latest``
-    survive and load bit for bit, and the next save cleans what the killed one left. The child signals (from a
-    hook inside the write) that the write is in progress; only then is it killed."""
+    """A save killed while it writes the model file, the optimizer file, between moving an old
+    folder of the same tag aside and renaming the new one in, or before renaming ``latest``: the
+    previous checkpoint and ``latest`` survive and load bit for bit, and the next save cleans what
+    the killed one left. The child signals (from a hook inside the write) that the write is in
+    progress; only then is it killed."""
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}}
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
     engine.global_steps = 1
@@ -164,9 +182,11 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, stage):
     script = tmp_path.parent / f"killed_saver_{stage}.py"
     script.write_text(KILLED_SAVER.format(repo=str(HERE.parent)))
     tag = "global_step1" if stage == "swap" else "global_step2"
-    proc = subprocess.Popen([sys.executable, str(script), stage, str(tmp_path), tag], stdout=subprocess.PIPE,
-                            text=True)
-    watchdog = threading.Timer(300, proc.kill)  # a child that never reaches the hook fails the test, not hangs it
+    proc = subprocess.Popen(
+        [sys.executable, str(script), stage, str(tmp_path), tag], stdout=subprocess.PIPE, text=True
+    )
+    # a child that never reaches the hook fails the test, not hangs it
+    watchdog = threading.Timer(300, proc.kill)
     watchdog.start()
     try:
         for line in proc.stdout:  # other lines: logs of the libraries the child imports
@@ -178,24 +198,35 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, stage):
         proc.wait()
         proc.stdout.close()
         watchdog.cancel()
-    assert line[:1] == ["IN-PROGRESS"], f"the child finished or died before the hooked write: {line}"
+    assert line[:1] == ["IN-PROGRESS"], (
+        f"the child finished or died before the hooked write: {line}"
+    )
     assert proc.returncode == -signal.SIGKILL
     pid, where = proc.pid, line[1]
-    if stage in ("model", "optim"):  # the kill landed mid-file: a partial file in the temporary folder
-        assert where == str(tmp_path / f".{tag}.tmp-{pid}" / {"model": MODEL_FILE, "optim": OPTIM_FILE}[stage])
+    # the kill landed mid-file: a partial file in the temporary folder
+    if stage in ("model", "optim"):
+        assert where == str(
+            tmp_path / f".{tag}.tmp-{pid}" / {"model": MODEL_FILE, "optim": OPTIM_FILE}[stage]
+        )
         assert 0 < os.path.getsize(where)
         with pytest.raises(Exception):
             torch.load(where, weights_only=False)
-    left = {"model": [f".{tag}.tmp-{pid}"], "optim": [f".{tag}.tmp-{pid}"],
-            "swap": [f".{tag}.old-{pid}", f".{tag}.tmp-{pid}"], "latest": [f".latest.tmp-{pid}"]}[stage]
+    left = {
+        "model": [f".{tag}.tmp-{pid}"],
+        "optim": [f".{tag}.tmp-{pid}"],
+        "swap": [f".{tag}.old-{pid}", f".{tag}.tmp-{pid}"],
+        "latest": [f".latest.tmp-{pid}"],
+    }[stage]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == left
     assert (tmp_path / "latest").read_text() == "global_step1"
-    assert (tmp_path / "global_step2").is_dir() == (stage == "latest")  # complete, but latest never named it
+    # complete, but latest never named it
+    assert (tmp_path / "global_step2").is_dir() == (stage == "latest")
 
     other, *_ = megatrain_ds.initialize(model=tiny_hf("llama", seed=2), config=cfg)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        path, _ = other.load_checkpoint(str(tmp_path))  # swap: the moved-aside folder is put back first
+        # swap: the moved-aside folder is put back first
+        path, _ = other.load_checkpoint(str(tmp_path))
     assert path == str(tmp_path / "global_step1")
     assert any("put back" in str(w.message) for w in caught) == (stage == "swap")
     got = other.master_state_dict()
@@ -223,7 +254,10 @@ def test_hf_round_trip(tmp_path, filename):
         got = loaded(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     state = engine._zero3_consolidated_16bit_state_dict()
-    assert set(state) == set(loaded.state_dict()) and state["model.layers.0.mlp.up_proj.weight"].numel() > 0
+    assert (
+        set(state) == set(loaded.state_dict())
+        and state["model.layers.0.mlp.up_proj.weight"].numel() > 0
+    )
     engine.destroy()
 
 
@@ -235,9 +269,22 @@ def test_convert_command_writes_a_loadable_hf_folder(tmp_path, max_shard):
     _steps(engine, 0, 1)
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "megatrain_ds.cli", "convert", str(tmp_path / "ckpt"), str(out),
-                           "--max-shard-size", max_shard], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(HERE.parent)), timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatrain_ds.cli",
+            "convert",
+            str(tmp_path / "ckpt"),
+            str(out),
+            "--max-shard-size",
+            max_shard,
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(HERE.parent)),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     sharded = (out / "model.safetensors.index.json").exists()
     assert sharded == (max_shard == "200KB")
@@ -245,14 +292,16 @@ def test_convert_command_writes_a_loadable_hf_folder(tmp_path, max_shard):
     engine.eval()
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, engine(input_ids=ids).logits.cpu(),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            loaded(input_ids=ids).logits, engine(input_ids=ids).logits.cpu(), rtol=1e-5, atol=1e-5
+        )
     engine.destroy()
 
 
 @pytest.mark.parametrize("tied,freeze", [(True, False), (False, True)])
 def test_deepspeed_zero_to_fp32_reads_our_checkpoint(tmp_path, tied, freeze):
-    """DeepSpeed's own zero_to_fp32 reconstructs the right fp32 weights (tied and frozen ones included)."""
+    """DeepSpeed's own zero_to_fp32 reconstructs the right fp32 weights (tied and frozen ones
+    included)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     model = tiny_hf("qwen2", tied=tied)
@@ -260,8 +309,9 @@ def test_deepspeed_zero_to_fp32_reads_our_checkpoint(tmp_path, tied, freeze):
         for name, p in model.named_parameters():
             if "mlp" in name:
                 p.requires_grad_(False)
-    engine, *_ = megatrain_ds.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                          if p.requires_grad], config=CFG)
+    engine, *_ = megatrain_ds.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=CFG
+    )
     _steps(engine, 0, 2)
     engine.save_checkpoint(str(tmp_path))
     ours = engine.master_state_dict()

@@ -1,4 +1,5 @@
 """DeepSpeed engine calls with DeepSpeed's semantics."""
+
 import copy
 
 import pytest
@@ -9,8 +10,12 @@ from tests.models import tiny_hf
 
 
 def _engine(ga=2, **extra):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": ga,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        **extra,
+    }
     model = tiny_hf("llama")
     engine, optimizer, loader, scheduler = megatrain_ds.initialize(model=model, config=cfg)
     return engine
@@ -73,8 +78,9 @@ def test_boundary_override_persists_until_changed():
 
 
 def test_zero_grad_keeps_the_accumulated_gradient_as_deepspeed():
-    """Window of 2: [batch 0, zero_grad, batch 1] steps like [batch 0, batch 1]: DeepSpeed's engine.zero_grad()
-    keeps the window (its ZeRO partitions hold the accumulated gradient until the step), so must we (issue 27)."""
+    """Window of 2: [batch 0, zero_grad, batch 1] steps like [batch 0, batch 1]: DeepSpeed's
+    engine.zero_grad() keeps the window (its ZeRO partitions hold the accumulated gradient until the
+    step), so must we (issue 27)."""
     a, b = _engine(ga=2), _engine(ga=2)
     ids0, ids1 = _ids(0), _ids(1)
     for engine in (a, b):
@@ -117,10 +123,16 @@ def test_get_lr_reads_what_an_external_scheduler_wrote():
 def test_lr_scheduler_callable_and_training_data():
     data = [torch.randint(0, 256, (10,)) for _ in range(8)]
     model = tiny_hf("llama")
-    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     engine, optimizer, loader, scheduler = megatrain_ds.initialize(
-        model=model, config=cfg, training_data=data,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+        model=model,
+        config=cfg,
+        training_data=data,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    )
     batch = next(iter(loader))
     assert batch.shape == (4, 10)
     engine.backward(engine(input_ids=batch, labels=batch).loss)
@@ -130,9 +142,11 @@ def test_lr_scheduler_callable_and_training_data():
 
 
 def test_engine_without_optimizer_runs_forward_and_backward():
-    """A frozen reference engine (no optimizer in the config): forward works, step() changes nothing."""
-    engine, optimizer, _, _ = megatrain_ds.initialize(model=tiny_hf("llama"),
-                                                      config={"train_micro_batch_size_per_gpu": 2})
+    """A frozen reference engine (no optimizer in the config): forward works, step() changes
+    nothing."""
+    engine, optimizer, _, _ = megatrain_ds.initialize(
+        model=tiny_hf("llama"), config={"train_micro_batch_size_per_gpu": 2}
+    )
     assert optimizer is None
     ids = _ids(0)
     with torch.no_grad():
@@ -145,21 +159,29 @@ def test_engine_properties_and_destroy(monkeypatch):
     engine = _engine(ga=1, bf16={"enabled": True}, zero_optimization={"stage": 3})
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert engine.device.type == expected and engine.local_rank == 0
-    assert engine.zero_optimization_stage() == 3 and engine.bfloat16_enabled() and not engine.fp16_enabled()
+    assert (
+        engine.zero_optimization_stage() == 3
+        and engine.bfloat16_enabled()
+        and not engine.fp16_enabled()
+    )
     assert isinstance(engine, megatrain_ds.DeepSpeedEngine)
     _micro(engine, 0)
-    regions = list(engine.store.regions)  # one mapping per flat host buffer; pinned ones only with CUDA
+    # one mapping per flat host buffer; pinned ones only with CUDA
+    regions = list(engine.store.regions)
     assert len(regions) >= 4  # master, two moments, gradient home (+ wire)
-    assert sum(r.registered for r in regions) == (2 if torch.cuda.is_available() else 0)  # wire and grad home
+    # wire and grad home
+    assert sum(r.registered for r in regions) == (2 if torch.cuda.is_available() else 0)
     engine.destroy()
     assert engine.worker._shutdown  # the host worker thread is gone
-    assert not engine.store.regions and all(not r.registered for r in regions)  # pinned memory released
+    # pinned memory released
+    assert not engine.store.regions and all(not r.registered for r in regions)
 
 
 @pytest.mark.parametrize("device_layers", [0, 2])
 def test_boundary_moved_after_backward_gives_the_same_norm(device_layers):
-    """If the boundary is declared only after the last backward, the per-layer norms are taken late (from
-    wherever each layer's gradient lives); the step must equal one where it was known up front."""
+    """If the boundary is declared only after the last backward, the per-layer norms are taken late
+    (from wherever each layer's gradient lives); the step must equal one where it was known up
+    front."""
     extra = {"megatrain": {"gpu_optimizer_layers": device_layers}}
     late, early = _engine(ga=4, **extra), _engine(ga=4, **extra)
     for seed in range(2):
@@ -177,12 +199,19 @@ def test_boundary_moved_after_backward_gives_the_same_norm(device_layers):
 
 def test_monitor_blocks_write_lr_and_the_step_breakdown(tmp_path):
     """csv_monitor (DeepSpeed's writer): the lr per optimizer step at x = samples seen, and with
-    wall_clock_breakdown each step's breakdown, written once the next step has closed it, at its own x."""
+    wall_clock_breakdown each step's breakdown, written once the next step has closed it, at its own
+    x."""
     out = tmp_path / "mon"
-    engine = _engine(ga=1, wall_clock_breakdown=True, steps_per_print=1000,
-                     scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
-                                                               "warmup_num_steps": 4}},
-                     csv_monitor={"enabled": True, "output_path": str(out), "job_name": "job"})
+    engine = _engine(
+        ga=1,
+        wall_clock_breakdown=True,
+        steps_per_print=1000,
+        scheduler={
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4},
+        },
+        csv_monitor={"enabled": True, "output_path": str(out), "job_name": "job"},
+    )
     lrs = []
     for seed in range(3):
         _micro(engine, seed)  # forward, backward, step
@@ -195,12 +224,15 @@ def test_monitor_blocks_write_lr_and_the_step_breakdown(tmp_path):
 
     assert rows("lr") == ("step,lr", [(2, lrs[0]), (4, lrs[1]), (6, lrs[2])])
     assert lrs[0] < lrs[1] < lrs[2]  # the warm-up moved it
-    for part in ("step", "compute", "cpu_optimizer") + (("gpu_idle",) if torch.cuda.is_available() else ()):
+    for part in ("step", "compute", "cpu_optimizer") + (
+        ("gpu_idle",) if torch.cuda.is_available() else ()
+    ):
         header, data = rows(f"elapsed_time_ms_{part}")
         assert header == f"step,elapsed_time_ms_{part}" and [x for x, _ in data] == [2, 4]
         assert all(v >= 0 for _, v in data)
     assert all(v > 0 for _, v in rows("elapsed_time_ms_step")[1])
-    if not torch.cuda.is_available():  # no GPU, no GPU idle time: not written rather than written as 0
+    # no GPU, no GPU idle time: not written rather than written as 0
+    if not torch.cuda.is_available():
         assert not (out / "job" / "Train_Samples_elapsed_time_ms_gpu_idle.csv").exists()
 
 

@@ -1,8 +1,9 @@
 """megatrain_ds vs plain PyTorch, fp32 on CPU: 20 optimizer steps, same init, same data.
 
-Reference: the unmodified model, ``torch.optim.AdamW``, ``clip_grad_norm_`` over all parameters, loss / GA
-per micro-batch. Losses, grad norms and final parameters must agree to 1e-5 relative.
+Reference: the unmodified model, ``torch.optim.AdamW``, ``clip_grad_norm_`` over all parameters,
+loss / GA per micro-batch. Losses, grad norms and final parameters must agree to 1e-5 relative.
 """
+
 import copy
 import sys
 
@@ -13,19 +14,26 @@ import megatrain_ds
 from tests.models import PlainLM, tiny_hf
 
 STEPS = 20
-# The engine picks CUDA when present; the reference runs on the same device, so on the GPU box this suite
-# checks the real three-stream path and on CPU the stand-in path, against the same numbers.
+# The engine picks CUDA when present; the reference runs on the same device, so on the GPU box this
+# suite checks the real three-stream path and on CPU the stand-in path, against the same numbers.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LR, WD, CLIP, EPS = 1e-3, 0.01, 1.0, 1e-6
-# EPS: with Adam's default 1e-8, parameters whose true gradient is ~0 (e.g. attention key biases: softmax is
-# shift-invariant) get lr-sized updates of random sign from rounding noise, in any two implementations.
-# 1e-6 damps that noise in both runs alike; a wrong gradient still moves every loss and weight.
+# EPS: with Adam's default 1e-8, parameters whose true gradient is ~0 (e.g. attention key biases:
+# softmax is shift-invariant) get lr-sized updates of random sign from rounding noise, in any two
+# implementations. 1e-6 damps that noise in both runs alike; a wrong gradient still moves every loss
+# and weight.
 
 
 def _plain_ds_config(ga: int, clip: float = CLIP) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95], "eps": EPS}},
-            "gradient_clipping": clip}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": ga,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": WD, "betas": [0.9, 0.95], "eps": EPS},
+        },
+        "gradient_clipping": clip,
+    }
 
 
 def _ds_config(ga: int, clip: float = CLIP) -> dict:
@@ -42,7 +50,9 @@ def _loss(model, ids, hf: bool):
         return model(input_ids=ids, labels=ids).loss
     logits = model(ids)
     ids = ids.to(logits.device)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
 
 
 def _reference(model, batches, ga: int, hf: bool, clip: float = CLIP):
@@ -56,7 +66,9 @@ def _reference(model, batches, ga: int, hf: bool, clip: float = CLIP):
             loss = _loss(model, batches[step * ga + micro], hf)
             (loss / ga).backward()
             losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))))
+        norms.append(
+            float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+        )
         opt.step()
         opt.zero_grad()
     return losses, norms
@@ -64,7 +76,9 @@ def _reference(model, batches, ga: int, hf: bool, clip: float = CLIP):
 
 def _megatrain(model, batches, ga: int, hf: bool, clip: float = CLIP):
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = megatrain_ds.initialize(model=model, model_parameters=params, config=_ds_config(ga, clip))
+    engine, *_ = megatrain_ds.initialize(
+        model=model, model_parameters=params, config=_ds_config(ga, clip)
+    )
     losses, norms = [], []
     for step in range(STEPS):
         for micro in range(ga):
@@ -79,7 +93,10 @@ def _megatrain(model, batches, ga: int, hf: bool, clip: float = CLIP):
 
 
 def _assert_close(name, got, want, rtol=1e-5):
-    got, want = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
+    got, want = (
+        torch.as_tensor(got, dtype=torch.float64),
+        torch.as_tensor(want, dtype=torch.float64),
+    )
     err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
     assert err < rtol, f"{name}: relative error {err:.3g} >= {rtol}"
 
@@ -97,11 +114,14 @@ def _compare(make, ga: int, hf: bool = True, freeze=None, clip: float = CLIP):
     _assert_close("grad norms", norms, ref_norms)
     trainable = {n for n, p in ref_model.named_parameters() if p.requires_grad}
     ref_params = {n: p.detach().cpu() for n, p in ref_model.named_parameters()}
-    _assert_close("all params", torch.cat([state[n].flatten() for n in names]),
-                  torch.cat([ref_params[n].flatten() for n in names]))
+    _assert_close(
+        "all params",
+        torch.cat([state[n].flatten() for n in names]),
+        torch.cat([ref_params[n].flatten() for n in names]),
+    )
     for name in names:
-        # Attention key biases have a mathematically zero gradient (softmax is shift-invariant), so their
-        # updates are rounding noise amplified by Adam in both runs: checked 10x looser.
+        # Attention key biases have a mathematically zero gradient (softmax is shift-invariant), so
+        # their updates are rounding noise amplified by Adam in both runs: checked 10x looser.
         rtol = 1e-4 if "k_proj.bias" in name else 1e-5
         _assert_close(f"param {name}", state[name], ref_params[name], rtol)
     # the run must have moved the weights, or equality would prove nothing
@@ -131,8 +151,10 @@ def test_frozen_parameters_are_not_updated_and_get_no_state():
                 p.requires_grad_(False)
 
     engine = _compare(lambda: tiny_hf("llama", tied=False), ga=2, freeze=freeze)
-    trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad
-                    and p.numel() > 0) + engine.store.n_train
+    trainable = (
+        sum(p.numel() for p in engine.module.parameters() if p.requires_grad and p.numel() > 0)
+        + engine.store.n_train
+    )
     assert engine.store.exp_avg.numel() == engine.store.n_train
     assert engine.store.n_train < engine.store.n_full  # mlp weights have no optimizer state
     assert trainable > 0
@@ -143,29 +165,38 @@ def test_frozen_parameters_are_not_updated_and_get_no_state():
 
 @pytest.mark.parametrize("ga", [1, 3])
 def test_optimizer_state_on_device_matches_pytorch(ga, monkeypatch):
-    """offload_optimizer.ratio < 1: the first layers' optimizer state lives on the device (the GPU on the
-    GPU box; the same code runs on CPU), and the result is still plain PyTorch's."""
+    """offload_optimizer.ratio < 1: the first layers' optimizer state lives on the device (the GPU
+    on the GPU box; the same code runs on CPU), and the result is still plain PyTorch's."""
     monkeypatch.setattr(sys.modules[__name__], "_ds_config", _with_ratio)
     engine = _compare(lambda: tiny_hf("qwen2", tied=False, layers=4), ga=ga)
-    assert engine.layer_states.device_state is not None and (engine.layer_states.device_state.lo, engine.layer_states.device_state.hi) == (0, 2)
+    assert engine.layer_states.device_state is not None and (
+        engine.layer_states.device_state.lo,
+        engine.layer_states.device_state.hi,
+    ) == (0, 2)
 
 
 @pytest.mark.parametrize("ga", [1, 2])
 def test_auto_optimizer_state_placement_after_the_first_step_matches_pytorch(ga, monkeypatch):
-    """gpu_optimizer_layers "auto": after the second step the resident parameters' state, then the leading
-    layers whose state fits the memory the step left free move to the device, moments and all (here the free
-    memory is set to what the resident state and 2 of 4 layers take; the same code runs on CPU); the run
-    stays plain PyTorch's."""
+    """gpu_optimizer_layers "auto": after the second step the resident parameters' state, then the
+    leading layers whose state fits the memory the step left free move to the device, moments and
+    all (here the free memory is set to what the resident state and 2 of 4 layers take; the same
+    code runs on CPU); the run stays plain PyTorch's."""
     from megatrain_ds.host.device_state import DeviceOptimizerState
     from megatrain_ds.training.engine_auto import AutoPlacer
 
     placed = []
 
-    def budget(engine):
-        placed.append(engine.global_steps)  # asked once, after the second step
-        return engine.resident.device_bytes() + DeviceOptimizerState.nbytes(engine.store, 2) + 1
+    steps = []  # the engine calls after_step after each of its first steps
+    after_step = AutoPlacer.after_step
+    monkeypatch.setattr(
+        AutoPlacer, "after_step", lambda self, parts: (steps.append(1), after_step(self, parts))
+    )
 
-    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, engine: budget(engine))
+    def budget(parts):
+        placed.append(len(steps))  # asked once, after the second step
+        return parts.resident.device_bytes() + DeviceOptimizerState.nbytes(parts.store, 2) + 1
+
+    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, parts: budget(parts))
     monkeypatch.setattr(sys.modules[__name__], "_ds_config", _with_auto)
     engine = _compare(lambda: tiny_hf("qwen2", tied=False, layers=4), ga=ga)
     assert placed == [2]
@@ -176,7 +207,8 @@ def test_auto_optimizer_state_placement_after_the_first_step_matches_pytorch(ga,
 
 def _with_auto(ga, clip=CLIP):
     cfg = _plain_ds_config(ga, clip)
-    cfg["megatrain"] = {"gpu_optimizer_layers": "auto", "keep_activations": 0}  # the budget is for state only
+    # the budget is for state only
+    cfg["megatrain"] = {"gpu_optimizer_layers": "auto", "keep_activations": 0}
     return cfg
 
 
@@ -187,16 +219,25 @@ def _with_ratio(ga, clip=CLIP):
 
 
 def test_layers_with_different_attention_windows():
-    """Alternating sliding-window / full-attention layers share one template; each layer gets its own mask
-    (transformers passes it per layer call) and its own scalar attributes (checked in test_executor)."""
+    """Alternating sliding-window / full-attention layers share one template; each layer gets its
+    own mask (transformers passes it per layer call) and its own scalar attributes (checked in
+    test_executor)."""
     import transformers as tf
 
     def make():
         torch.manual_seed(0)
-        cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=256, use_sliding_window=True, sliding_window=3,
-                             max_window_layers=2,
-                             layer_types=["sliding_attention", "full_attention"] * 2)
+        cfg = tf.Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
         return tf.Qwen2ForCausalLM(cfg)
 
     engine = _compare(make, ga=1)
@@ -204,7 +245,9 @@ def test_layers_with_different_attention_windows():
 
 
 def test_activations_in_host_memory(monkeypatch):
-    """megatrain.offload_activations: the layer inputs round-trip through host memory, same numbers."""
+    """megatrain.offload_activations: the layer inputs round-trip through host memory, same
+    numbers."""
+
     def with_offload(ga, clip=CLIP):
         cfg = _plain_ds_config(ga, clip)
         cfg["megatrain"] = {"offload_activations": True}
@@ -215,16 +258,17 @@ def test_activations_in_host_memory(monkeypatch):
     acts = engine.executor.activations
     assert acts is not None
     assert not acts.on_host and not acts.on_device
-    # one host buffer of exactly one input's size per layer, made in the first forward and reused by every later
-    # micro-batch (no power-of-two rounding, no new buffer per step)
+    # one host buffer of exactly one input's size per layer, made in the first forward and reused by
+    # every later micro-batch (no power-of-two rounding, no new buffer per step)
     sizes = {buf.numel() for (buf, _), _ in acts.pool}
     assert len(acts.pool) == len(engine.executor.layouts) and len(sizes) == 1
     assert acts.nbytes == len(engine.executor.layouts) * sizes.pop()
 
 
 def test_host_activation_buffers_follow_varying_lengths():
-    """Batches of varying length reuse the host buffers that fit (the smallest); a longer one than any before
-    releases the free buffers it outgrew instead of piling up one set per length; contents round-trip."""
+    """Batches of varying length reuse the host buffers that fit (the smallest); a longer one than
+    any before releases the free buffers it outgrew instead of piling up one set per length;
+    contents round-trip."""
     from megatrain_ds.streaming.activations import HostActivations
     from megatrain_ds.streaming.streams import make_streams
 

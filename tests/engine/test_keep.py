@@ -1,8 +1,10 @@
-"""Kept layers (``megatrain.keep_activations``, executor.py's [Note: kept layers]): the trailing layers keep
-their forward's graph instead of recomputing it. Every path of test_paths, rerun with some layers kept, must give
-the same per-parameter gradients (1e-5 relative), losses and weights as plain PyTorch; dropout masks are drawn
-once; the kept weights are not reloaded for the backward, and recompute runs only for the other layers.
+"""Kept layers (``megatrain.keep_activations``, executor.py's [Note: kept layers]): the trailing
+layers keep their forward's graph instead of recomputing it. Every path of test_paths, rerun with
+some layers kept, must give the same per-parameter gradients (1e-5 relative), losses and weights as
+plain PyTorch; dropout masks are drawn once; the kept weights are not reloaded for the backward, and
+recompute runs only for the other layers.
 """
+
 import copy
 
 import pytest
@@ -20,6 +22,7 @@ def keep_two(monkeypatch):
 
     def config(optimizer: bool = True) -> dict:
         return {**plain(optimizer), "megatrain": {"keep_activations": 2}}
+
     monkeypatch.setattr(test_paths, "_config", config)
 
 
@@ -66,19 +69,22 @@ def _counting(engine):
     def _load(i, busy):
         counts["load"].append(i)
         return load(i, busy)
+
     ex._recompute, ex._load = _recompute, _load
     return counts
 
 
 def test_kept_layers_skip_recompute_and_reload():
-    """4 layers, 2 slots, last 3 kept: one forward + backward recomputes only layer 0 and loads each layer once;
-    without keeping, every layer recomputes and layers 0-1 load twice."""
+    """4 layers, 2 slots, last 3 kept: one forward + backward recomputes only layer 0 and loads each
+    layer once; without keeping, every layer recomputes and layers 0-1 load twice."""
     cfg = {**test_paths._config(), "megatrain": {"keep_activations": 3}}
     ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
     runs = {}
     for keep in (0, 3):
-        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4),
-                                             config={**cfg, "megatrain": {"keep_activations": keep}})
+        engine, *_ = megatrain_ds.initialize(
+            model=tiny_hf("llama", layers=4),
+            config={**cfg, "megatrain": {"keep_activations": keep}},
+        )
         assert engine.executor.keep == frozenset(range(4 - keep, 4))
         counts = _counting(engine)
         loss = engine(input_ids=ids, labels=ids).loss
@@ -94,13 +100,21 @@ def test_kept_layers_skip_recompute_and_reload():
 
 
 def test_dropout_masks_drawn_once():
-    """GPT-2 with dropout, 2 of 3 layers kept: the same masks as plain PyTorch (one draw per forward), so the
-    losses and weights of 4 steps match."""
+    """GPT-2 with dropout, 2 of 3 layers kept: the same masks as plain PyTorch (one draw per
+    forward), so the losses and weights of 4 steps match."""
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=256, resid_pdrop=0.2,
-                        embd_pdrop=0.0, attn_pdrop=0.2)
+    cfg = tf.GPT2Config(
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        n_positions=64,
+        vocab_size=256,
+        resid_pdrop=0.2,
+        embd_pdrop=0.0,
+        attn_pdrop=0.2,
+    )
     ref = tf.GPT2LMHeadModel(cfg).to(test_paths.DEVICE)
     ours = copy.deepcopy(ref).cpu()
     batches = test_paths._batches(n=4)
@@ -126,23 +140,39 @@ def test_dropout_masks_drawn_once():
 
 
 def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
-    """"auto": after the second step, as many trailing layers as the memory left free holds at (largest layer
-    graph + 10%, + the layer's weights) each; the run after the change stays exact (test_paths' comparison)."""
+    """ "auto": after the second step, as many trailing layers as the memory left free holds at
+    (largest layer graph + 10%, + the layer's weights) each; the run after the change stays exact
+    (test_paths' comparison)."""
+    import dataclasses
+
+    from megatrain_ds.engine import MegaTrainEngine
     from megatrain_ds.training.engine_auto import AutoPlacer
 
     graph = 1000  # bytes per layer graph, as a recompute on CUDA would have measured it
+    placement_parts = MegaTrainEngine.placement_parts
+    monkeypatch.setattr(
+        MegaTrainEngine,
+        "placement_parts",
+        lambda self: dataclasses.replace(placement_parts(self), graph_bytes=graph),
+    )
 
-    def budget(engine):
-        engine.executor.graph_bytes = graph
-        per_layer = int(graph * 1.1) + max(l.numel for l in engine.store.layouts) * 4
+    def budget(parts):
+        per_layer = int(graph * 1.1) + max(l.numel for l in parts.store.layouts) * 4
         return 2 * per_layer + per_layer // 2  # room for 2 layers, not 3
 
-    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, engine: budget(engine))
+    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, parts: budget(parts))
     plain = test_paths._config
-    monkeypatch.setattr(test_paths, "_config", lambda optimizer=True: {
-        **plain(optimizer), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": 0}})
-    engine = test_paths._compare(tiny_hf("llama"), lambda m, ids: m(input_ids=ids, labels=ids).loss,
-                                 test_paths._batches())
+    monkeypatch.setattr(
+        test_paths,
+        "_config",
+        lambda optimizer=True: {
+            **plain(optimizer),
+            "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": 0},
+        },
+    )
+    engine = test_paths._compare(
+        tiny_hf("llama"), lambda m, ids: m(input_ids=ids, labels=ids).loss, test_paths._batches()
+    )
     n = len(engine.store.layouts)
     assert engine.executor.keep == frozenset({n - 2, n - 1})
 
@@ -150,19 +180,24 @@ def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
 @pytest.mark.parametrize("bad", [-1, "all", True, 1.5])
 def test_keep_activations_rejects_bad_values(bad):
     with pytest.raises(megatrain_ds.ConfigError, match="megatrain.keep_activations"):
-        megatrain_ds.initialize(model=tiny_hf("llama"), config={**test_paths._config(),
-                                                                "megatrain": {"keep_activations": bad}})
+        megatrain_ds.initialize(
+            model=tiny_hf("llama"),
+            config={**test_paths._config(), "megatrain": {"keep_activations": bad}},
+        )
 
 
 @pytest.mark.gpu
 def test_gpu_keep_activations_auto_keeps_layers_and_matches_recompute():
-    """On a real GPU "auto" measures the layer graphs of the first steps and keeps layers after the second (a tiny model:
-    all of them); 5 fp32 steps give the losses of the all-recompute run to 1e-5, and the kept steps run no
-    recompute."""
+    """On a real GPU "auto" measures the layer graphs of the first steps and keeps layers after the
+    second (a tiny model: all of them); 5 fp32 steps give the losses of the all-recompute run to
+    1e-5, and the kept steps run no recompute."""
     runs = {}
     for keep in (0, "auto"):
         torch.manual_seed(0)
-        cfg = {**test_paths._config(), "megatrain": {"keep_activations": keep, "gpu_optimizer_layers": 0}}
+        cfg = {
+            **test_paths._config(),
+            "megatrain": {"keep_activations": keep, "gpu_optimizer_layers": 0},
+        }
         engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)
         counts = _counting(engine)
         losses = []
@@ -174,17 +209,23 @@ def test_gpu_keep_activations_auto_keeps_layers_and_matches_recompute():
         runs[keep] = (losses, engine.executor.keep, counts["recompute"])
         engine.destroy()
     assert runs[0][1] == frozenset() and len(runs[0][2]) == 5 * 4
-    assert runs["auto"][1] == frozenset(range(4)) and runs["auto"][2] == [3, 2, 1, 0] * 2  # only the first two steps
-    torch.testing.assert_close(torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0)
+    # only the first two steps
+    assert runs["auto"][1] == frozenset(range(4)) and runs["auto"][2] == [3, 2, 1, 0] * 2
+    torch.testing.assert_close(
+        torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=0
+    )
 
 
 def test_out_of_memory_after_auto_placement_names_the_keys(monkeypatch):
-    """A device OOM in a later, larger step after "auto" used the free memory says which keys give it back."""
+    """A device OOM in a later, larger step after "auto" used the free memory says which keys give
+    it back."""
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=test_paths._config())
-    engine.auto_placer.placed = "3 of 3 layers kept without recompute (1.0 GiB)"  # as after_step records it
+    # as after_step records it
+    engine.auto_placer.placed = "3 of 3 layers kept without recompute (1.0 GiB)"
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
     monkeypatch.setattr(engine, "_forward_fused_loss", oom)
     ids = torch.randint(0, 256, (2, 8))
     with pytest.raises(torch.OutOfMemoryError, match="megatrain.keep_activations") as err:
@@ -194,35 +235,54 @@ def test_out_of_memory_after_auto_placement_names_the_keys(monkeypatch):
 
 
 @pytest.mark.parametrize("exposure,expect", [(0.15, "state first"), (0.01, "keep first")])
-def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(monkeypatch, exposure, expect):
-    """engine_auto's [Note: auto placement order]: with the second step's forward held 0.15 s of a 1 s step by the host
-    update (0.1 s a layer), GPU-held state saves more per byte than a kept layer could: as many leading layers' state
-    as the exposure pays for (2), then kept layers in what is left; held 0.01 s (hidden), kept layers first. (The
-    engine's ``AutoPlacer`` calls ``_place`` after its second step with what it measured; here the measurements are
-    given.)"""
+def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(
+    monkeypatch, exposure, expect
+):
+    """engine_auto's [Note: auto placement order]: with the second step's forward held 0.15 s of a 1
+    s step by the host update (0.1 s a layer), GPU-held state saves more per byte than a kept layer
+    could: as many leading layers' state as the exposure pays for (2), then kept layers in what is
+    left; held 0.01 s (hidden), kept layers first. (The engine's ``AutoPlacer`` calls ``_place``
+    after its second step with what it measured; here the measurements are given.)"""
     from megatrain_ds.host.device_state import DeviceOptimizerState
     from megatrain_ds.training.engine_auto import AutoPlacer
-    from megatrain_ds.training.engine_auto import _keep_bytes_per_layer, _place, host_update_exposure
+    from megatrain_ds.training.engine_auto import (
+        _keep_bytes_per_layer,
+        _place,
+        host_update_exposure,
+    )
 
-    cfg = {**test_paths._config(), "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": "auto"}}
+    cfg = {
+        **test_paths._config(),
+        "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": "auto"},
+    }
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)
     store = engine.store
     state = DeviceOptimizerState.nbytes(store, 1)
-    engine.executor.graph_bytes = int(state / 1.1)  # a kept layer takes about a layer's state (and its weights)
-    keep = _keep_bytes_per_layer(engine)
+    # a kept layer takes about a layer's state (and its weights)
+    engine.executor.graph_bytes = int(state / 1.1)
+    keep = _keep_bytes_per_layer(engine.placement_parts())
     budget = engine.resident.device_bytes() + DeviceOptimizerState.nbytes(store, 2) + keep + 1
-    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, engine: budget)
+    monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, parts: budget)
     params = [lay.n_train for lay in store.layouts]
-    delta = {"wait_for_optimizer_s": exposure, "optimizer_s": 0.1 * sum(params) / max(params),
-             "updated_params": float(sum(params))}
+    delta = {
+        "wait_for_optimizer_s": exposure,
+        "optimizer_s": 0.1 * sum(params) / max(params),
+        "updated_params": float(sum(params)),
+    }
     assert abs(host_update_exposure(1.0, delta, params)[1] - 0.1) < 1e-9
-    placed = _place(engine, True, True, budget, 1.0, delta)
+    placed = _place(engine.placement_parts(), True, True, budget, 1.0, delta)
     ds = engine.layer_states.device_state
     n_state = 0 if ds is None else ds.hi
     assert engine.resident.on_device
     if expect == "state first":
-        assert n_state == 2 and engine.executor.keep == frozenset({3}) and "optimizer state first" in placed
-    else:  # the kept layers take what they can of the budget first (2: a kept layer also holds its weights)
+        assert (
+            n_state == 2
+            and engine.executor.keep == frozenset({3})
+            and "optimizer state first" in placed
+        )
+    # the kept layers take what they can of the budget first (2: a kept layer also holds its
+    # weights)
+    else:
         n_keep = (budget - engine.resident.device_bytes()) // keep
         assert n_keep == 2 and engine.executor.keep == frozenset({2, 3}) and n_state < 2
         assert "optimizer state first" not in placed

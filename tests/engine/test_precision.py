@@ -1,4 +1,5 @@
 """bf16 compute with fp32 master weights; host bytes per parameter; dropout replay in recompute."""
+
 import copy
 
 import pytest
@@ -10,9 +11,14 @@ from tests.engine.test_equivalence import DEVICE, _assert_close
 
 
 def _cfg(ga=1, bf16=False, clip=1.0, megatrain=None):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "bf16": {"enabled": bf16},
-            "megatrain": megatrain or {},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}}, "gradient_clipping": clip}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": ga,
+        "bf16": {"enabled": bf16},
+        "megatrain": megatrain or {},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
+        "gradient_clipping": clip,
+    }
 
 
 def _run_ref(model, batches, steps):
@@ -24,7 +30,8 @@ def _run_ref(model, batches, steps):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -64,10 +71,19 @@ def test_bf16_tracks_fp32_reference(options):
     engine.destroy()
 
 
-@pytest.mark.parametrize("ga,bf16,options,expected", [
-    (1, True, {}, 14), (4, True, {}, 16), (1, False, {}, 16), (4, False, {}, 16),
-    (1, True, {"host_kernel": "torch"}, 16),
-    (1, True, BF16_WIRE, 16), (4, True, BF16_WIRE, 18), (1, True, {**BF16_WIRE, "fp32_grad_landing": True}, 18)])
+@pytest.mark.parametrize(
+    "ga,bf16,options,expected",
+    [
+        (1, True, {}, 14),
+        (4, True, {}, 16),
+        (1, False, {}, 16),
+        (4, False, {}, 16),
+        (1, True, {"host_kernel": "torch"}, 16),
+        (1, True, BF16_WIRE, 16),
+        (4, True, BF16_WIRE, 18),
+        (1, True, {**BF16_WIRE, "fp32_grad_landing": True}, 18),
+    ],
+)
 def test_host_bytes_per_parameter(ga, bf16, options, expected):
     engine = _run_engine(tiny_hf("llama"), _batches(), 0, ga=ga, bf16=bf16, megatrain=options)[1]
     n = engine.store.n_train
@@ -80,8 +96,16 @@ def test_dropout_is_replayed_in_recompute():
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=256, resid_pdrop=0.2,
-                        embd_pdrop=0.0, attn_pdrop=0.2)
+    cfg = tf.GPT2Config(
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        n_positions=64,
+        vocab_size=256,
+        resid_pdrop=0.2,
+        embd_pdrop=0.0,
+        attn_pdrop=0.2,
+    )
     ref = tf.GPT2LMHeadModel(cfg)
     ours = copy.deepcopy(ref)
     batches = _batches(5)
@@ -102,13 +126,21 @@ def test_dropout_is_replayed_in_recompute():
 
 
 def test_eval_mode_reaches_the_streamed_layers():
-    """engine.eval() must switch dropout off inside the (stateless) layer templates: eval logits are then
-    deterministic and equal PyTorch's eval logits."""
+    """engine.eval() must switch dropout off inside the (stateless) layer templates: eval logits are
+    then deterministic and equal PyTorch's eval logits."""
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256, resid_pdrop=0.5,
-                        embd_pdrop=0.0, attn_pdrop=0.5)
+    cfg = tf.GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        vocab_size=256,
+        resid_pdrop=0.5,
+        embd_pdrop=0.0,
+        attn_pdrop=0.5,
+    )
     ref = tf.GPT2LMHeadModel(cfg).eval()
     engine, *_ = megatrain_ds.initialize(model=copy.deepcopy(ref), config=_cfg())
     ids = _batches(1)[0]
@@ -122,4 +154,3 @@ def test_eval_mode_reaches_the_streamed_layers():
         noisy = engine(input_ids=ids).logits.cpu()
     assert not torch.allclose(noisy, want, atol=1e-3)  # dropout is back on in train mode
     engine.destroy()
-

@@ -1,11 +1,14 @@
-"""Speculative optimizer stepping (megatrain_ds/optim/speculation.py) against plain PyTorch, fp32 on CPU.
+"""Speculative optimizer stepping (megatrain_ds/optim/speculation.py) against plain PyTorch, fp32 on
+CPU.
 
-Each layer is stepped as its gradient lands, as if clipping did not fire; the norm then commits the updates
-(bit-identical to the plain path) or rolls them back and redoes them with the true coefficient. Checked:
-20 steps with clipping firing on some steps and not on others and one non-finite step, against torch AdamW +
-clip_grad_norm_; the counts of speculated and rolled-back steps; bit-equality with speculation off when
-clipping never fires; a forward between backward() and step() seeing the pre-step weights.
+Each layer is stepped as its gradient lands, as if clipping did not fire; the norm then commits the
+updates (bit-identical to the plain path) or rolls them back and redoes them with the true
+coefficient. Checked: 20 steps with clipping firing on some steps and not on others and one
+non-finite step, against torch AdamW + clip_grad_norm_; the counts of speculated and rolled-back
+steps; bit-equality with speculation off when clipping never fires; a forward between backward() and
+step() seeing the pre-step weights.
 """
+
 import copy
 
 import pytest
@@ -20,9 +23,15 @@ NAN_STEP = 7
 
 
 def _config(clip: float, ga: int = 1, **megatrain) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "gradient_clipping": clip,
-            "wall_clock_breakdown": True, "megatrain": {"gpu_optimizer_layers": 0, **megatrain},  # host AdamW
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "eps": EPS}}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": clip,
+        # host AdamW
+        "wall_clock_breakdown": True,
+        "megatrain": {"gpu_optimizer_layers": 0, **megatrain},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "eps": EPS}},
+    }
 
 
 def _batches(n: int):
@@ -31,8 +40,8 @@ def _batches(n: int):
 
 
 def _reference(model, batches, ga: int, clip: float, nan_step: int | None):
-    """torch AdamW + clip_grad_norm_; the non-finite step is skipped (DeepSpeed's rule). Returns losses,
-    pre-clip norms and the trained parameters."""
+    """torch AdamW + clip_grad_norm_; the non-finite step is skipped (DeepSpeed's rule). Returns
+    losses, pre-clip norms and the trained parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, eps=EPS)
     losses, norms = [], []
@@ -62,7 +71,8 @@ def _train(engine, batches, ga: int, nan_step: int | None):
     return losses
 
 
-@pytest.mark.parametrize("ga,kernel", [(1, "auto"), (2, "auto"), (2, "torch")])  # native rollback; torch's
+# native rollback; torch's
+@pytest.mark.parametrize("ga,kernel", [(1, "auto"), (2, "auto"), (2, "torch")])
 def test_speculation_with_clipping_on_some_steps_and_a_skipped_step(ga, kernel):
     model = tiny_hf("llama")
     batches = _batches(STEPS * ga)
@@ -72,8 +82,9 @@ def test_speculation_with_clipping_on_some_steps_and_a_skipped_step(ga, kernel):
     fired = [n != n or n + 1e-6 > clip for n in norms]  # clipped or skipped
     assert 3 <= sum(fired[1:]) <= STEPS - 4, "the data must clip on some steps and not on others"
 
-    engine, *_ = megatrain_ds.initialize(model=model, config=_config(clip, ga, speculation_backoff=0,
-                                                                     host_kernel=kernel))
+    engine, *_ = megatrain_ds.initialize(
+        model=model, config=_config(clip, ga, speculation_backoff=0, host_kernel=kernel)
+    )
     got_losses = _train(engine, batches, ga, NAN_STEP)
     for k, (a, b) in enumerate(zip(got_losses, want_losses)):
         assert abs(a - b) <= 1e-5 * abs(b), f"loss {k}: {a} vs {b}"
@@ -81,47 +92,62 @@ def test_speculation_with_clipping_on_some_steps_and_a_skipped_step(ga, kernel):
     for name, p in want.items():
         err = (masters[name] - p.detach()).norm() / p.detach().norm()
         assert err <= 1e-5, f"{name}: {err:.2e}"
-    # backoff 0: every step after the first may speculate; the non-finite step stops at its first landing, so it
-    # steps no layer; a speculated step whose clipping fired is rolled back and redone. A step counts as speculated
-    # when the AdamW thread started a layer before the norm task closed the window: a race that load decides (on a
-    # loaded machine 17 of these 18 steps, measured), so the counts are bounds here and the numbers above the proof
+    # backoff 0: every step after the first may speculate; the non-finite step stops at its first
+    # landing, so it steps no layer; a speculated step whose clipping fired is rolled back and
+    # redone. A step counts as speculated when the AdamW thread started a layer before the norm task
+    # closed the window: a race that load decides (on a loaded machine 17 of these 18 steps,
+    # measured), so the counts are bounds here and the numbers above the proof
     policy = engine.optimizer.policy
     speculated = [s for s in range(1, STEPS) if s != NAN_STEP]
     assert len(speculated) // 2 <= policy.speculated <= len(speculated)
     assert 1 <= policy.rolled_back <= sum(fired[s] for s in speculated)
     assert engine.skipped_steps == 1
     breakdown = engine.last_step_breakdown()
-    assert breakdown["speculated_steps"] <= policy.speculated and "cpu_speculative_optimizer_s" in breakdown
+    assert (
+        breakdown["speculated_steps"] <= policy.speculated
+        and "cpu_speculative_optimizer_s" in breakdown
+    )
 
 
 def test_committed_speculation_is_bit_identical_to_the_plain_step():
-    """Clipping never fires: every speculated update is kept, and the weights and moments are bit-equal to a
-    run without speculation (the same fused kernel on the same inputs, only earlier)."""
+    """Clipping never fires: every speculated update is kept, and the weights and moments are
+    bit-equal to a run without speculation (the same fused kernel on the same inputs, only
+    earlier)."""
     batches = _batches(10)
     runs = []
     for speculate in (True, False):
-        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"),
-                                             config=_config(1e9, speculative_step=speculate))
+        engine, *_ = megatrain_ds.initialize(
+            model=tiny_hf("llama"), config=_config(1e9, speculative_step=speculate)
+        )
         for ids in batches:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
-        runs.append((engine.master_state_dict(), engine.store.exp_avg.clone(), engine.optimizer.policy.speculated))
+        runs.append(
+            (
+                engine.master_state_dict(),
+                engine.store.exp_avg.clone(),
+                engine.optimizer.policy.speculated,
+            )
+        )
     (a, ma, n_spec), (b, mb, n_plain) = runs
-    # speculation is open on every step after the first, but a step counts as speculated only when a layer was
-    # stepped before its norm: on a loaded machine the norm task sometimes wins every race of a step (9 steps gave 8
-    # on the 2-core machine, 4 runs in 12, at this tree and the one before)
+    # speculation is open on every step after the first, but a step counts as speculated only when a
+    # layer was stepped before its norm: on a loaded machine the norm task sometimes wins every race
+    # of a step (9 steps gave 8 on the 2-core machine, 4 runs in 12, at this tree and the one
+    # before)
     assert 1 <= n_spec <= 9 and n_plain == 0
     assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(ma, mb)
 
 
 def test_forward_between_backward_and_step_sees_the_pre_step_weights():
-    """An eval forward after a speculating backward rolls the layers back first: its output equals the output
-    of a run without speculation at that point, and training then goes on to the same weights."""
+    """An eval forward after a speculating backward rolls the layers back first: its output equals
+    the output of a run without speculation at that point, and training then goes on to the same
+    weights."""
     batches = _batches(4)
     outs, finals = [], []
     for speculate in (True, False):
-        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"),
-                                             config=_config(1e9, speculative_step=speculate))
+        engine, *_ = megatrain_ds.initialize(
+            model=tiny_hf("llama"), config=_config(1e9, speculative_step=speculate)
+        )
         for k, ids in enumerate(batches):
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             if k == 2:
@@ -135,19 +161,22 @@ def test_forward_between_backward_and_step_sees_the_pre_step_weights():
 
 
 def test_a_backlog_of_landings_is_taken_newest_first(monkeypatch):
-    """[Note: newest landing first]: with the AdamW thread behind the landings (held from before a step's backward
-    until every layer has landed), the waiting layers are taken most recent landing first (layer 0 first), not in
-    landing order; the run stays bit-identical to one without speculation."""
+    """[Note: newest landing first]: with the AdamW thread behind the landings (held from before a
+    step's backward until every layer has landed), the waiting layers are taken most recent landing
+    first (layer 0 first), not in landing order; the run stays bit-identical to one without
+    speculation."""
     import threading
 
     from megatrain_ds.optim.optimizer import HostAdamW
+
     real, real_final = HostAdamW._speculative_update, HostAdamW.final_landing
 
     def run(speculate: bool):
         order, landed_all, this = [], threading.Event(), {}
 
         def spy(self, i, spec):
-            if spec is this.get("spec"):  # (the previous step's tasks may still run, skipping: not these)
+            # (the previous step's tasks may still run, skipping: not these)
+            if spec is this.get("spec"):
                 order.append(i)
             return real(self, i, spec)
 
@@ -156,11 +185,14 @@ def test_a_backlog_of_landings_is_taken_newest_first(monkeypatch):
             real_final(self, i, sq)
             if i == 0:
                 landed_all.set()
-        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4),
-                                             config=_config(1e9, speculative_step=speculate))
+
+        engine, *_ = megatrain_ds.initialize(
+            model=tiny_hf("llama", layers=4), config=_config(1e9, speculative_step=speculate)
+        )
         for step, ids in enumerate(_batches(4)):
             loss = engine(input_ids=ids, labels=ids).loss
-            if speculate and step == 3:  # a step that speculates (not the first): the AdamW thread waits, ahead of
+            # a step that speculates (not the first): the AdamW thread waits, ahead of
+            if speculate and step == 3:
                 # every task of this backward and step, until layer 0 has landed
                 monkeypatch.setattr(HostAdamW, "_speculative_update", spy)
                 monkeypatch.setattr(HostAdamW, "final_landing", final)
@@ -171,43 +203,52 @@ def test_a_backlog_of_landings_is_taken_newest_first(monkeypatch):
         out = engine.master_state_dict(), engine.store.exp_avg.clone()
         engine.destroy()
         return order, out
-    for _ in range(3):  # (rarely the tasks of this step take fewer than two: the scenario is run again)
+
+    # (rarely the tasks of this step take fewer than two: the scenario is run again)
+    for _ in range(3):
         order, (a, ma) = run(True)
         if len(order) >= 2:
             break
-    assert order[:2] == [0, 1] and order == sorted(order)  # newest first (landing order: 3, 2, 1, 0)
+    # newest first (landing order: 3, 2, 1, 0)
+    assert order[:2] == [0, 1] and order == sorted(order)
     _, (b, mb) = run(False)
     assert all(torch.equal(a[k], b[k]) for k in a) and torch.equal(ma, mb)
 
 
 def test_landings_after_step_are_still_stepped_before_the_norm(monkeypatch):
-    """[Note: newest landing first]: on a GPU step() queues the step's tasks before the backward's last landings; their
-    speculative tasks queue behind the step's first task, which waits for the norm. Here the last two landings are held
-    50 ms past step(): layer 1 is still stepped during that wait (await_decision), and the run stays bit-identical to
-    one without speculation."""
+    """[Note: newest landing first]: on a GPU step() queues the step's tasks before the backward's
+    last landings; their speculative tasks queue behind the step's first task, which waits for the
+    norm. Here the last two landings are held 50 ms past step(): layer 1 is still stepped during
+    that wait (await_decision), and the run stays bit-identical to one without speculation."""
     import time
 
     from megatrain_ds.streaming.landing import GradientLanding
+
     real_land = GradientLanding._land
     held = {"on": False}
 
     def late(self, i, *args, **kwargs):
         if held["on"] and i <= 1:
-            time.sleep(0.05 * (2 - i))  # layer 1 after 50 ms, layer 0 after 100 ms: both after step() was queued
+            # layer 1 after 50 ms, layer 0 after 100 ms: both after step() was queued
+            time.sleep(0.05 * (2 - i))
         return real_land(self, i, *args, **kwargs)
+
     monkeypatch.setattr(GradientLanding, "_land", late)
     from megatrain_ds.optim.optimizer import HostAdamW
+
     real_close, done = HostAdamW._close_task, []
 
     def close(self, decided, spec):  # the step's last task: which layers the speculation stepped
         if held["on"] and spec is not None:
             done.extend(spec.done)
         return real_close(self, decided, spec)
+
     monkeypatch.setattr(HostAdamW, "_close_task", close)
     batches, runs = _batches(4), []
     for speculate in (True, False):
-        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4),
-                                             config=_config(1e9, speculative_step=speculate))
+        engine, *_ = megatrain_ds.initialize(
+            model=tiny_hf("llama", layers=4), config=_config(1e9, speculative_step=speculate)
+        )
         for step, ids in enumerate(batches):
             held["on"] = speculate and step == 3
             engine.backward(engine(input_ids=ids, labels=ids).loss)

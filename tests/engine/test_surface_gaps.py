@@ -1,17 +1,21 @@
-"""Gaps the survey found (docs/deepspeed_surface.md), closed: each test names the script behaviour it stands for.
+"""Gaps the survey found (docs/deepspeed_surface.md), closed: each test names the script behaviour
+it stands for.
 
-1. ``optimizer.overflow`` / ``cur_scale`` / ``loss_scale``: accelerate's ``DeepSpeedOptimizerWrapper`` reads
-   ``step_was_skipped`` from ``optimizer.overflow``, but only when the attribute exists.
+1. ``optimizer.overflow`` / ``cur_scale`` / ``loss_scale``: accelerate's
+   ``DeepSpeedOptimizerWrapper`` reads ``step_was_skipped`` from ``optimizer.overflow``, but only
+   when the attribute exists.
 2. ``engine.training_dataloader``: the loader ``initialize(training_data=...)`` built.
-3. ``deepspeed.comm`` through the alias: every name DeepSpeed's comm has (``all_gather``, ``broadcast``,
-   ``ReduceOp``, ...), in a world of one.
-4. An LR scheduler built on the client optimizer: no torch warning "lr_scheduler.step() before optimizer.step()".
-5. ``deepspeed.utils.safe_get/set_full_fp32_param``, ``safe_get_full_grad``, ``safe_get/set_full_optimizer_state``
-   on megatrain_ds's parameters, through the alias and through real DeepSpeed's own functions: equal to a plain
-   torch AdamW run.
-6. ``deepspeed.__version__`` through the alias is the installed DeepSpeed's (version gates pass as they would);
-   megatrain_ds's own version is ``MEGATRAIN_VERSION``.
+3. ``deepspeed.comm`` through the alias: every name DeepSpeed's comm has (``all_gather``,
+   ``broadcast``, ``ReduceOp``, ...), in a world of one.
+4. An LR scheduler built on the client optimizer: no torch warning "lr_scheduler.step() before
+   optimizer.step()".
+5. ``deepspeed.utils.safe_get/set_full_fp32_param``, ``safe_get_full_grad``,
+   ``safe_get/set_full_optimizer_state`` on megatrain_ds's parameters, through the alias and through
+   real DeepSpeed's own functions: equal to a plain torch AdamW run.
+6. ``deepspeed.__version__`` through the alias is the installed DeepSpeed's (version gates pass as
+   they would); megatrain_ds's own version is ``MEGATRAIN_VERSION``.
 """
+
 import copy
 import importlib.metadata
 import re
@@ -46,20 +50,26 @@ def _rel(got, want):
     return float((got - want).norm() / max(float(want.norm()), 1e-12))
 
 
-# ---------------------------------------------------------------- 1. optimizer.overflow, cur_scale, loss_scale
-@pytest.mark.parametrize("precision, scale", [("fp16", 2.0 ** 8), ("bf16", 1.0), ("fp32", 1.0)])
+# ----------------------------------------------------- 1. optimizer.overflow, cur_scale, loss_scale
+@pytest.mark.parametrize("precision, scale", [("fp16", 2.0**8), ("bf16", 1.0), ("fp32", 1.0)])
 def test_overflow_and_loss_scale_as_accelerate_reads_them(precision, scale, monkeypatch):
     import accelerate.optimizer
     from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 
-    # the wrapper's base class asks accelerate's process-wide state singletons for nothing it needs here
+    # the wrapper's base class asks accelerate's process-wide state singletons for nothing it needs
+    # here
     monkeypatch.setattr(accelerate.optimizer, "AcceleratorState", lambda: None)
     monkeypatch.setattr(accelerate.optimizer, "GradientState", lambda: None)
-    blocks = {"fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}},
-              "bf16": {"bf16": {"enabled": True}}, "fp32": {}}
-    engine, optimizer, _, _ = megatrain_ds.initialize(model=tiny_hf("llama", layers=2),
-                                                      config={**BASE, "optimizer": ADAMW, **blocks[precision]})
-    wrapper = DeepSpeedOptimizerWrapper(optimizer)  # what accelerate.prepare makes of the engine's optimizer
+    blocks = {
+        "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}},
+        "bf16": {"bf16": {"enabled": True}},
+        "fp32": {},
+    }
+    engine, optimizer, _, _ = megatrain_ds.initialize(
+        model=tiny_hf("llama", layers=2), config={**BASE, "optimizer": ADAMW, **blocks[precision]}
+    )
+    # what accelerate.prepare makes of the engine's optimizer
+    wrapper = DeepSpeedOptimizerWrapper(optimizer)
     assert optimizer.overflow is False and wrapper.step_was_skipped is False
     assert optimizer.cur_scale == optimizer.loss_scale == scale
     _step(engine, 0)
@@ -67,7 +77,9 @@ def test_overflow_and_loss_scale_as_accelerate_reads_them(precision, scale, monk
     _step(engine, 1, poison=float("nan"))  # skipped, as DeepSpeed skips it
     assert engine.skipped_steps == 1 and not engine.was_step_applied()
     assert optimizer.overflow is True and wrapper.step_was_skipped is True
-    assert optimizer.cur_scale == optimizer.loss_scale == (scale / 2 if precision == "fp16" else 1.0)
+    assert (
+        optimizer.cur_scale == optimizer.loss_scale == (scale / 2 if precision == "fp16" else 1.0)
+    )
     _step(engine, 2)
     assert optimizer.overflow is False and wrapper.step_was_skipped is False
     engine.destroy()
@@ -76,20 +88,25 @@ def test_overflow_and_loss_scale_as_accelerate_reads_them(precision, scale, monk
 # ---------------------------------------------------------------- 2. engine.training_dataloader
 def test_training_dataloader_is_the_loader_initialize_built():
     data = [torch.randint(0, 256, (10,)) for _ in range(8)]
-    engine, _, loader, _ = megatrain_ds.initialize(model=tiny_hf("llama"), config={**BASE, "optimizer": ADAMW},
-                                                   training_data=data)
+    engine, _, loader, _ = megatrain_ds.initialize(
+        model=tiny_hf("llama"), config={**BASE, "optimizer": ADAMW}, training_data=data
+    )
     assert loader is not None and engine.training_dataloader is loader
     engine.destroy()
-    engine, _, loader, _ = megatrain_ds.initialize(model=tiny_hf("llama"), config={**BASE, "optimizer": ADAMW})
+    engine, _, loader, _ = megatrain_ds.initialize(
+        model=tiny_hf("llama"), config={**BASE, "optimizer": ADAMW}
+    )
     assert loader is None and engine.training_dataloader is None
     engine.destroy()
 
 
-# ---------------------------------------------------------------- 3. deepspeed.comm through the alias
+# -------------------------------------------------------------- 3. deepspeed.comm through the alias
 def test_comm_forwards_deepspeeds_other_names_in_a_world_of_one():
     import deepspeed.comm as real_comm
 
-    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config={**BASE, "optimizer": ADAMW})
+    engine, *_ = megatrain_ds.initialize(
+        model=tiny_hf("llama"), config={**BASE, "optimizer": ADAMW}
+    )
     dist = deepspeed.comm  # `from deepspeed import comm as dist` in a script with the alias import
     assert dist.is_available() and dist.is_initialized()
     assert dist.ReduceOp is real_comm.ReduceOp and dist.new_group is real_comm.new_group
@@ -97,7 +114,8 @@ def test_comm_forwards_deepspeeds_other_names_in_a_world_of_one():
     dist.all_reduce(t, op=dist.ReduceOp.SUM)  # DeepSpeed's enum, into megatrain_ds's all_reduce
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.all_reduce(t, op=torch.distributed.ReduceOp.SUM)  # torch's, as before
-    assert torch.equal(t, torch.tensor([1.0, 2.0, 3.0]))  # one process: the tensor already holds the result
+    # one process: the tensor already holds the result
+    assert torch.equal(t, torch.tensor([1.0, 2.0, 3.0]))
     gathered = [torch.zeros(3)]
     dist.all_gather(gathered, t)
     assert torch.equal(gathered[0], t)
@@ -111,20 +129,26 @@ def test_comm_forwards_deepspeeds_other_names_in_a_world_of_one():
         dist.get_backend()
     with pytest.raises(AttributeError, match="no_such_collective"):
         dist.no_such_collective
-    assert not hasattr(dist, "__wrapped__")  # dunder probes (inspect, pytest) never import or forward
+    # dunder probes (inspect, pytest) never import or forward
+    assert not hasattr(dist, "__wrapped__")
     engine.destroy()
 
 
-# ---------------------------------------------------------------- 4. scheduler on the client optimizer
+# ------------------------------------------------------------- 4. scheduler on the client optimizer
 @pytest.mark.parametrize("who_steps", ["engine", "script"])
 def test_scheduler_on_the_client_optimizer_sees_the_engines_step(who_steps):
-    """HF ``get_scheduler`` / torch schedulers built on the script's optimizer before ``initialize``: stepped by
-    the engine (accelerate passes it as ``lr_scheduler=``) or by the script after ``engine.step()``."""
+    """HF ``get_scheduler`` / torch schedulers built on the script's optimizer before
+    ``initialize``: stepped by the engine (accelerate passes it as ``lr_scheduler=``) or by the
+    script after ``engine.step()``."""
     model = tiny_hf("llama", layers=2)
     client = torch.optim.AdamW(model.parameters(), lr=1e-2)
     schedule = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 1.0 / (step + 1))
     engine, optimizer, _, scheduler = megatrain_ds.initialize(
-        model=model, optimizer=client, config=BASE, lr_scheduler=schedule if who_steps == "engine" else None)
+        model=model,
+        optimizer=client,
+        config=BASE,
+        lr_scheduler=schedule if who_steps == "engine" else None,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for seed in range(3):
@@ -133,16 +157,22 @@ def test_scheduler_on_the_client_optimizer_sees_the_engines_step(who_steps):
                 schedule.step()
     torch_warnings = [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
     assert torch_warnings == []
-    assert engine.get_lr() == [pytest.approx(1e-2 / 4)] and client.param_groups[0]["lr"] == pytest.approx(1e-2 / 4)
+    assert engine.get_lr() == [pytest.approx(1e-2 / 4)] and client.param_groups[0][
+        "lr"
+    ] == pytest.approx(1e-2 / 4)
     engine.destroy()
 
 
-# ---------------------------------------------------------------- 5. deepspeed.utils.safe_* on our parameters
-UTILS_PATHS = {"alias": lambda: megatrain_ds.utils, "deepspeed": lambda: sys.modules["deepspeed.utils"]}
+# ------------------------------------------------------ 5. deepspeed.utils.safe_* on our parameters
+UTILS_PATHS = {
+    "alias": lambda: megatrain_ds.utils,
+    "deepspeed": lambda: sys.modules["deepspeed.utils"],
+}
 
 
-# where the optimizer state lives: host buffers, or (gpu_optimizer_layers, DeepSpeed's offload_optimizer.ratio < 1)
-# layer 0's and the resident parameters' on the engine's device -- the CPU here, the same code paths
+# where the optimizer state lives: host buffers, or (gpu_optimizer_layers, DeepSpeed's
+# offload_optimizer.ratio < 1) layer 0's and the resident parameters' on the engine's device -- the
+# CPU here, the same code paths
 STATE = {"host": {}, "device_state": {"megatrain": {"gpu_optimizer_layers": 1}}}
 
 
@@ -150,15 +180,24 @@ def _pair(seed=0, ga=1, state="host"):
     """A tiny Llama as an engine (fp32, AdamW, clipping) and a plain copy with torch's AdamW."""
     model = tiny_hf("llama", layers=2, seed=seed)
     ref = copy.deepcopy(model)
-    engine, *_ = megatrain_ds.initialize(model=model, config={
-        **BASE, "gradient_clipping": 1.0, "gradient_accumulation_steps": ga, "optimizer": ADAMW, **STATE[state]})
+    engine, *_ = megatrain_ds.initialize(
+        model=model,
+        config={
+            **BASE,
+            "gradient_clipping": 1.0,
+            "gradient_accumulation_steps": ga,
+            "optimizer": ADAMW,
+            **STATE[state],
+        },
+    )
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01)
     return engine, ref, opt
 
 
 def _from_engine(ref, engine):
-    """Start the plain copy from the engine's weights (as tests/engine/test_paths.py does each step): gradients then
-    agree to rounding instead of drifting apart with Adam's amplification of ~0 gradients."""
+    """Start the plain copy from the engine's weights (as tests/engine/test_paths.py does each
+    step): gradients then agree to rounding instead of drifting apart with Adam's amplification of
+    ~0 gradients."""
     masters = engine.master_state_dict()
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -179,7 +218,8 @@ def _ref_step(ref, opt):
 @pytest.mark.parametrize("state", list(STATE))
 @pytest.mark.parametrize("path", list(UTILS_PATHS))
 def test_safe_get_full_state_equals_torch_adamw(path, state):
-    import deepspeed.utils  # noqa: F401  (real DeepSpeed's functions, reached by `from deepspeed.utils import`)
+    # real DeepSpeed's functions, reached by `from deepspeed.utils import`
+    import deepspeed.utils  # noqa: F401
 
     utils = UTILS_PATHS[path]()
     engine, ref, opt = _pair(state=state)
@@ -191,7 +231,9 @@ def test_safe_get_full_state_equals_torch_adamw(path, state):
         _ref_backward(ref, seed)
         _ref_step(ref, opt)
     _from_engine(ref, engine)
-    ids = _ids(2)  # the third step: gradients between backward and step (DeepSpeed's contract for safe_get_full_grad)
+    # the third step: gradients between backward and step (DeepSpeed's contract for
+    # safe_get_full_grad)
+    ids = _ids(2)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     _ref_backward(ref, 2)
     masters = engine.master_state_dict()
@@ -202,12 +244,19 @@ def test_safe_get_full_state_equals_torch_adamw(path, state):
         assert grad.dtype == torch.float32 and grad.shape == want.shape
         assert _rel(grad, want.grad) < 1e-5, name  # pre-clip, as the gradient autograd made
         for key in ("exp_avg", "exp_avg_sq"):
-            assert _rel(utils.safe_get_full_optimizer_state(p, key), opt.state[want][key]) < 1e-5, (name, key)
+            assert _rel(utils.safe_get_full_optimizer_state(p, key), opt.state[want][key]) < 1e-5, (
+                name,
+                key,
+            )
     engine.step()
     _ref_step(ref, opt)
     streamed = engine.module.model.layers[1].mlp.up_proj.weight
-    assert utils.safe_get_full_grad(streamed) is None  # after the step: no gradient until the next backward
-    assert _rel(utils.safe_get_full_fp32_param(streamed), names["model.layers.1.mlp.up_proj.weight"]) < 1e-5
+    # after the step: no gradient until the next backward
+    assert utils.safe_get_full_grad(streamed) is None
+    assert (
+        _rel(utils.safe_get_full_fp32_param(streamed), names["model.layers.1.mlp.up_proj.weight"])
+        < 1e-5
+    )
     engine.destroy()
     with pytest.raises((ValueError, AttributeError), match="no longer|not trained"):
         utils.safe_get_full_fp32_param(streamed)
@@ -215,8 +264,8 @@ def test_safe_get_full_state_equals_torch_adamw(path, state):
 
 @pytest.mark.parametrize("state", list(STATE))
 def test_safe_set_full_state_reaches_forward_and_optimizer(state):
-    """Writing a master and the moments (a streamed and a resident parameter), then stepping: the same weights as
-    torch's AdamW after the same writes."""
+    """Writing a master and the moments (a streamed and a resident parameter), then stepping: the
+    same weights as torch's AdamW after the same writes."""
     from megatrain_ds import utils
 
     engine, ref, opt = _pair(state=state)
@@ -224,14 +273,18 @@ def test_safe_set_full_state_reaches_forward_and_optimizer(state):
     _step(engine, 0)
     _ref_backward(ref, 0)
     _ref_step(ref, opt)
-    # the first step's AdamW amplifies rounding in gradients below eps (an element of layer 0's v_proj at 1e-7:
-    # 2e-5 of that tensor after one step at lr 1e-2): the second step starts the plain copy from the engine's weights
+    # the first step's AdamW amplifies rounding in gradients below eps (an element of layer 0's
+    # v_proj at 1e-7: 2e-5 of that tensor after one step at lr 1e-2): the second step starts the
+    # plain copy from the engine's weights
     _from_engine(ref, engine)
     g = torch.Generator().manual_seed(3)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"):
         p, want = engine.module.get_parameter(name), names[name]
         value = torch.randn(want.shape, generator=g) * 0.02
-        m, v = torch.randn(want.shape, generator=g) * 1e-3, torch.rand(want.shape, generator=g) * 1e-5
+        m, v = (
+            torch.randn(want.shape, generator=g) * 1e-3,
+            torch.rand(want.shape, generator=g) * 1e-5,
+        )
         utils.safe_set_full_fp32_param(p, value)
         utils.safe_set_full_optimizer_state(p, m, "exp_avg")
         utils.safe_set_full_optimizer_state(p, v, "exp_avg_sq")
@@ -257,9 +310,10 @@ def test_safe_set_full_state_reaches_forward_and_optimizer(state):
 
 
 def test_writing_one_weight_of_a_gpu_held_layer_keeps_the_others():
-    """gpu_optimizer_layers: the layer's master lives on the device and its host copy is stale between checkpoints.
-    A write to one parameter (GatheredParameters with modifier_rank, safe_set_full_fp32_param) used to copy the
-    whole stale host layer back over the device master: the layer's other weights lost their recent updates."""
+    """gpu_optimizer_layers: the layer's master lives on the device and its host copy is stale
+    between checkpoints. A write to one parameter (GatheredParameters with modifier_rank,
+    safe_set_full_fp32_param) used to copy the whole stale host layer back over the device master:
+    the layer's other weights lost their recent updates."""
     engine, *_ = _pair(state="device_state")
     _step(engine, 0)
     _step(engine, 1)  # the host copy of layer 0 now lags the device master
@@ -276,16 +330,17 @@ def test_writing_one_weight_of_a_gpu_held_layer_keeps_the_others():
 
 
 def test_safe_get_full_grad_with_accumulation_and_frozen_parameters():
-    """GA 2: the summed (1/GA-scaled) gradient after the second micro-batch; a frozen parameter has no gradient
-    and no moments."""
+    """GA 2: the summed (1/GA-scaled) gradient after the second micro-batch; a frozen parameter has
+    no gradient and no moments."""
     from megatrain_ds import utils
 
     model = tiny_hf("llama", layers=2)
     frozen_name = "model.layers.0.mlp.down_proj.weight"
     model.get_parameter(frozen_name).requires_grad_(False)
     ref = copy.deepcopy(model)
-    engine, *_ = megatrain_ds.initialize(model=model, config={**BASE, "gradient_accumulation_steps": 2,
-                                                              "optimizer": ADAMW})
+    engine, *_ = megatrain_ds.initialize(
+        model=model, config={**BASE, "gradient_accumulation_steps": 2, "optimizer": ADAMW}
+    )
     for seed in (0, 1):
         ids = _ids(seed)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -293,7 +348,10 @@ def test_safe_get_full_grad_with_accumulation_and_frozen_parameters():
     for name, want in ref.named_parameters():
         p = engine.module.get_parameter(name)
         if name == frozen_name:
-            assert utils.safe_get_full_grad(p) is None and utils.safe_get_full_optimizer_state(p, "exp_avg") is None
+            assert (
+                utils.safe_get_full_grad(p) is None
+                and utils.safe_get_full_optimizer_state(p, "exp_avg") is None
+            )
             assert torch.equal(utils.safe_get_full_fp32_param(p).cpu(), want)
         else:
             assert _rel(utils.safe_get_full_grad(p), want.grad) < 1e-5, name
@@ -309,7 +367,8 @@ def test_utils_forwards_deepspeeds_other_names():
     assert megatrain_ds.utils.set_z3_leaf_modules is real_utils.set_z3_leaf_modules
     with pytest.raises(AttributeError, match="no_such_helper"):
         megatrain_ds.utils.no_such_helper
-    plain = torch.nn.Linear(2, 2)  # not an engine's parameter: DeepSpeed's own answer (None without ZeRO)
+    # not an engine's parameter: DeepSpeed's own answer (None without ZeRO)
+    plain = torch.nn.Linear(2, 2)
     assert megatrain_ds.utils.safe_get_full_fp32_param(plain.weight) is None
 
 
@@ -320,14 +379,24 @@ def test_version_is_the_installed_deepspeeds_and_megatrain_version_is_ours(tmp_p
     installed = importlib.metadata.version("deepspeed")
     assert deepspeed.__version__ == deepspeed.version == installed
     assert Version(deepspeed.__version__) >= Version("0.16")  # OpenRLHF / trl style gates pass
-    pyproject = (REPO / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; the package supports 3.10)
-    assert megatrain_ds.MEGATRAIN_VERSION == re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
-    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config={**BASE, "optimizer": ADAMW})
+    # (tomllib is Python 3.11+; the package supports 3.10)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert megatrain_ds.MEGATRAIN_VERSION == re.search(
+        r'^version = "([^"]+)"', pyproject, re.M
+    ).group(1)
+    engine, *_ = megatrain_ds.initialize(
+        model=tiny_hf("llama"), config={**BASE, "optimizer": ADAMW}
+    )
     _step(engine, 0)
     engine.save_checkpoint(str(tmp_path), tag="t")
-    states = torch.load(tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+    states = torch.load(
+        tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False
+    )
     # ds_version: the DeepSpeed whose format the files follow (its zero_to_fp32 prints it)
-    assert states["ds_version"] == installed and states["megatrain_version"] == megatrain_ds.MEGATRAIN_VERSION
+    assert (
+        states["ds_version"] == installed
+        and states["megatrain_version"] == megatrain_ds.MEGATRAIN_VERSION
+    )
     _, client = engine.load_checkpoint(str(tmp_path), tag="t")
     assert "megatrain_version" not in client
     engine.destroy()

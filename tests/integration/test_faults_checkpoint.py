@@ -1,9 +1,11 @@
 """Checkpoint faults: nothing is lost or half-loaded.
 
-A load checks the whole checkpoint before it writes anything; persistent buffers come back; a tag that is not
-there raises instead of starting over; leftovers of killed saves are cleaned (never a live save's); DeepSpeed's
-zero_to_fp32.py sits in save_dir and reads our layout; ``exclude_frozen_parameters`` leaves frozen weights out.
+A load checks the whole checkpoint before it writes anything; persistent buffers come back; a tag
+that is not there raises instead of starting over; leftovers of killed saves are cleaned (never a
+live save's); DeepSpeed's zero_to_fp32.py sits in save_dir and reads our layout;
+``exclude_frozen_parameters`` leaves frozen weights out.
 """
+
 import os
 import re
 import stat
@@ -20,16 +22,28 @@ import megatrain_ds
 from megatrain_ds.checkpoints.checkpoint import MODEL_FILE, OPTIM_FILE, CheckpointMismatchError
 from tests.models import tiny_hf
 
-CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-       "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
-       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 3}}}
+CFG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 3}},
+}
 
 
 def _llama(seed=0, vocab=256, attention_bias=False):
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=vocab, tie_word_embeddings=False, attention_bias=attention_bias))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=vocab,
+            tie_word_embeddings=False,
+            attention_bias=attention_bias,
+        )
+    )
 
 
 def _engine(model, params=None):
@@ -48,11 +62,22 @@ def _snapshot(engine):
     """Everything a load may write, copied."""
     engine.sync_masters_to_host()
     res = engine.resident
-    return {"masters": {k: v.clone() for k, v in engine.master_state_dict().items()},
-            "exp_avg": engine.store.exp_avg.clone(), "exp_avg_sq": engine.store.exp_avg_sq.clone(),
-            "resident_moments": [None if t is None else t.clone() for t in res.exp_avg + res.exp_avg_sq],
-            "counters": (engine.global_steps, engine.global_samples, engine.micro_steps, engine.optimizer.step_count),
-            "lr": engine.get_lr(), "scheduler": engine.lr_scheduler.state_dict()}
+    return {
+        "masters": {k: v.clone() for k, v in engine.master_state_dict().items()},
+        "exp_avg": engine.store.exp_avg.clone(),
+        "exp_avg_sq": engine.store.exp_avg_sq.clone(),
+        "resident_moments": [
+            None if t is None else t.clone() for t in res.exp_avg + res.exp_avg_sq
+        ],
+        "counters": (
+            engine.global_steps,
+            engine.global_samples,
+            engine.micro_steps,
+            engine.optimizer.step_count,
+        ),
+        "lr": engine.get_lr(),
+        "scheduler": engine.lr_scheduler.state_dict(),
+    }
 
 
 def _assert_same(a, b):
@@ -60,20 +85,29 @@ def _assert_same(a, b):
     for name in a["masters"]:
         assert torch.equal(a["masters"][name], b["masters"][name]), name
     assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
-    assert all((x is None and y is None) or torch.equal(x, y)
-               for x, y in zip(a["resident_moments"], b["resident_moments"]))
-    assert a["counters"] == b["counters"] and a["lr"] == b["lr"] and a["scheduler"] == b["scheduler"]
+    assert all(
+        (x is None and y is None) or torch.equal(x, y)
+        for x, y in zip(a["resident_moments"], b["resident_moments"])
+    )
+    assert (
+        a["counters"] == b["counters"] and a["lr"] == b["lr"] and a["scheduler"] == b["scheduler"]
+    )
 
 
-# ------------------------------------------------------------------------------------- 1. check, then write
+# ----------------------------------------------------------------------------- 1. check, then write
 @pytest.mark.parametrize("kind", ["shape", "key", "optimizer"])
 def test_a_load_that_does_not_fit_changes_nothing(tmp_path, kind):
-    """The checkpoint differs from the engine in the last thing a writer would reach (the resident embedding's
-    shape, an extra bias per layer, which parameters the optimizer trained): the load raises naming it, and
-    masters, moments, counters and schedule are exactly as before."""
-    saved = {"shape": lambda: _llama(vocab=320), "key": lambda: _llama(attention_bias=True),
-             "optimizer": lambda: _llama()}[kind]()
-    params = [p for n, p in saved.named_parameters() if "mlp" not in n] if kind == "optimizer" else None
+    """The checkpoint differs from the engine in the last thing a writer would reach (the resident
+    embedding's shape, an extra bias per layer, which parameters the optimizer trained): the load
+    raises naming it, and masters, moments, counters and schedule are exactly as before."""
+    saved = {
+        "shape": lambda: _llama(vocab=320),
+        "key": lambda: _llama(attention_bias=True),
+        "optimizer": lambda: _llama(),
+    }[kind]()
+    params = (
+        [p for n, p in saved.named_parameters() if "mlp" not in n] if kind == "optimizer" else None
+    )
     source = _engine(saved, params)
     _train(source, 2, vocab=320 if kind == "shape" else 256)
     source.save_checkpoint(str(tmp_path))
@@ -88,11 +122,17 @@ def test_a_load_that_does_not_fit_changes_nothing(tmp_path, kind):
     message = str(err.value)
     assert "nothing was loaded" in message
     if kind == "shape":
-        assert "model.embed_tokens.weight: shape (320, 64) in the checkpoint, (256, 64) in the model" in message
+        assert (
+            "model.embed_tokens.weight: shape (320, 64) in the checkpoint, (256, 64) in the model"
+            in message
+        )
     elif kind == "key":
         assert "model.layers.0.self_attn.q_proj.bias" in message and "model lacks" in message
     else:
-        assert "model.layers.0.mlp.down_proj.weight" in message and "load_optimizer_states=False" in message
+        assert (
+            "model.layers.0.mlp.down_proj.weight" in message
+            and "load_optimizer_states=False" in message
+        )
     engine.destroy()
 
 
@@ -101,7 +141,9 @@ def test_load_master_state_dict_checks_before_writing():
     before = {k: v.clone() for k, v in engine.master_state_dict().items()}
     state = {k: torch.full_like(v, 7.0) for k, v in before.items()}
     state["lm_head.weight"] = torch.zeros(3, 64)  # the last parameter written
-    with pytest.raises(RuntimeError, match=r"lm_head.weight: \(3, 64\) given, \(256, 64\) in the model"):
+    with pytest.raises(
+        RuntimeError, match=r"lm_head.weight: \(3, 64\) given, \(256, 64\) in the model"
+    ):
         engine.load_master_state_dict(state, strict=False)
     after = engine.master_state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
@@ -115,7 +157,8 @@ class BufferedBlock(nn.Module):
         self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
         self.bn = nn.BatchNorm1d(width)  # running stats and num_batches_tracked: persistent buffers
         self.register_buffer("gain", torch.rand(width) + 0.5)  # a user buffer
-        self.register_buffer("scratch", torch.zeros(width), persistent=False)  # not in state_dict: not saved
+        # not in state_dict: not saved
+        self.register_buffer("scratch", torch.zeros(width), persistent=False)
 
     def forward(self, x):  # (B, T, C)
         h = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
@@ -152,8 +195,9 @@ def _logits(engine, ids):
 
 
 def test_persistent_buffers_round_trip(tmp_path):
-    """Buffers outside and inside streamed layers (a user buffer, BatchNorm statistics) come back exactly, in the
-    module and in what the executor computes with; a non-persistent buffer is not saved."""
+    """Buffers outside and inside streamed layers (a user buffer, BatchNorm statistics) come back
+    exactly, in the module and in what the executor computes with; a non-persistent buffer is not
+    saved."""
     engine = _buffered_engine(seed=0)
     for step in range(2):
         ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(step))
@@ -161,8 +205,13 @@ def test_persistent_buffers_round_trip(tmp_path):
         engine.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids.reshape(-1)))
         engine.step()
     engine.synchronize()
-    want = {n: b.detach().cpu().clone() for n, b in engine.module.named_buffers() if "scratch" not in n}
-    assert want["blocks.1.bn.num_batches_tracked"].item() > 0 and want["blocks.1.bn.running_var"].ne(1).any()
+    want = {
+        n: b.detach().cpu().clone() for n, b in engine.module.named_buffers() if "scratch" not in n
+    }
+    assert (
+        want["blocks.1.bn.num_batches_tracked"].item() > 0
+        and want["blocks.1.bn.running_var"].ne(1).any()
+    )
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(9))
     want_logits = _logits(engine, ids)
     engine.save_checkpoint(str(tmp_path))
@@ -190,32 +239,41 @@ def test_a_buffer_of_another_shape_is_refused(tmp_path):
     other = _buffered_engine(seed=1)
     other.module.blocks[2].gain = torch.ones(5)  # a buffer the checkpoint has with 32 elements
     before = {k: v.clone() for k, v in other.master_state_dict().items()}
-    with pytest.raises(CheckpointMismatchError, match=r"buffer blocks.2.gain: shape \(32,\) in the checkpoint, "
-                                                      r"\(5,\) in the model"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"buffer blocks.2.gain: shape \(32,\) in the checkpoint, "
+        r"\(5,\) in the model",
+    ):
         other.load_checkpoint(str(tmp_path))
     assert all(torch.equal(other.master_state_dict()[k], v) for k, v in before.items())
     engine.destroy(), other.destroy()
 
 
-# ------------------------------------------------------------------------------------- 3. missing checkpoints
+# --------------------------------------------------------------------------- 3. missing checkpoints
 def test_a_missing_checkpoint_raises_naming_the_path(tmp_path):
     engine = _engine(_llama())
-    with pytest.warns(UserWarning, match="Unable to find latest file at .*latest"):  # DeepSpeed: nothing to load
+    # DeepSpeed: nothing to load
+    with pytest.warns(UserWarning, match="Unable to find latest file at .*latest"):
         assert engine.load_checkpoint(str(tmp_path / "never_saved")) == (None, None)
     engine.save_checkpoint(str(tmp_path))
     (tmp_path / "latest").write_text("global_step9")  # latest names a folder that is not there
-    with pytest.raises(FileNotFoundError, match=re.escape(f"names tag 'global_step9', but {tmp_path / 'global_step9'} "
-                                                          "does not exist") + r".*\['global_step0'\]"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=re.escape(f"names tag 'global_step9', but {tmp_path / 'global_step9'} does not exist")
+        + r".*\['global_step0'\]",
+    ):
         engine.load_checkpoint(str(tmp_path))
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "elsewhere"))):
         engine.load_checkpoint(str(tmp_path), tag="elsewhere")
     os.remove(tmp_path / "global_step0" / MODEL_FILE)  # a folder without its files
-    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "global_step0" / MODEL_FILE))):
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(str(tmp_path / "global_step0" / MODEL_FILE))
+    ):
         engine.load_checkpoint(str(tmp_path), tag="global_step0")
     engine.destroy()
 
 
-# ------------------------------------------------------------------------------------- 4. stale leftovers
+# ------------------------------------------------------------------------------- 4. stale leftovers
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -223,8 +281,8 @@ def _dead_pid() -> int:
 
 
 def test_the_next_save_cleans_what_killed_saves_left(tmp_path):
-    """Leftovers of dead processes go (a moved-aside folder whose tag folder is missing is put back instead);
-    those of a live process (a save in progress) stay."""
+    """Leftovers of dead processes go (a moved-aside folder whose tag folder is missing is put back
+    instead); those of a live process (a save in progress) stay."""
     engine = _engine(_llama())
     engine.save_checkpoint(str(tmp_path), tag="kept")
     dead = _dead_pid()
@@ -234,13 +292,16 @@ def test_the_next_save_cleans_what_killed_saves_left(tmp_path):
             (tmp_path / f".global_step7.tmp-{pid}").mkdir()
             (tmp_path / f".global_step7.tmp-{pid}" / MODEL_FILE).write_bytes(b"half a file")
             (tmp_path / f".latest.tmp-{pid}").write_text("global_st")
-            (tmp_path / f".kept.old-{pid}").mkdir()  # "kept" exists: an old copy that was never removed
+            # "kept" exists: an old copy that was never removed
+            (tmp_path / f".kept.old-{pid}").mkdir()
         (tmp_path / f".lost.old-{dead}").mkdir()  # killed between the renames: "lost" is missing
         (tmp_path / f".lost.old-{dead}" / MODEL_FILE).write_bytes(b"the previous checkpoint")
         with pytest.warns(UserWarning, match="put back"):
             engine.save_checkpoint(str(tmp_path), tag="new")
         left = sorted(n for n in os.listdir(tmp_path) if n.startswith("."))
-        assert left == sorted([f".global_step7.tmp-{live.pid}", f".latest.tmp-{live.pid}", f".kept.old-{live.pid}"])
+        assert left == sorted(
+            [f".global_step7.tmp-{live.pid}", f".latest.tmp-{live.pid}", f".kept.old-{live.pid}"]
+        )
         assert (tmp_path / "lost" / MODEL_FILE).read_bytes() == b"the previous checkpoint"
         assert (tmp_path / "latest").read_text() == "new"
     finally:
@@ -249,10 +310,11 @@ def test_the_next_save_cleans_what_killed_saves_left(tmp_path):
     engine.destroy()
 
 
-# ------------------------------------------------------------------------------------- 5. zero_to_fp32.py
+# ------------------------------------------------------------------------------- 5. zero_to_fp32.py
 def test_deepspeeds_recovery_script_is_in_save_dir_and_reads_it(tmp_path):
-    """As DeepSpeed does: save_dir/zero_to_fp32.py (its own file, executable by the owner), and running it
-    gives exactly the engine's fp32 masters (tied and frozen parameters included) and buffers."""
+    """As DeepSpeed does: save_dir/zero_to_fp32.py (its own file, executable by the owner), and
+    running it gives exactly the engine's fp32 masters (tied and frozen parameters included) and
+    buffers."""
     import deepspeed.utils.zero_to_fp32 as reference
 
     model = tiny_hf("qwen2", tied=True)
@@ -266,8 +328,13 @@ def test_deepspeeds_recovery_script_is_in_save_dir_and_reads_it(tmp_path):
     assert script.read_bytes() == Path(reference.__file__).read_bytes()
     assert os.stat(script).st_mode & stat.S_IXUSR
     assert (tmp_path / "ckpt" / "zero_to_torch.py").exists()
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "fp32")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "fp32")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
     ours = engine.master_state_dict()
@@ -278,7 +345,7 @@ def test_deepspeeds_recovery_script_is_in_save_dir_and_reads_it(tmp_path):
     engine.destroy()
 
 
-# ------------------------------------------------------------------------------------- 6. exclude_frozen_parameters
+# --------------------------------------------------------------------- 6. exclude_frozen_parameters
 OUTSIDE = "model.norm.weight"  # requires grad, but not handed to the optimizer
 
 
@@ -287,19 +354,25 @@ def _partly_frozen_engine():
     for name, p in model.named_parameters():
         if "mlp" in name:
             p.requires_grad_(False)
-    return _engine(model, [p for n, p in model.named_parameters() if p.requires_grad and n != OUTSIDE])
+    return _engine(
+        model, [p for n, p in model.named_parameters() if p.requires_grad and n != OUTSIDE]
+    )
 
 
 def test_exclude_frozen_parameters(tmp_path):
-    """Frozen = requires_grad False (DeepSpeed's rule) or in no optimizer group: left out of the 16-bit exports
-    when asked; a checkpoint saved without them loads strictly into the same model (frozen weights stay)."""
+    """Frozen = requires_grad False (DeepSpeed's rule) or in no optimizer group: left out of the
+    16-bit exports when asked; a checkpoint saved without them loads strictly into the same model
+    (frozen weights stay)."""
     engine = _partly_frozen_engine()
     _train(engine, 1)
     everything = set(engine.module.state_dict())
     frozen = {n for n in everything if "mlp" in n} | {OUTSIDE}
     assert len(frozen) == 10
     assert set(engine._zero3_consolidated_16bit_state_dict()) == everything
-    assert set(engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)) == everything - frozen
+    assert (
+        set(engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True))
+        == everything - frozen
+    )
     engine.save_16bit_model(str(tmp_path), "trained.bin", exclude_frozen_parameters=True)
     assert set(torch.load(tmp_path / "trained.bin", weights_only=True)) == everything - frozen
     engine.save_16bit_model(str(tmp_path), "all.bin")
@@ -320,8 +393,9 @@ def test_exclude_frozen_parameters(tmp_path):
 
 
 def test_a_flipped_byte_is_refused_naming_the_file_and_the_engine_is_untouched(tmp_path):
-    """Issue 27: one flipped byte in the optimizer file loaded without a word (masters off by up to 0.25). The save
-    records each file's SHA-256 (in sha256sum's format); the load verifies them first and refuses by name."""
+    """Issue 27: one flipped byte in the optimizer file loaded without a word (masters off by up to
+    0.25). The save records each file's SHA-256 (in sha256sum's format); the load verifies them
+    first and refuses by name."""
     import hashlib
 
     from megatrain_ds.checkpoints.checksums import ChecksumError
@@ -350,15 +424,16 @@ def test_a_flipped_byte_is_refused_naming_the_file_and_the_engine_is_untouched(t
 
 
 def test_a_save_inside_an_accumulation_window_resumes_with_the_whole_window(tmp_path):
-    """Issue 27: micro_steps came back but the window's partial gradient did not, so the first step after the resume
-    used half a window. Now the save says so, and the resume restarts the window (as DeepSpeed's does): it steps
-    exactly as a resume from the boundary before it."""
+    """Issue 27: micro_steps came back but the window's partial gradient did not, so the first step
+    after the resume used half a window. Now the save says so, and the resume restarts the window
+    (as DeepSpeed's does): it steps exactly as a resume from the boundary before it."""
     cfg = dict(CFG, gradient_accumulation_steps=2)
 
     def micro(engine, seed):
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
+
     inside, boundary = (megatrain_ds.initialize(model=_llama(), config=cfg)[0] for _ in range(2))
     for engine in (inside, boundary):
         micro(engine, 0), micro(engine, 1)  # one whole window: step 1
@@ -381,9 +456,12 @@ def test_a_save_inside_an_accumulation_window_resumes_with_the_whole_window(tmp_
     assert all(torch.equal(resumed[0][k], resumed[1][k]) for k in resumed[0])
 
 
-def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """Issue 27: a full disk surfaced as torch's `inline_container.cc:672 unexpected pos`. Now: the file, the bytes
-    needed and free, and the previous checkpoint intact and loadable (the unfinished folder removed)."""
+def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
+    """Issue 27: a full disk surfaced as torch's `inline_container.cc:672 unexpected pos`. Now: the
+    file, the bytes needed and free, and the previous checkpoint intact and loadable (the unfinished
+    folder removed)."""
     import errno
 
     from megatrain_ds.checkpoints import checkpoint_stream
@@ -399,14 +477,19 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_checkpo
         if budget["left"] < 0:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(self, data, crc)
+
     monkeypatch.setattr(checkpoint_stream.StreamWriter, "_write", write)
-    with pytest.raises(OSError, match=r"disk is full writing .*global_step2\.tmp-\d+/zero_pp_rank_0_mp_rank_00_"
-                                      r"model_states\.pt: it needs about .* GiB are free there.*previous checkpoint "
-                                      r"and 'latest' are intact"):
+    with pytest.raises(
+        OSError,
+        match=r"disk is full writing .*global_step2\.tmp-\d+/zero_pp_rank_0_mp_rank_00_"
+        r"model_states\.pt: it needs about .* GiB are free there.*previous checkpoint "
+        r"and 'latest' are intact",
+    ):
         engine.save_checkpoint(str(tmp_path))
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text() == "global_step1"
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step1"]  # no unfinished folder
+    # no unfinished folder
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step1"]
     resumed = _engine(_llama(seed=1))
     resumed.load_checkpoint(str(tmp_path))
     assert resumed.global_steps == 1

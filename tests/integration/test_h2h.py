@@ -1,5 +1,6 @@
 """CPU smoke test of the head-to-head harness: it runs each system in its own process and writes
 results.json (with the fields users compare), results.md and a PNG plot."""
+
 import json
 import os
 import subprocess
@@ -11,11 +12,37 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_h2h_cpu_smoke(tmp_path):
     out = tmp_path / "h2h"
-    cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems",
-           "megatrain,resident", "--seq", "64", "--tokens-per-step", "256", "--steps", "2", "--warmup", "1",
-           "--megatrain-options", '{"num_slots": 3}', "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.h2h",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--systems",
+        "megatrain,resident",
+        "--seq",
+        "64",
+        "--tokens-per-step",
+        "256",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--megatrain-options",
+        '{"num_slots": 3}',
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["hardware"]["cpu_cores"] >= 1
@@ -24,28 +51,51 @@ def test_h2h_cpu_smoke(tmp_path):
     for r in by_system.values():
         assert r["status"] == "ok"
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0
-        assert r["peak_gpu_bytes"] == 0 and r["peak_host_rss_bytes"] > 0 and r["host_bytes_per_param"] > 0
+        assert (
+            r["peak_gpu_bytes"] == 0
+            and r["peak_host_rss_bytes"] > 0
+            and r["host_bytes_per_param"] > 0
+        )
     assert "breakdown" in by_system["megatrain"]
-    assert by_system["megatrain"]["ds_config"]["megatrain"]["num_slots"] == 3  # --megatrain-options reached it
+    # --megatrain-options reached it
+    assert by_system["megatrain"]["ds_config"]["megatrain"]["num_slots"] == 3
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "megatrain" in (out / "results.md").read_text()
-    # fair peers: the same AdamW hyperparameters, clip and steps recorded by every system, and by ZeRO-3's config
+    # fair peers: the same AdamW hyperparameters, clip and steps recorded by every system, and by
+    # ZeRO-3's config
     from benchmarks.shapes import make_config
     from benchmarks.systems import zero3_ds_config, zero3_settings
 
-    zero3 = zero3_settings(zero3_ds_config(make_config("tiny"), 4, "cpu"), seq=64, steps=2, warmup=1)
+    zero3 = zero3_settings(
+        zero3_ds_config(make_config("tiny"), 4, "cpu"), seq=64, steps=2, warmup=1
+    )
     same = ("lr", "weight_decay", "betas", "eps", "clip", "steps", "warmup", "seq", "micro_batch")
-    expected = {"lr": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "clip": 1.0, "steps": 2,
-                "warmup": 1, "seq": 64, "micro_batch": 4}
+    expected = {
+        "lr": 1e-5,
+        "weight_decay": 0.01,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "clip": 1.0,
+        "steps": 2,
+        "warmup": 1,
+        "seq": 64,
+        "micro_batch": 4,
+    }
     for settings in [r["settings"] for r in by_system.values()] + [zero3]:
         assert {k: settings[k] for k in same} == expected
-        assert settings["liger"] is False and settings["kernels"] == []  # --liger auto on CPU: off for all
+        # --liger auto on CPU: off for all
+        assert settings["liger"] is False and settings["kernels"] == []
     assert by_system["megatrain"]["settings"]["megatrain_options"] == {"num_slots": 3}
-    assert by_system["megatrain"]["settings"]["gpu_optimizer_layers"] == "engine default"  # not set unless asked
+    # not set unless asked
+    assert by_system["megatrain"]["settings"]["gpu_optimizer_layers"] == "engine default"
     assert "gpu_optimizer_layers" not in by_system["megatrain"]["ds_config"]["megatrain"]
     md = (out / "results.md").read_text()
-    assert "lr 1e-05 wd 0.01 betas (0.9, 0.999) eps 1e-08" in md and "resident_Ldefault_256 (resident)" in md
-    # a progress bar per system, over its steps (warm-up + measured; megatrain runs one more to close its breakdown)
+    assert (
+        "lr 1e-05 wd 0.01 betas (0.9, 0.999) eps 1e-08" in md
+        and "resident_Ldefault_256 (resident)" in md
+    )
+    # a progress bar per system, over its steps (warm-up + measured; megatrain runs one more to
+    # close its breakdown)
     assert "megatrain L=2 T=256: 4/4 steps" in proc.stderr, proc.stderr[-3000:]
     assert "resident L=2 T=256: 3/3 steps" in proc.stderr, proc.stderr[-3000:]
 
@@ -53,21 +103,59 @@ def test_h2h_cpu_smoke(tmp_path):
 def test_host_adam_probe_prints_a_row_per_thread_count(capsys):
     from benchmarks import host_adam
 
-    assert host_adam.main(["--gparams", "0.002", "--threads", "1,2", "--repeats", "1", "--no-deepspeed"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert (
+        host_adam.main(
+            ["--gparams", "0.002", "--threads", "1,2", "--repeats", "1", "--no-deepspeed"]
+        )
+        == 0
+    )
+    rows = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| 1 |") or line.startswith("| 2 |")
+    ]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[1]) > 0 and float(cells[2]) > 0 and cells[3] == "–" and float(cells[4]) > 0
+        assert (
+            float(cells[1]) > 0 and float(cells[2]) > 0 and cells[3] == "–" and float(cells[4]) > 0
+        )
 
 
 def test_h2h_best_batch_records_every_probe_and_marks_the_fastest(tmp_path):
     out = tmp_path / "best"
-    cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems",
-           "megatrain", "--seq", "64", "--best-batch", "--min-tokens", "64", "--max-tokens", "128",
-           "--steps", "1", "--warmup", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.h2h",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--systems",
+        "megatrain",
+        "--seq",
+        "64",
+        "--best-batch",
+        "--min-tokens",
+        "64",
+        "--max-tokens",
+        "128",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["results"]
     for system in ("megatrain",):  # one system keeps the file fast; the search is the same for each
@@ -79,39 +167,84 @@ def test_h2h_best_batch_records_every_probe_and_marks_the_fastest(tmp_path):
 
 
 def test_report_compares_rows_of_the_same_depth_and_names_duplicate_runs_by_file(tmp_path):
-    """A depth sweep puts several depths at one tokens/step: each megatrain row is compared with the ZeRO-3 row
-    of its own depth, and one run name coming from two files is told apart by the file."""
+    """A depth sweep puts several depths at one tokens/step: each megatrain row is compared with the
+    ZeRO-3 row of its own depth, and one run name coming from two files is told apart by the
+    file."""
     from benchmarks import report
 
     def run(system, layers, tok_s):
-        return {"system": system, "layers": layers, "tokens_per_step": 16384, "status": "ok",
-                "name": f"{system}_L{layers}_16384", "median_step_s": 16384 / tok_s, "tokens_per_s": tok_s,
-                "tflops": 1.0, "peak_gpu_bytes": 0, "peak_host_rss_bytes": 0, "host_bytes_per_param": 0.0}
+        return {
+            "system": system,
+            "layers": layers,
+            "tokens_per_step": 16384,
+            "status": "ok",
+            "name": f"{system}_L{layers}_16384",
+            "median_step_s": 16384 / tok_s,
+            "tokens_per_s": tok_s,
+            "tflops": 1.0,
+            "peak_gpu_bytes": 0,
+            "peak_host_rss_bytes": 0,
+            "host_bytes_per_param": 0.0,
+        }
 
-    files = {"sweep_megatrain": [run("megatrain", 24, 300.0), run("megatrain", 48, 150.0)],
-             "sweep_zero3": [run("zero3", 24, 200.0), run("zero3", 48, 50.0)],
-             "knob_megatrain": [run("megatrain", 48, 120.0)]}
+    files = {
+        "sweep_megatrain": [run("megatrain", 24, 300.0), run("megatrain", 48, 150.0)],
+        "sweep_zero3": [run("zero3", 24, 200.0), run("zero3", 48, 50.0)],
+        "knob_megatrain": [run("megatrain", 48, 120.0)],
+    }
     for stem, rows in files.items():
         (tmp_path / f"{stem}.json").write_text(json.dumps({"hardware": {}, "results": rows}))
     table = report.throughput_table(report.load(str(tmp_path)))
     lines = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
-    assert "1.50×" in lines["megatrain_L24_16384"]          # 300 / 200, not 300 / 50
-    assert "3.00×" in lines["sweep_megatrain: megatrain_L48_16384"]   # 150 / 50
-    assert "2.40×" in lines["knob_megatrain: megatrain_L48_16384"]    # 120 / 50
+    assert "1.50×" in lines["megatrain_L24_16384"]  # 300 / 200, not 300 / 50
+    assert "3.00×" in lines["sweep_megatrain: megatrain_L48_16384"]  # 150 / 50
+    assert "2.40×" in lines["knob_megatrain: megatrain_L48_16384"]  # 120 / 50
 
 
 def test_h2h_depth_sweep_runs_each_depth_and_plots_tflops_against_layers(tmp_path):
     out = tmp_path / "depth"
-    cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems", "megatrain",
-           "--seq", "64", "--tokens-per-step", "128", "--depth-sweep", "1,3", "--steps", "1", "--warmup", "1",
-           "--liger", "off", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.h2h",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--systems",
+        "megatrain",
+        "--seq",
+        "64",
+        "--tokens-per-step",
+        "128",
+        "--depth-sweep",
+        "1,3",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--liger",
+        "off",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["results"]
-    assert [(r["system"], r["layers"], r["status"]) for r in runs] == [("megatrain", 1, "ok"), ("megatrain", 3, "ok")]
+    assert [(r["system"], r["layers"], r["status"]) for r in runs] == [
+        ("megatrain", 1, "ok"),
+        ("megatrain", 3, "ok"),
+    ]
     assert runs[1]["n_params"] > runs[0]["n_params"]  # same width, more layers
-    for r in runs:  # --liger off: no liger kernel, and megatrain_ds told so (its own default would use liger)
+    # --liger off: no liger kernel, and megatrain_ds told so (its own default would use liger)
+    for r in runs:
         assert r["settings"]["liger"] is False and r["settings"]["kernels"] == []
         block = r["ds_config"]["megatrain"]
         assert block["liger_kernels"] is False and block["use_liger"] is False
@@ -129,19 +262,39 @@ def test_gpu_optimizer_fraction_sets_the_same_offload_ratio_for_megatrain_and_ze
     mega = megatrain_ds_config(16, "cuda", gpu_optimizer_fraction=0.5)
     for ds_config in (zero3, mega):
         assert ds_config["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
-        assert ds_config["optimizer"]["params"] == {"lr": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
-                                                    "eps": 1e-8}
-    assert mega["megatrain"]["gpu_optimizer_layers"] == -1  # the engine reads the ratio, whatever its default
-    assert zero3["zero_optimization"]["sub_group_size"] < 1e8  # DeepSpeed places whole sub-groups: one per layer
-    assert zero3_settings(zero3, 1024, 4, 2)["ds_config"]["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+        assert ds_config["optimizer"]["params"] == {
+            "lr": 1e-5,
+            "weight_decay": 0.01,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+        }
+    # the engine reads the ratio, whatever its default
+    assert mega["megatrain"]["gpu_optimizer_layers"] == -1
+    # DeepSpeed places whole sub-groups: one per layer
+    assert zero3["zero_optimization"]["sub_group_size"] < 1e8
+    assert (
+        zero3_settings(zero3, 1024, 4, 2)["ds_config"]["zero_optimization"]["offload_optimizer"][
+            "ratio"
+        ]
+        == 0.5
+    )
     recorded = megatrain_settings(mega, 1024, 4, 2, "cuda")
     assert recorded["offload_optimizer_ratio"] == 0.5 and recorded["ds_config"] is mega
-    # default: nothing about optimizer placement (the engine decides); --host-only: explicitly all on the host
-    assert "ratio" not in zero3_ds_config(config, 16, "cuda")["zero_optimization"]["offload_optimizer"]
+    # default: nothing about optimizer placement (the engine decides); --host-only: explicitly all
+    # on the host
+    assert (
+        "ratio" not in zero3_ds_config(config, 16, "cuda")["zero_optimization"]["offload_optimizer"]
+    )
     assert "gpu_optimizer_layers" not in megatrain_ds_config(16, "cuda")["megatrain"]
     assert megatrain_ds_config(16, "cuda", host_only=True)["megatrain"]["gpu_optimizer_layers"] == 0
-    monkeypatch.setenv("MEGATRAIN_OPTIONS", '{"gpu_optimizer_layers": "auto"}')  # --megatrain-options wins
-    assert megatrain_settings(megatrain_ds_config(16, "cuda"), 1024, 4, 2, "cuda")["gpu_optimizer_layers"] == "auto"
+    # --megatrain-options wins
+    monkeypatch.setenv("MEGATRAIN_OPTIONS", '{"gpu_optimizer_layers": "auto"}')
+    assert (
+        megatrain_settings(megatrain_ds_config(16, "cuda"), 1024, 4, 2, "cuda")[
+            "gpu_optimizer_layers"
+        ]
+        == "auto"
+    )
 
 
 def test_h2h_rejects_host_only_with_a_gpu_optimizer_fraction(tmp_path):
@@ -150,19 +303,47 @@ def test_h2h_rejects_host_only_with_a_gpu_optimizer_fraction(tmp_path):
     from benchmarks import h2h
 
     with pytest.raises(SystemExit):
-        h2h.main(["--model", "tiny", "--device", "cpu", "--host-only", "--gpu-optimizer-fraction", "0.5",
-                  "--out", str(tmp_path)])
+        h2h.main(
+            [
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--host-only",
+                "--gpu-optimizer-fraction",
+                "0.5",
+                "--out",
+                str(tmp_path),
+            ]
+        )
 
 
-# --- data parallel (h2h --gpus N, benchmarks/multi_gpu.py) ---------------------------------------------------
+# --- data parallel (h2h --gpus N, benchmarks/multi_gpu.py) ----------------------------------------
+
 
 def _rank_result(rank, median, rss, steps=3, warmup=2, tokens=16384, status="ok", **extra):
-    out = {"system": "megatrain", "model": "qwen2.5-3b", "layers": 36, "seq": 1024, "tokens_per_step": tokens,
-           "rank": rank, "world_size": 2, "status": status, "error": "" if status == "ok" else "CUDA out of memory",
-           "warmup_step_times_s": [9.0] * warmup, "step_times_s": [median] * steps, "median_step_s": median,
-           "tokens_per_s": tokens / median, "flops_per_token": 1e10, "tflops": 1e10 * tokens / median / 1e12,
-           "peak_host_rss_bytes": rss, "peak_gpu_bytes": 10**9 * (rank + 1), "n_params": 10**9,
-           "host_bytes_per_param": rss / 10**9, "breakdown": {"step_s": median, "comm_s": 0.1 * (rank + 1)}}
+    out = {
+        "system": "megatrain",
+        "model": "qwen2.5-3b",
+        "layers": 36,
+        "seq": 1024,
+        "tokens_per_step": tokens,
+        "rank": rank,
+        "world_size": 2,
+        "status": status,
+        "error": "" if status == "ok" else "CUDA out of memory",
+        "warmup_step_times_s": [9.0] * warmup,
+        "step_times_s": [median] * steps,
+        "median_step_s": median,
+        "tokens_per_s": tokens / median,
+        "flops_per_token": 1e10,
+        "tflops": 1e10 * tokens / median / 1e12,
+        "peak_host_rss_bytes": rss,
+        "peak_gpu_bytes": 10**9 * (rank + 1),
+        "n_params": 10**9,
+        "host_bytes_per_param": rss / 10**9,
+        "breakdown": {"step_s": median, "comm_s": 0.1 * (rank + 1)},
+    }
     out.update(extra)
     return out
 
@@ -172,8 +353,14 @@ def test_h2h_dp_arguments_are_checked(tmp_path):
 
     from benchmarks import h2h
 
-    for bad in (["--gpus", "0"], ["--scaling"], ["--gpus", "1", "--scaling"], ["--gpus", "2", "--resident-mode", "x"],
-                ["--gpus", "2", "--bind-cores", "maybe"], ["--gpus", "3", "--nodes", "2"]):
+    for bad in (
+        ["--gpus", "0"],
+        ["--scaling"],
+        ["--gpus", "1", "--scaling"],
+        ["--gpus", "2", "--resident-mode", "x"],
+        ["--gpus", "2", "--bind-cores", "maybe"],
+        ["--gpus", "3", "--nodes", "2"],
+    ):
         with pytest.raises(SystemExit):
             h2h.main(["--model", "tiny", "--device", "cpu", *bad, "--out", str(tmp_path)])
 
@@ -182,31 +369,55 @@ def test_dp_aggregate_sums_tokens_and_host_memory_over_ranks():
     from benchmarks import multi_gpu
 
     # rank 1's file first: the order of the files does not matter, rank 0's clock does
-    res = multi_gpu.aggregate([_rank_result(1, 0.52, 30 * 10**9, engine_host_state_bytes=8 * 10**9),
-                               _rank_result(0, 0.50, 34 * 10**9, engine_host_state_bytes=8 * 10**9)], gpus=2)
+    res = multi_gpu.aggregate(
+        [
+            _rank_result(1, 0.52, 30 * 10**9, engine_host_state_bytes=8 * 10**9),
+            _rank_result(0, 0.50, 34 * 10**9, engine_host_state_bytes=8 * 10**9),
+        ],
+        gpus=2,
+    )
     assert res["status"] == "ok" and res["gpus"] == 2
     assert res["tokens_per_s"] == 16384 * 2 / 0.50  # tokens per rank × N / rank 0's median step
-    assert res["tokens_per_rank"] == res["tokens_per_step"] == 16384 and res["global_tokens_per_step"] == 32768
+    assert (
+        res["tokens_per_rank"] == res["tokens_per_step"] == 16384
+        and res["global_tokens_per_step"] == 32768
+    )
     assert res["tflops_total"] == 1e10 * res["tokens_per_s"] / 1e12
     assert res["tflops"] == res["tflops_per_gpu"] == res["tflops_total"] / 2
-    assert res["peak_host_rss_bytes"] == 64 * 10**9 and res["peak_host_rss_bytes_per_rank"] == [34 * 10**9, 30 * 10**9]
+    assert res["peak_host_rss_bytes"] == 64 * 10**9 and res["peak_host_rss_bytes_per_rank"] == [
+        34 * 10**9,
+        30 * 10**9,
+    ]
     assert res["host_bytes_per_param"] == 64.0  # summed over the ranks, per parameter of the model
-    assert res["engine_host_state_bytes"] == 16 * 10**9 and res["engine_host_bytes_per_param"] == 16.0
+    assert (
+        res["engine_host_state_bytes"] == 16 * 10**9 and res["engine_host_bytes_per_param"] == 16.0
+    )
     assert res["peak_gpu_bytes"] == 2 * 10**9  # the largest rank's
     assert res["breakdown"] == {"step_s": 0.50, "comm_s": 0.1}  # rank 0's, every key
-    assert [r["rank"] for r in res["per_rank"]] == [0, 1] and res["rank_median_step_s"] == [0.50, 0.52]
+    assert [r["rank"] for r in res["per_rank"]] == [0, 1] and res["rank_median_step_s"] == [
+        0.50,
+        0.52,
+    ]
 
 
 def test_dp_aggregate_fails_on_a_missing_rank_a_failed_rank_or_disagreeing_step_counts():
     from benchmarks import multi_gpu
 
     missing = multi_gpu.aggregate([_rank_result(0, 0.5, 1)], gpus=2)
-    assert missing["status"] == "error" and "rank(s) [1]" in missing["error"] and missing["tokens_per_s"] == 0.0
-    oom = multi_gpu.aggregate([_rank_result(0, 0.5, 1), _rank_result(1, 0.5, 1, status="oom")], gpus=2)
+    assert (
+        missing["status"] == "error"
+        and "rank(s) [1]" in missing["error"]
+        and missing["tokens_per_s"] == 0.0
+    )
+    oom = multi_gpu.aggregate(
+        [_rank_result(0, 0.5, 1), _rank_result(1, 0.5, 1, status="oom")], gpus=2
+    )
     assert oom["status"] == "oom" and "rank 1: oom" in oom["error"]
     steps = multi_gpu.aggregate([_rank_result(0, 0.5, 1), _rank_result(1, 0.5, 1, steps=2)], gpus=2)
     assert steps["status"] == "error" and "step count" in steps["error"]
-    tokens = multi_gpu.aggregate([_rank_result(0, 0.5, 1), _rank_result(1, 0.5, 1, tokens=8192)], gpus=2)
+    tokens = multi_gpu.aggregate(
+        [_rank_result(0, 0.5, 1), _rank_result(1, 0.5, 1, tokens=8192)], gpus=2
+    )
     assert tokens["status"] == "error" and "tokens per step" in tokens["error"]
 
 
@@ -214,21 +425,38 @@ def test_dp_scaling_and_bound_rows():
     from benchmarks import multi_gpu
 
     one = dict(_rank_result(0, 0.5, 1), gpus=1, name="m1", file="f")
-    two = dict(multi_gpu.aggregate([_rank_result(0, 0.52, 1), _rank_result(1, 0.52, 1)], 2), name="m2", file="f")
-    zero3 = dict(multi_gpu.aggregate([_rank_result(0, 2.0, 1, system="zero3"),
-                                      _rank_result(1, 2.0, 1, system="zero3")], 2), name="z", file="g")
+    two = dict(
+        multi_gpu.aggregate([_rank_result(0, 0.52, 1), _rank_result(1, 0.52, 1)], 2),
+        name="m2",
+        file="f",
+    )
+    zero3 = dict(
+        multi_gpu.aggregate(
+            [_rank_result(0, 2.0, 1, system="zero3"), _rank_result(1, 2.0, 1, system="zero3")], 2
+        ),
+        name="z",
+        file="g",
+    )
     single = dict(_rank_result(0, 0.25, 1, system="resident"), gpus=1)
     bound = multi_gpu.bound_from_single(single, 2, "test")
     assert bound["tokens_per_s"] == 2 * 16384 / 0.25 and bound["tflops"] == single["tflops"]
     assert multi_gpu.label(bound) == "resident ×2 (bound: 1 GPU × 2)"
     rows = [one, two, zero3, dict(bound, name="b", file="h")]
     (s,) = multi_gpu.scaling(rows)
-    assert abs(s["ratio"] - 0.5 / 0.52 * 2) < 1e-12 and s["target"] == 1.9 and abs(s["vs_zero3"] - 2.0 / 0.52) < 1e-12
+    assert (
+        abs(s["ratio"] - 0.5 / 0.52 * 2) < 1e-12
+        and s["target"] == 1.9
+        and abs(s["vs_zero3"] - 2.0 / 0.52) < 1e-12
+    )
     lines = multi_gpu.scaling_lines(rows)
-    assert "**1.92×** (target ≥ 0.95·N = 1.90×: met)" in lines and "= 3.85× (target ≥ 2.5×: met)" in lines
+    assert (
+        "**1.92×** (target ≥ 0.95·N = 1.90×: met)" in lines
+        and "= 3.85× (target ≥ 2.5×: met)" in lines
+    )
     table = multi_gpu.throughput_table(rows)
     row = next(line for line in table.splitlines() if line.startswith("| m2 "))
-    assert "| 0.48× |" in row  # vs the whole-on-GPU bound of the same GPU count: 63,015 / 131,072 tokens/s
+    # vs the whole-on-GPU bound of the same GPU count: 63,015 / 131,072 tokens/s
+    assert "| 0.48× |" in row
     assert "| 3.85× |" in row  # vs ZeRO-3 ×2
 
 
@@ -236,39 +464,62 @@ def test_dp_rank_cpu_sets_keep_physical_cores_whole_and_launch_env():
     from benchmarks import multi_gpu
 
     # 2 NUMA nodes of 4 physical cores each, SMT siblings c and c + 8
-    topo = {"cpus": list(range(16)), "nodes": {0: [0, 1, 2, 3, 8, 9, 10, 11], 1: [4, 5, 6, 7, 12, 13, 14, 15]},
-            "siblings": {c: (c % 8, c % 8 + 8) for c in range(16)}}
-    assert multi_gpu.rank_cpu_sets(2, topo) == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    topo = {
+        "cpus": list(range(16)),
+        "nodes": {0: [0, 1, 2, 3, 8, 9, 10, 11], 1: [4, 5, 6, 7, 12, 13, 14, 15]},
+        "siblings": {c: (c % 8, c % 8 + 8) for c in range(16)},
+    }
+    assert multi_gpu.rank_cpu_sets(2, topo) == [
+        [0, 1, 2, 3, 8, 9, 10, 11],
+        [4, 5, 6, 7, 12, 13, 14, 15],
+    ]
     three = multi_gpu.rank_cpu_sets(3, topo)
     assert [len(b) for b in three] == [6, 6, 4] and sorted(sum(three, [])) == list(range(16))
     assert multi_gpu.rank_cpu_sets(9, topo) is None  # fewer physical cores than ranks: no binding
     env = multi_gpu.launch_env(2, env={"PATH": "/bin"}, topology=topo)
     assert env["H2H_RANK_CPUS"] == "0-3,8-11;4-7,12-15" and env["OMP_NUM_THREADS"] == "8"
     assert env["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast stays off in every rank
-    kept = multi_gpu.launch_env(2, bind=False, env={"OMP_NUM_THREADS": "3", "H2H_RANK_CPUS": "stale"}, topology=topo)
+    kept = multi_gpu.launch_env(
+        2, bind=False, env={"OMP_NUM_THREADS": "3", "H2H_RANK_CPUS": "stale"}, topology=topo
+    )
     assert kept["OMP_NUM_THREADS"] == "3" and "H2H_RANK_CPUS" not in kept
     assert multi_gpu.launch_env(2, bind=False, env={}, topology=topo)["OMP_NUM_THREADS"] == "8"
     assert multi_gpu.cpulist([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert multi_gpu.rank_json("out/m_g2.json", 1) == "out/m_g2.rank1.json"
-    cmd = multi_gpu.launch_cmd("venv/bin/python", 2, ["--system", "zero3", "--json", "runs/x/z.json"])
-    assert multi_gpu.recorded_cmd(cmd, "runs/x/z.json") == ("python3 -m torch.distributed.run --standalone "
-                                                           "--nproc_per_node 2 -m benchmarks.run_system --system zero3 "
-                                                           "--json z.json")
+    cmd = multi_gpu.launch_cmd(
+        "venv/bin/python", 2, ["--system", "zero3", "--json", "runs/x/z.json"]
+    )
+    assert multi_gpu.recorded_cmd(cmd, "runs/x/z.json") == (
+        "python3 -m torch.distributed.run --standalone "
+        "--nproc_per_node 2 -m benchmarks.run_system --system zero3 "
+        "--json z.json"
+    )
 
 
 def test_node_launches_stand_for_hosts_on_one_box():
-    """h2h --nodes 2: two torchrun launches (--nnodes 2, --node_rank 0/1 over 127.0.0.1), each with its GPU block and
-    its own NCCL host identity, the ranks' core blocks kept."""
+    """h2h --nodes 2: two torchrun launches (--nnodes 2, --node_rank 0/1 over 127.0.0.1), each with
+    its GPU block and its own NCCL host identity, the ranks' core blocks kept."""
     from benchmarks import multi_gpu
 
-    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "H2H_RANK_CPUS": "0-3;4-7;8-11;12-15", "OMP_NUM_THREADS": "4"}
-    (cmd0, env0), (cmd1, env1) = multi_gpu.node_launches("python3", 4, 2, ["--system", "megatrain"], 29511, env)
-    assert cmd0[cmd0.index("--nnodes") + 1] == "2" and cmd0[cmd0.index("--nproc_per_node") + 1] == "2"
+    env = {
+        "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+        "H2H_RANK_CPUS": "0-3;4-7;8-11;12-15",
+        "OMP_NUM_THREADS": "4",
+    }
+    (cmd0, env0), (cmd1, env1) = multi_gpu.node_launches(
+        "python3", 4, 2, ["--system", "megatrain"], 29511, env
+    )
+    assert (
+        cmd0[cmd0.index("--nnodes") + 1] == "2" and cmd0[cmd0.index("--nproc_per_node") + 1] == "2"
+    )
     assert [c[c.index("--node_rank") + 1] for c in (cmd0, cmd1)] == ["0", "1"]
     assert "--master_port" in cmd1 and cmd1[cmd1.index("--master_addr") + 1] == "127.0.0.1"
     assert (env0["CUDA_VISIBLE_DEVICES"], env1["CUDA_VISIBLE_DEVICES"]) == ("4,5", "6,7")
-    assert env0["NCCL_HOSTID"] != env1["NCCL_HOSTID"] and env1["H2H_RANK_CPUS"] == env["H2H_RANK_CPUS"]
-    # sockets only, as between hosts without InfiniBand: no NVLink/PCIe peer copies, no shared-memory transport
+    assert (
+        env0["NCCL_HOSTID"] != env1["NCCL_HOSTID"] and env1["H2H_RANK_CPUS"] == env["H2H_RANK_CPUS"]
+    )
+    # sockets only, as between hosts without InfiniBand: no NVLink/PCIe peer copies, no
+    # shared-memory transport
     assert all(e["NCCL_P2P_DISABLE"] == e["NCCL_SHM_DISABLE"] == "1" for e in (env0, env1))
     assert cmd1[-2:] == ["--system", "megatrain"]
 
@@ -284,14 +535,42 @@ def test_make_batches_gives_each_rank_its_own_data_and_rank_0_the_one_process_da
 
 
 def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
-    """--gpus 2 on CPU (torchrun, gloo): megatrain on 1 and 2 ranks (--scaling); every rank's file, the sums and
-    the recorded launch. (The whole-on-GPU run as DDP takes the same path: ``--systems resident``.)"""
+    """--gpus 2 on CPU (torchrun, gloo): megatrain on 1 and 2 ranks (--scaling); every rank's file,
+    the sums and the recorded launch. (The whole-on-GPU run as DDP takes the same path: ``--systems
+    resident``.)"""
     out = tmp_path / "dp"
-    cmd = [sys.executable, "-m", "benchmarks.h2h", "--model", "tiny", "--device", "cpu", "--systems",
-           "megatrain", "--seq", "64", "--tokens-per-step", "128", "--steps", "2", "--warmup", "1",
-           "--gpus", "2", "--scaling", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.h2h",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--systems",
+        "megatrain",
+        "--seq",
+        "64",
+        "--tokens-per-step",
+        "128",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--gpus",
+        "2",
+        "--scaling",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     runs = {(r["system"], r["gpus"]): r for r in data["results"]}
@@ -312,35 +591,79 @@ def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
         assert (out / f"{r['name']}.rank1.json").exists()
     assert runs[("megatrain", 2)]["settings"]["owned_layers"] == "1/2"  # layer i on rank i % 2
     (s,) = data["scaling"]
-    assert s["ratio"] == runs[("megatrain", 2)]["tokens_per_s"] / runs[("megatrain", 1)]["tokens_per_s"]
+    assert (
+        s["ratio"]
+        == runs[("megatrain", 2)]["tokens_per_s"] / runs[("megatrain", 1)]["tokens_per_s"]
+    )
     md = (out / "results.md").read_text()
-    assert "scaling megatrain_Ldefault_128_g2" in md and "megatrain ×2" in md and "Launch commands" in md
+    assert (
+        "scaling megatrain_Ldefault_128_g2" in md
+        and "megatrain ×2" in md
+        and "Launch commands" in md
+    )
 
 
-# --- LoRA, fast init, mixture of experts, killed processes (issue 15) ---------------------------------------------
+# --- LoRA, fast init, mixture of experts, killed processes (issue 15) -----------------------------
+
 
 def _h2h(tmp_path, name, *args):
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "benchmarks.h2h", "--device", "cpu", "--seq", "64", "--tokens-per-step", "128",
-           "--steps", "1", "--warmup", "1", "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.h2h",
+        "--device",
+        "cpu",
+        "--seq",
+        "64",
+        "--tokens-per-step",
+        "128",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     return {r["system"]: r for r in data["results"]}, out, proc
 
 
 def test_h2h_lora_megatrain_and_zero3(tmp_path):
-    """--lora 4 on the tiny shape: both systems train only the adapters of the same peft model; FLOPs by the LoRA
-    formula (hand-counted below); per base parameter host numbers, phases and build times recorded. megatrain
-    with --init fast (layer 0's values repeated, the layers sharing its storage until the engine copies them)."""
-    runs, out, proc = _h2h(tmp_path, "lora", "--model", "tiny", "--lora", "4", "--init", "fast",
-                           "--systems", "megatrain,zero3")
+    """--lora 4 on the tiny shape: both systems train only the adapters of the same peft model;
+    FLOPs by the LoRA formula (hand-counted below); per base parameter host numbers, phases and
+    build times recorded. megatrain with --init fast (layer 0's values repeated, the layers sharing
+    its storage until the engine copies them)."""
+    runs, out, proc = _h2h(
+        tmp_path,
+        "lora",
+        "--model",
+        "tiny",
+        "--lora",
+        "4",
+        "--init",
+        "fast",
+        "--systems",
+        "megatrain,zero3",
+    )
     assert set(runs) == {"megatrain", "zero3"}
     # tiny: h 64, 2 layers, inter 128, 4 heads, 2 KV heads (head_dim 16), vocab 256 (tied)
-    n_matmul = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 256 * 64              # 90,112
-    n_lora = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))                 # 8,192
-    n_base = 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 256 * 64 + 64
+    n_matmul = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 256 * 64  # 90,112
+    # 8,192
+    n_lora = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))
+    n_base = (
+        2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 256 * 64 + 64
+    )
     for system, r in runs.items():
         assert r["status"] == "ok", r.get("error")
         assert r["trainable_params"] == r["adapter_params"] == n_lora == 8192
@@ -349,32 +672,53 @@ def test_h2h_lora_megatrain_and_zero3(tmp_path):
         assert r["host_bytes_per_base_param"] == r["peak_host_rss_bytes"] / n_base > 0
         s = r["settings"]
         assert s["lora"]["r"] == 4 and s["lora"]["alpha"] == 8 and s["lora"]["dropout"] == 0.0
-        assert s["lora"]["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        assert s["lora"]["targets"] == [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
         assert s["build_s"] > 0 and s["initialize_s"] > 0
-        assert [p["phase"] for p in r["phases"]] == ["model built", "engine initialized", "steps done"]
+        assert [p["phase"] for p in r["phases"]] == [
+            "model built",
+            "engine initialized",
+            "steps done",
+        ]
         assert all(p["peak_rss_bytes"] > 0 for p in r["phases"])
     mega = runs["megatrain"]
     assert mega["engine_host_bytes_per_base_param"] == mega["engine_host_state_bytes"] / n_base > 0
     assert mega["settings"]["init"].startswith("layer 0 values repeated")
-    assert "zero.Init" in runs["zero3"]["settings"]["init"] and runs["zero3"]["zero3_param_partition_bytes"] > 0
+    assert (
+        "zero.Init" in runs["zero3"]["settings"]["init"]
+        and runs["zero3"]["zero3_param_partition_bytes"] > 0
+    )
     md = (out / "results.md").read_text()
     assert "host B/base param" in md and "LoRA r 4 alpha 8" in md
     assert "LoRA r4: trainable 8,192" in proc.stdout and "breakdown (s, median step)" in proc.stdout
 
 
 def test_moe_megatrain_router_aux_loss_and_active_flops(monkeypatch):
-    """tiny-moe through run_megatrain (in this process: the subprocess path is the LoRA test's): FLOPs count the
-    active matmul weights; the loss is the model's own, router aux loss included."""
+    """tiny-moe through run_megatrain (in this process: the subprocess path is the LoRA test's):
+    FLOPs count the active matmul weights; the loss is the model's own, router aux loss included."""
     from benchmarks.megatrain_system import run_megatrain
     from benchmarks.shapes import make_config
 
     monkeypatch.delenv("MEGATRAIN_OPTIONS", raising=False)
     r = run_megatrain(make_config("tiny-moe"), 128, seq=64, steps=1, warmup=1, device="cpu")
     assert r["status"] == "ok", r.get("error")
-    # tiny-moe (Qwen2-MoE): h 64, 2 layers, 4 experts top-2 of inter 32, shared expert 64, vocab 256 (untied)
+    # tiny-moe (Qwen2-MoE): h 64, 2 layers, 4 experts top-2 of inter 32, shared expert 64, vocab 256
+    # (untied)
     attention = 64 * 64 + 2 * 64 * 32 + 64 * 64
-    active = 4 * 64 + 2 * 3 * 64 * 32 + 3 * 64 * 64 + 64     # router, top-2 experts, shared expert, its gate
-    assert r["flops_per_token"] == 6 * (2 * (attention + active) + 256 * 64) + 6 * 2 * 64 * 64 == 593_664
+    # router, top-2 experts, shared expert, its gate
+    active = 4 * 64 + 2 * 3 * 64 * 32 + 3 * 64 * 64 + 64
+    assert (
+        r["flops_per_token"]
+        == 6 * (2 * (attention + active) + 256 * 64) + 6 * 2 * 64 * 64
+        == 593_664
+    )
     assert r["settings"]["loss_kernel"] == "the model's own loss (full logits) + router aux loss"
     assert r["trainable_params"] == r["base_params"] == r["n_params"]
     assert r["host_bytes_per_base_param"] > 0 and r["engine_host_bytes_per_base_param"] > 0
@@ -385,15 +729,26 @@ def test_shapes_flops_formulas_and_moe_configs():
 
     from benchmarks import shapes
 
-    shapes.self_check(("tiny", "tiny-moe", "tiny-olmoe"))  # analytic == counted from a meta model, all and active
+    # analytic == counted from a meta model, all and active
+    shapes.self_check(("tiny", "tiny-moe", "tiny-olmoe"))
     dense = shapes.make_config("qwen2.5-3b")
-    assert shapes.model_flops_per_token(dense, 1024) == 6 * shapes.matmul_params(dense) + 6 * 36 * 2048 * 1024
-    assert abs(shapes.model_flops_per_token(dense, 1024) / 1e9 - 18.9672) < 1e-4  # the anchors' number, unchanged
+    assert (
+        shapes.model_flops_per_token(dense, 1024)
+        == 6 * shapes.matmul_params(dense) + 6 * 36 * 2048 * 1024
+    )
+    # the anchors' number, unchanged
+    assert abs(shapes.model_flops_per_token(dense, 1024) / 1e9 - 18.9672) < 1e-4
     big = shapes.make_config("qwen2.5-72b")
     n_lora = shapes.lora_params(big, 16)
-    assert n_lora == 80 * 16 * ((8192 + 8192) * 2 + (8192 + 1024) * 2 + (8192 + 29568) * 3) == 210_534_400
-    assert shapes.model_flops_per_token(big, 1024, n_lora) == \
-        4 * shapes.matmul_params(big) + 6 * n_lora + 6 * 80 * 8192 * 1024
+    assert (
+        n_lora
+        == 80 * 16 * ((8192 + 8192) * 2 + (8192 + 1024) * 2 + (8192 + 29568) * 3)
+        == 210_534_400
+    )
+    assert (
+        shapes.model_flops_per_token(big, 1024, n_lora)
+        == 4 * shapes.matmul_params(big) + 6 * n_lora + 6 * 80 * 8192 * 1024
+    )
     olmoe = shapes.make_config("olmoe-1b-7b")
     assert isinstance(olmoe, transformers.OlmoeConfig) and olmoe.output_router_logits
     assert olmoe.router_aux_loss_coef == 0.01
@@ -415,15 +770,23 @@ def test_fast_init_shares_layer_0_and_keeps_buffers_and_ties():
     for name in ("tiny", "tiny-olmoe"):
         fast = build_model(make_config(name, layers=3), torch.bfloat16, "fast", seed=0)
         hf = build_model(make_config(name, layers=3), torch.bfloat16, "hf", seed=0)
-        first, third = dict(fast.model.layers[0].named_parameters()), dict(fast.model.layers[2].named_parameters())
+        first, third = (
+            dict(fast.model.layers[0].named_parameters()),
+            dict(fast.model.layers[2].named_parameters()),
+        )
         for key, p in first.items():
-            assert third[key] is not p and third[key].data_ptr() == p.data_ptr()  # own parameter, shared storage
+            # own parameter, shared storage
+            assert third[key] is not p and third[key].data_ptr() == p.data_ptr()
             assert p.dtype == torch.bfloat16 and p.device.type == "cpu"
-        assert 0.015 < first["self_attn.q_proj.weight"].float().std() < 0.025  # the model's normal(0, 0.02)
+        # the model's normal(0, 0.02)
+        assert 0.015 < first["self_attn.q_proj.weight"].float().std() < 0.025
         assert torch.equal(first["input_layernorm.weight"], torch.ones(64, dtype=torch.bfloat16))
-        for key, buf in hf.named_buffers():  # rotary inv_freq computed for real, not left uninitialized
+        # rotary inv_freq computed for real, not left uninitialized
+        for key, buf in hf.named_buffers():
             assert torch.equal(dict(fast.named_buffers())[key], buf), key
-        assert [(n, p.shape) for n, p in fast.named_parameters()] == [(n, p.shape) for n, p in hf.named_parameters()]
+        assert [(n, p.shape) for n, p in fast.named_parameters()] == [
+            (n, p.shape) for n, p in hf.named_parameters()
+        ]
     tied = build_model(make_config("tiny"), torch.float32, "fast", seed=0)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     lora = apply_lora(tied, 4)
@@ -433,25 +796,40 @@ def test_fast_init_shares_layer_0_and_keeps_buffers_and_ties():
 
 
 def test_a_killed_system_is_recorded_with_its_peak_rss_and_phases(tmp_path):
-    """A process the kernel kills leaves no result file: the driver records what it saw (its VmHWM, sampled; the
-    phases it printed) as "killed (host OOM)" when the OOM killer did it, and goes on with the next system."""
+    """A process the kernel kills leaves no result file: the driver records what it saw (its VmHWM,
+    sampled; the phases it printed) as "killed (host OOM)" when the OOM killer did it, and goes on
+    with the next system."""
     from benchmarks import h2h
 
-    child = ("import json, os, signal, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); "
-             "print('@@h2h-phase ' + json.dumps({'phase': 'model built', 't_s': 1.0, 'phase_s': 1.0, "
-             "'rss_bytes': 1, 'peak_rss_bytes': 1}), flush=True); time.sleep(1.2); os.kill(os.getpid(), signal.SIGKILL)")
+    child = (
+        "import json, os, signal, time; b = bytearray(64 << 20); b[::4096] = b'x' * "
+        "len(b[::4096]); "
+        "print('@@h2h-phase ' + json.dumps({'phase': 'model built', 't_s': 1.0, 'phase_s': 1.0, "
+        "'rss_bytes': 1, 'peak_rss_bytes': 1}), flush=True); time.sleep(1.2); os.kill(os.getpid(), "
+        "signal.SIGKILL)"
+    )
     watch: dict = {}
     tail = h2h._run_with_progress([sys.executable, "-c", child], "killed", watch=watch)
     assert watch["returncode"] == -9 and [p["phase"] for p in watch["phases"]] == ["model built"]
     assert watch["peak_rss_bytes"] >= 64 << 20  # sampled while it ran
     rec = h2h.failed_run("zero3", "tiny", 2, 128, tail, watch, host_mem_bytes=1 << 50)
     assert rec["status"] == ("killed (SIGKILL)" if not watch["oom_kills"] else "killed (host OOM)")
-    assert rec["last_phase"] == "model built" and rec["peak_host_rss_bytes"] == watch["peak_rss_bytes"]
-    oom = h2h.failed_run("zero3", "tiny", 2, 128, [], dict(watch, oom_kills=1), host_mem_bytes=1 << 50)
+    assert (
+        rec["last_phase"] == "model built" and rec["peak_host_rss_bytes"] == watch["peak_rss_bytes"]
+    )
+    oom = h2h.failed_run(
+        "zero3", "tiny", 2, 128, [], dict(watch, oom_kills=1), host_mem_bytes=1 << 50
+    )
     assert oom["status"] == "killed (host OOM)"
     unreadable = dict(watch, oom_kills=None, peak_rss_bytes=90)
-    assert h2h.failed_run("zero3", "tiny", 2, 128, [], unreadable, 100)["status"] == "killed (host OOM)"
-    assert h2h.failed_run("zero3", "tiny", 2, 128, [], dict(watch, returncode=1), 100)["status"] == "error"
+    assert (
+        h2h.failed_run("zero3", "tiny", 2, 128, [], unreadable, 100)["status"]
+        == "killed (host OOM)"
+    )
+    assert (
+        h2h.failed_run("zero3", "tiny", 2, 128, [], dict(watch, returncode=1), 100)["status"]
+        == "error"
+    )
     assert "KILLED (HOST OOM) (peak host RSS" in h2h.report_line(oom)
 
 
@@ -462,9 +840,20 @@ def test_h2h_goes_on_after_a_killed_system(tmp_path, monkeypatch):
         path = cmd[cmd.index("--json") + 1]
         system = cmd[cmd.index("--system") + 1]
         if system == "zero3":  # killed by the kernel: no result file
-            watch.update(returncode=-9, oom_kills=1, peak_rss_bytes=7 * 10**9,
-                         phases=[{"phase": "model built", "t_s": 5.0, "phase_s": 5.0, "rss_bytes": 6 * 10**9,
-                                  "peak_rss_bytes": 6 * 10**9}])
+            watch.update(
+                returncode=-9,
+                oom_kills=1,
+                peak_rss_bytes=7 * 10**9,
+                phases=[
+                    {
+                        "phase": "model built",
+                        "t_s": 5.0,
+                        "phase_s": 5.0,
+                        "rss_bytes": 6 * 10**9,
+                        "peak_rss_bytes": 6 * 10**9,
+                    }
+                ],
+            )
             return ["Killed\n"]
         watch.update(returncode=0, oom_kills=0, peak_rss_bytes=1, phases=[])
         with open(path, "w") as f:
@@ -472,10 +861,30 @@ def test_h2h_goes_on_after_a_killed_system(tmp_path, monkeypatch):
         return []
 
     monkeypatch.setattr(h2h, "_run_with_progress", fake)
-    assert h2h.main(["--model", "tiny", "--device", "cpu", "--systems", "zero3,megatrain", "--lora", "4",
-                     "--host-mem-gib", "1000", "--out", str(tmp_path)]) == 0
+    assert (
+        h2h.main(
+            [
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--systems",
+                "zero3,megatrain",
+                "--lora",
+                "4",
+                "--host-mem-gib",
+                "1000",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     runs = json.loads((tmp_path / "results.json").read_text())["results"]
-    assert [(r["system"], r["status"]) for r in runs] == [("zero3", "killed (host OOM)"), ("megatrain", "ok")]
+    assert [(r["system"], r["status"]) for r in runs] == [
+        ("zero3", "killed (host OOM)"),
+        ("megatrain", "ok"),
+    ]
     assert runs[0]["peak_host_rss_bytes"] == 7 * 10**9 and runs[0]["last_phase"] == "model built"
     md = (tmp_path / "results.md").read_text()
     assert "killed (host OOM)" in md and "| model built |" in md
@@ -487,34 +896,58 @@ def test_lora_is_refused_for_the_whole_on_gpu_system(tmp_path):
     from benchmarks import h2h
 
     with pytest.raises(SystemExit):
-        h2h.main(["--model", "tiny", "--device", "cpu", "--systems", "resident", "--lora", "4", "--out", str(tmp_path)])
+        h2h.main(
+            [
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--systems",
+                "resident",
+                "--lora",
+                "4",
+                "--out",
+                str(tmp_path),
+            ]
+        )
 
 
 def test_a_time_limit_records_the_run_so_far():
-    """phase_lib's `timeout --signal=INT` interrupts the driver and the system's process (one process group): the
-    driver records the phases and step times the process printed before it stopped."""
+    """phase_lib's `timeout --signal=INT` interrupts the driver and the system's process (one
+    process group): the driver records the phases and step times the process printed before it
+    stopped."""
     script = (
         "import json, os, signal, sys, threading\n"
         "from benchmarks import h2h\n"
-        "child = ('import json, time; print(\"@@h2h-phase \" + json.dumps({\"phase\": \"model built\", \"t_s\": 1, '\n"
+        "child = ('import json, time; print(\"@@h2h-phase \" + json.dumps({\"phase\": \"model "
+        "built\", \"t_s\": 1, '\n"
         "         '\"phase_s\": 1, \"rss_bytes\": 1, \"peak_rss_bytes\": 1}), flush=True); '\n"
         "         'print(\"@@h2h-step 1 4 0.5\", flush=True); time.sleep(60)')\n"
         "threading.Timer(1.5, lambda: os.killpg(0, signal.SIGINT)).start()\n"
         "watch = {}\n"
         "tail = h2h._run_with_progress([sys.executable, '-c', child], 'slow', watch=watch)\n"
-        "print(json.dumps(h2h.failed_run('zero3', 'tiny', 2, 128, tail, watch, 1 << 40)))\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+        "print(json.dumps(h2h.failed_run('zero3', 'tiny', 2, 128, tail, watch, 1 << 40)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        start_new_session=True,
+    )
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rec["status"] == "interrupted (time limit or Ctrl-C)", proc.stderr[-2000:]
     assert rec["step_times_s_seen"] == [0.5] and rec["last_phase"] == "model built"
 
 
 def test_host_precheck_asks_megatrains_planner(tmp_path, monkeypatch):
-    """The harness's host-memory check for megatrain is the engine's own plan of this run's config (issue 26: a
-    fixed 18 B/param skipped 7B with bf16 masters, which the engine then ran in 104 GB): fp32 masters plan about 15
-    bytes per parameter (14 for the layers: bf16 gradients land beside the streamed fp32 master), bf16 masters 2 less
-    (the layers'), and a run that does not fit is skipped with the plan's number."""
+    """The harness's host-memory check for megatrain is the engine's own plan of this run's config
+    (issue 26: a fixed 18 B/param skipped 7B with bf16 masters, which the engine then ran in 104
+    GB): fp32 masters plan about 15 bytes per parameter (14 for the layers: bf16 gradients land
+    beside the streamed fp32 master), bf16 masters 2 less (the layers'), and a run that does not fit
+    is skipped with the plan's number."""
     import argparse
 
     from benchmarks import h2h
@@ -523,24 +956,42 @@ def test_host_precheck_asks_megatrains_planner(tmp_path, monkeypatch):
     from megatrain_ds.planning.plan import meta_model, plan_model
     from benchmarks.megatrain_system import megatrain_ds_config
 
-    args = argparse.Namespace(lora=0, ds_config=None, device="cuda", seq=1024, liger="off",
-                              gpu_optimizer_fraction=0.0, host_only=True, gpus=1, model="qwen2.5-7b",
-                              host_mem_gib=100.0)
+    args = argparse.Namespace(
+        lora=0,
+        ds_config=None,
+        device="cuda",
+        seq=1024,
+        liger="off",
+        gpu_optimizer_fraction=0.0,
+        host_only=True,
+        gpus=1,
+        model="qwen2.5-7b",
+        host_mem_gib=100.0,
+    )
     cfg = make_config("qwen2.5-7b")
     fp32 = h2h.planned_megatrain_host_bytes(args, cfg, 16384, 1)
-    want = plan_model(meta_model(cfg), parse_config(megatrain_ds_config(16, "cuda", False, 0.0, True), warn=False),
-                      device="cuda", host_budget=1e9).host_need_bytes
+    want = plan_model(
+        meta_model(cfg),
+        parse_config(megatrain_ds_config(16, "cuda", False, 0.0, True), warn=False),
+        device="cuda",
+        host_budget=1e9,
+    ).host_need_bytes
     assert fp32 == want and 14.5 < fp32 / h2h._n_params(cfg) < 15.5
-    monkeypatch.setenv("MEGATRAIN_DS_CONFIG", json.dumps({"bf16": {"enabled": True,
-                                                                  "bf16_master_weights_and_grads": True}}))
+    monkeypatch.setenv(
+        "MEGATRAIN_DS_CONFIG",
+        json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}),
+    )
     bf16 = h2h.planned_megatrain_host_bytes(args, cfg, 16384, 1)
-    assert 1.5 < (fp32 - bf16) / h2h._n_params(cfg) < 2.5, (fp32, bf16)  # the layers (not the resident part)
-    assert h2h.host_precheck("megatrain", args, cfg, 16384, 1) is None  # 100 GiB: bf16 masters fit...
+    # the layers (not the resident part)
+    assert 1.5 < (fp32 - bf16) / h2h._n_params(cfg) < 2.5, (fp32, bf16)
+    # 100 GiB: bf16 masters fit...
+    assert h2h.host_precheck("megatrain", args, cfg, 16384, 1) is None
     args.host_mem_gib = 80.0  # ...80 GiB do not: skipped before any process starts, naming the plan
     res = h2h.run_one("megatrain", args, None, 16384, str(tmp_path / "y.json"))
     assert res["status"] == "skipped" and "megatrain_ds's plan" in res["error"], res
     monkeypatch.delenv("MEGATRAIN_DS_CONFIG")
-    assert "needs ~109 GiB" in h2h.host_precheck("megatrain", args, cfg, 16384, 1)  # fp32 masters: 106.3 + 3
+    # fp32 masters: 106.3 + 3
+    assert "needs ~109 GiB" in h2h.host_precheck("megatrain", args, cfg, 16384, 1)
 
 
 def test_megatrain_builds_on_the_cpu_when_the_gpu_cannot_hold_the_fp32_model(monkeypatch):

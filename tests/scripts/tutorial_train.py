@@ -5,6 +5,7 @@
 The test suite runs it twice: as is (real DeepSpeed) and with the import line changed to
 ``import megatrain_ds as deepspeed``. Nothing else differs.
 """
+
 import argparse
 import json
 
@@ -23,13 +24,20 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                      tie_word_embeddings=False)
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    )
     model = transformers.Qwen2ForCausalLM(config)
 
-    engine, optimizer, _, lr_scheduler = deepspeed.initialize(args=args, model=model,
-                                                              model_parameters=model.parameters())
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters()
+    )
     gen = torch.Generator().manual_seed(1)
     record = {"loss": [], "lr": [], "grad_norm": []}
     micro_steps = args.steps * engine.gradient_accumulation_steps()

@@ -113,13 +113,16 @@ def _write_configs(h: SshHosts) -> None:
     (h.root / "sshd_config").write_text(
         f"Port {h.port}\n{listen}HostKey {h.root / 'host_key'}\nPidFile {h.root / 'sshd.pid'}\n"
         f"AuthorizedKeysFile {h.root / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
-        "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+        "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication "
+        "no\nUsePAM no\n"
         "StrictModes no\nX11Forwarding no\nPrintMotd no\nMaxStartups 64\n"
     )
     names = "".join(f"Host {name}\n  HostName {address}\n" for name, address in h.hosts.items())
     (h.root / "ssh_config").write_text(
-        f"{names}Host *\n  Port {h.port}\n  User root\n  IdentityFile {h.root / 'id_key'}\n  IdentitiesOnly yes\n"
-        "  BatchMode yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+        f"{names}Host *\n  Port {h.port}\n  User root\n  IdentityFile {h.root / 'id_key'}\n  "
+        "IdentitiesOnly yes\n"
+        "  BatchMode yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel "
+        "ERROR\n"
     )
     h.bin_dir.mkdir(exist_ok=True)
     wrapper = h.bin_dir / "ssh"

@@ -196,10 +196,14 @@ def test_a_save_that_cannot_fit_on_tmpfs_writes_nothing_and_one_that_fits_loads_
         message = str(err.value)
         print(message)
         assert re.search(
-            rf"save_checkpoint: not enough disk space for checkpoint 'two' in {re.escape(save_dir)}: the "
-            r"file system refused to reserve [\d,]+ bytes \(.*\) for .*/\.two\.tmp-\d+/.*\.pt \(No space "
-            r"left on device\); it has [\d,]+ bytes \(.*\) available; rank 0's files need [\d,]+ bytes "
-            r".* in all\. Nothing was written: the previous checkpoint and 'latest' are as they were",
+            rf"save_checkpoint: not enough disk space for checkpoint 'two' in {re.escape(save_dir)}"
+            r": the "
+            r"file system refused to reserve [\d,]+ bytes \(.*\) for .*/\.two\.tmp-\d+/.*\.pt \(No "
+            r"space "
+            r"left on device\); it has [\d,]+ bytes \(.*\) available; rank 0's files need [\d,]+ "
+            r"bytes "
+            r".* in all\. Nothing was written: the previous checkpoint and 'latest' are as they "
+            r"were",
             message,
         ), message
         assert err.value.needed > err.value.available
@@ -242,8 +246,10 @@ def test_the_nvme_tier_too_large_for_its_tmpfs_is_refused_at_initialize(tmp_path
         message = str(err.value)
         print(message)
         assert re.search(
-            r"cannot allocate the state of the layers placed on disk .*: the file system refused to "
-            r"reserve [\d,]+ bytes .* for .*/moments\.swp \(No space left on device\); it has [\d,]+ "
+            r"cannot allocate the state of the layers placed on disk .*: the file system refused "
+            r"to "
+            r"reserve [\d,]+ bytes .* for .*/moments\.swp \(No space left on device\); it has "
+            r"[\d,]+ "
             r"bytes .* available\. Free space there",
             message,
         ), message

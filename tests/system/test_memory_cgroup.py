@@ -121,8 +121,10 @@ REFUSED = """
     from megatrain_ds.planning.capacity import CapacityError
     from tests.models import PlainLM
 
-    model = PlainLM(vocab=64, width=2048, depth=8)  # 134 M parameters: 0.5 GB of weights, 2.1 GB of host state
-    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    # 134 M parameters: 0.5 GB of weights, 2.1 GB of host state
+    model = PlainLM(vocab=64, width=2048, depth=8)
+    config = {"train_micro_batch_size_per_gpu": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "megatrain": {"gpu_optimizer_layers": 0, "keep_activations": 0}}
     try:
         megatrain_ds.initialize(model=model, config=config)
@@ -165,7 +167,8 @@ TRAINS = """
     losses = []
     for _ in range(4):
         logits = engine(ids)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+        shifted = logits[:, :-1].reshape(-1, 64)
+        loss = torch.nn.functional.cross_entropy(shifted, ids[:, 1:].reshape(-1))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

@@ -108,7 +108,8 @@ def test_where_fallocate_is_not_supported_f_bavail_decides(tmp_path, monkeypatch
     with pytest.raises(
         DiskSpaceError,
         match=re.escape(
-            f"{tmp_path / 'big'} needs 1,048,577 bytes (1.00 MiB), and the file system (which cannot reserve space: "
+            f"{tmp_path / 'big'} needs 1,048,577 bytes (1.00 MiB), and the file system (which "
+            "cannot reserve space: "
             f"{os.strerror(code)}) has 1,048,576 bytes (1.00 MiB) available"
         ),
     ):
@@ -204,10 +205,14 @@ def test_a_save_the_file_system_refuses_writes_nothing(tmp_path, monkeypatch):
     assert refusing.calls[1].endswith(OPTIM_FILE) and err.value.path.endswith(OPTIM_FILE)
     message = str(err.value)
     assert re.fullmatch(
-        rf"\[Errno 28\] save_checkpoint: not enough disk space for checkpoint 'two' in {re.escape(str(tmp_path))}: "
-        rf"the file system refused to reserve {err.value.needed:,} bytes \(.* MiB\) for .*/\.two\.tmp-\d+/{OPTIM_FILE} "
-        r"\(No space left on device\); it has [\d,]+ bytes \(.*\) available; rank 0's files need [\d,]+ bytes \(.*\) "
-        r"in all\. Nothing was written: the previous checkpoint and 'latest' are as they were\. Free space \(older "
+        r"\[Errno 28\] save_checkpoint: not enough disk space for checkpoint 'two' in "
+        rf"{re.escape(str(tmp_path))}: "
+        rf"the file system refused to reserve {err.value.needed:,} bytes \(.* MiB\) for "
+        rf".*/\.two\.tmp-\d+/{OPTIM_FILE} "
+        r"\(No space left on device\); it has [\d,]+ bytes \(.*\) available; rank 0's files need "
+        r"[\d,]+ bytes \(.*\) "
+        r"in all\. Nothing was written: the previous checkpoint and 'latest' are as they were\. "
+        r"Free space \(older "
         r"checkpoints\?\) or save to another disk",
         message,
     ), message

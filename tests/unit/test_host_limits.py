@@ -164,9 +164,11 @@ def test_pinning_limits_say_which_and_by_how_much():
     cg = CgroupMemory("/slurm/job_1", 6 * GiB, 5 * GiB, 1)
     out = pinning_limits(3 * GiB, 2 * GiB, memlock=4 * GiB, cgroup=cg, available=GiB)
     assert out == [
-        "RLIMIT_MEMLOCK (ulimit -l) 4.00 GiB: 3.00 GiB page-locked + 2.00 GiB asked exceeds it by 1.00 GiB "
+        "RLIMIT_MEMLOCK (ulimit -l) 4.00 GiB: 3.00 GiB page-locked + 2.00 GiB asked exceeds it by "
+        "1.00 GiB "
         "(cudaHostRegister is not charged to it by NVIDIA's driver; mlock is)",
-        "memory cgroup /slurm/job_1 limit 6.00 GiB - 5.00 GiB used leaves 1.00 GiB: short by 1.00 GiB",
+        "memory cgroup /slurm/job_1 limit 6.00 GiB - 5.00 GiB used leaves 1.00 GiB: short by 1.00 "
+        "GiB",
         "MemAvailable 1.00 GiB: short by 1.00 GiB",
     ]
     assert pinning_limits(0, GiB, memlock=None, cgroup=None, available=2 * GiB) == []
@@ -209,8 +211,8 @@ def test_capacity_refusal_names_the_cgroup(monkeypatch):
         plan.check_capacity(layouts, resident, config, "cpu")
     message = str(err.value)
     assert (
-        "budget 460.80 KiB (memory cgroup /slurm/job_7 limit 1.00 MiB - 512.00 KiB used - 5% of the limit)"
-        in message
+        "budget 460.80 KiB (memory cgroup /slurm/job_7 limit 1.00 MiB - 512.00 KiB used - 5% of "
+        "the limit)" in message
     )
     assert "ask the scheduler for more memory" in message
     assert "budget: memory cgroup /slurm/job_7" in message  # the table's host RAM line

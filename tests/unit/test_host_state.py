@@ -1,5 +1,7 @@
-"""The engine's host buffers: private mappings that a forked child does not inherit, huge pages where the
-kernel offers them, and the training they hold still exact (the equivalence tests cover the numbers)."""
+"""The engine's host buffers: private mappings that a forked child does not inherit, huge pages
+where the kernel offers them, and the training they hold still exact (the equivalence tests cover
+the numbers)."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +18,12 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /
 
 def _engine_buffers(engine):
     store = engine.store
-    return {"master": store.master, "exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq, "grad": store.grad}
+    return {
+        "master": store.master,
+        "exp_avg": store.exp_avg,
+        "exp_avg_sq": store.exp_avg_sq,
+        "grad": store.grad,
+    }
 
 
 def _mapped(addr: int) -> bool:
@@ -29,8 +36,11 @@ def _mapped(addr: int) -> bool:
 
 
 def _one_step_engine(layers=2):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "gradient_clipping": 1.0}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "gradient_clipping": 1.0,
+    }
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=layers), config=cfg)
     ids = torch.randint(0, 100, (2, 8))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -40,8 +50,8 @@ def _one_step_engine(layers=2):
 
 @linux
 def test_forked_child_does_not_inherit_the_optimizer_state():
-    """A DataLoader worker forked after initialize() must not share the state copy-on-write (the parent's
-    next optimizer step would duplicate every page it writes while the worker lives)."""
+    """A DataLoader worker forked after initialize() must not share the state copy-on-write (the
+    parent's next optimizer step would duplicate every page it writes while the worker lives)."""
     engine = _one_step_engine()
     buffers = _engine_buffers(engine)
     assert all(_mapped(t.data_ptr()) for t in buffers.values())
@@ -97,5 +107,7 @@ def test_large_host_buffers_use_huge_pages_when_the_kernel_offers_them():
             elif inside and head == "AnonHugePages:":
                 huge_kb = int(line.split()[1])
                 break
-    assert huge_kb is not None and huge_kb >= 2048, f"{huge_kb} kB of the 64 MiB buffer in huge pages"
+    assert huge_kb is not None and huge_kb >= 2048, (
+        f"{huge_kb} kB of the 64 MiB buffer in huge pages"
+    )
     assert float(t.sum()) == 16 << 20

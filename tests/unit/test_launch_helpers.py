@@ -1,5 +1,6 @@
-"""The tests' launch helpers (tests/launch.py, tests/fork_launch.py): a two-process launch where one fails does not
-wait on the other; the warm server's forked ranks behave as launched processes."""
+"""The tests' launch helpers (tests/launch.py, tests/fork_launch.py): a two-process launch where one
+fails does not wait on the other; the warm server's forked ranks behave as launched processes."""
+
 import os
 import subprocess
 import sys
@@ -19,7 +20,10 @@ def test_wait_both_stops_the_other_launch_once_one_has_failed():
 
 
 def test_wait_both_waits_for_two_that_succeed():
-    procs = [subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({t})"]) for t in (0.2, 1.0)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({t})"])
+        for t in (0.2, 1.0)
+    ]
     wait_both(procs, grace=0.1)
     assert [p.returncode for p in procs] == [0, 0]
 
@@ -33,7 +37,8 @@ def test_only_the_exit_abort_line_with_a_failure_counts_as_the_exit_abort():
 RANK_SCRIPT = """
 import atexit, os, sys
 rank = os.environ["RANK"]
-print("out", rank, os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"], os.getcwd())
+env = os.environ
+print("out", rank, env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"], os.getcwd())
 atexit.register(lambda: open(os.path.join(sys.argv[1], "exit" + rank), "w").write("ran"))
 if sys.argv[2] == "fail" and rank == "1":
     raise ValueError("rank 1 fails")
@@ -41,14 +46,20 @@ if sys.argv[2] == "fail" and rank == "1":
 
 
 def test_warm_run_forks_ranks_with_torchrun_env_and_exits_them_as_processes(tmp_path):
-    """tests/fork_launch.py's warm server: each rank sees torchrun's variables and the launch's working folder, its
-    output comes back, its atexit handlers run; a failing rank is the launch's exit status, with its traceback."""
+    """tests/fork_launch.py's warm server: each rank sees torchrun's variables and the launch's
+    working folder, its output comes back, its atexit handlers run; a failing rank is the launch's
+    exit status, with its traceback."""
     from tests.fork_launch import warm_run
 
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MASTER_PORT="29999",
-               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        MASTER_PORT="29999",
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
     proc = warm_run(2, str(script), [str(tmp_path), "ok"], env, timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("out "))

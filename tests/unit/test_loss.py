@@ -1,4 +1,5 @@
 """The chunked LM-head cross-entropy equals the whole-logits loss, in value and gradients."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +10,12 @@ from megatrain_ds.model.loss import IGNORE_INDEX, linear_cross_entropy
 def _reference(hidden, weight, bias, labels, num_items=None):
     logits = F.linear(hidden, weight, bias)  # fp64 in, fp64 reference
     shift = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        shift.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     denom = num_items if num_items is not None else (shift != IGNORE_INDEX).sum()
     return loss / denom
 
@@ -40,7 +45,8 @@ def test_chunked_matches_whole_logits(with_bias, num_items):
 
 def test_whole_logits_never_exist():
     """Peak extra memory of the loss is one chunk of logits, not [tokens, vocab]."""
-    import tracemalloc  # noqa: F401 - CPU tensors are not tracked by tracemalloc; count via the allocator
+    # CPU tensors are not tracked by tracemalloc; count via the allocator
+    import tracemalloc  # noqa: F401
 
     torch.manual_seed(0)
     N, H, V, rows = 512, 8, 4096, 32

@@ -1,6 +1,7 @@
-"""The suite's DeepSpeed op prebuild (tests/ops_prebuild.py): a lock file a killed build left behind is removed before
-the suite starts (else every load of that op waits forever: the CI hang of 2026-11-28), and a build in progress
-(a fresh lock) is left alone."""
+"""The suite's DeepSpeed op prebuild (tests/ops_prebuild.py): a lock file a killed build left behind
+is removed before the suite starts (else every load of that op waits forever: the CI hang of
+2026-11-28), and a build in progress (a fresh lock) is left alone."""
+
 import os
 import time
 

@@ -1,5 +1,6 @@
-"""megatrain_ds.host.placement: topology from a fake sysfs, the plan's choices, the config parse, applying it to a
-real worker thread, and the host_adam placement sweep on tiny parameters."""
+"""megatrain_ds.host.placement: topology from a fake sysfs, the plan's choices, the config parse,
+applying it to a real worker thread, and the host_adam placement sweep on tiny parameters."""
+
 import os
 import threading
 import warnings
@@ -11,7 +12,9 @@ import torch
 from megatrain_ds.host import placement as pl
 
 
-def _fake_sysfs(root, nodes: dict[int, str], siblings: dict[int, str] | None = None, pci: dict | None = None):
+def _fake_sysfs(
+    root, nodes: dict[int, str], siblings: dict[int, str] | None = None, pci: dict | None = None
+):
     for n, cpulist in nodes.items():
         d = root / "devices/system/node" / f"node{n}"
         d.mkdir(parents=True)
@@ -53,7 +56,8 @@ def test_topology_from_fake_sysfs(tmp_path):
 
 def test_topology_restricted_affinity_and_no_sysfs(tmp_path):
     root = _two_socket_smt(tmp_path)
-    topo = pl.host_topology(root, usable=[4, 5, 12])  # a container's cpuset: node 0 gone, 13 not ours
+    # a container's cpuset: node 0 gone, 13 not ours
+    topo = pl.host_topology(root, usable=[4, 5, 12])
     assert topo["nodes"] == {1: [4, 5, 12]}
     assert topo["siblings"][4] == (4, 12) and topo["siblings"][5] == (5,)
     bare = pl.host_topology(str(tmp_path / "nothing"), usable=[0, 1, 2])
@@ -65,7 +69,8 @@ def test_plan_prefers_gpu_node_skips_smt_and_reserves_main(tmp_path):
     topo = pl.host_topology(_two_socket_smt(tmp_path), usable=list(range(16)))
     p = pl.plan_placement(topo, gpu_numa_node=1)
     assert p.numa_node == 1 and p.main_cores == (4,)
-    assert p.cores == (5, 6, 7) and p.threads == 3  # node 1's physical cores but the main's; no 12-15
+    # node 1's physical cores but the main's; no 12-15
+    assert p.cores == (5, 6, 7) and p.threads == 3
     assert not p.shared_with_main
     p0 = pl.plan_placement(topo, gpu_numa_node=0, reserve_main=2)
     assert p0.main_cores == (0, 1) and p0.cores == (2, 3) and p0.threads == 2
@@ -84,18 +89,24 @@ def test_plan_explicit_threads_spill_order(tmp_path):
     topo = pl.host_topology(_two_socket_smt(tmp_path), usable=list(range(16)))
     p = pl.plan_placement(topo, 0, threads=5)  # node 0 physical (1-3), then node 1 physical
     assert p.cores == (1, 2, 3, 4, 5) and p.threads == 5
-    p = pl.plan_placement(topo, 0, threads=9)  # all 7 other physical cores, then SMT siblings (not 8: main's)
+    # all 7 other physical cores, then SMT siblings (not 8: main's)
+    p = pl.plan_placement(topo, 0, threads=9)
     assert p.cores == (1, 2, 3, 4, 5, 6, 7, 9, 10)
     p = pl.plan_placement(topo, 0, threads=40)
-    assert p.threads == 40 and len(p.cores) == 15 and 0 not in p.cores and "oversubscribed" in p.reason
+    assert (
+        p.threads == 40 and len(p.cores) == 15 and 0 not in p.cores and "oversubscribed" in p.reason
+    )
 
 
 def test_plan_one_core_and_two_cpu_boxes(tmp_path):
     one = pl.host_topology(str(tmp_path / "none"), usable=[0])
     p = pl.plan_placement(one, None)
     assert p.threads == 1 and p.cores == (0,) and p.main_cores == (0,) and p.shared_with_main
-    smt_pair = pl.host_topology(_fake_sysfs(tmp_path / "s", {0: "0-1"}, {0: "0-1", 1: "0-1"}), usable=[0, 1])
-    p = pl.plan_placement(smt_pair, 0)  # one physical core: the optimizer gets the main's sibling, not its cpu
+    smt_pair = pl.host_topology(
+        _fake_sysfs(tmp_path / "s", {0: "0-1"}, {0: "0-1", 1: "0-1"}), usable=[0, 1]
+    )
+    # one physical core: the optimizer gets the main's sibling, not its cpu
+    p = pl.plan_placement(smt_pair, 0)
     assert p.main_cores == (0,) and p.cores == (1,) and not p.shared_with_main
     two = pl.host_topology(str(tmp_path / "none"), usable=[0, 1])
     p = pl.plan_placement(two, None)
@@ -103,8 +114,11 @@ def test_plan_one_core_and_two_cpu_boxes(tmp_path):
 
 
 def test_gpu_numa_node_from_sysfs(tmp_path):
-    root = _fake_sysfs(tmp_path, {0: "0-1"}, pci={"0000:3b:00.0": (1, "0x10de", "0x030200"),
-                                                  "0000:00:1f.0": (0, "0x8086", "0x060100")})
+    root = _fake_sysfs(
+        tmp_path,
+        {0: "0-1"},
+        pci={"0000:3b:00.0": (1, "0x10de", "0x030200"), "0000:00:1f.0": (0, "0x8086", "0x060100")},
+    )
     assert pl._node_of("00000000:3B:00.0", root) == 1  # NVML/CUDA spelling
     assert pl._node_of("3b:00.0", root) == 1
     assert pl._node_of("0000:99:00.0", root) is None
@@ -137,12 +151,20 @@ def test_apply_placement_changes_the_worker_not_the_main_thread():
     before = os.sched_getaffinity(0)
     threads_before = torch.get_num_threads()
     target = sorted(before)[-1:]
-    plan = pl.Placement(threads=1, cores=tuple(target), main_cores=(), numa_node=None, shared_with_main=False,
-                        reason="test")
+    plan = pl.Placement(
+        threads=1,
+        cores=tuple(target),
+        main_cores=(),
+        numa_node=None,
+        shared_with_main=False,
+        reason="test",
+    )
     worker = ThreadPoolExecutor(1, initializer=pl.apply_placement, initargs=(plan,))
     try:
+
         def probe():
-            torch.randn(200_000).mul_(2.0)  # a parallel op: the worker's OpenMP team (if any) starts here
+            # a parallel op: the worker's OpenMP team (if any) starts here
+            torch.randn(200_000).mul_(2.0)
             return threading.get_native_id(), os.sched_getaffinity(0), torch.get_num_threads()
 
         tid, affinity, n = worker.submit(probe).result()
@@ -157,8 +179,14 @@ def test_apply_placement_changes_the_worker_not_the_main_thread():
 
 def test_pin_main_thread_returns_the_previous_mask():
     before = os.sched_getaffinity(0)
-    plan = pl.Placement(threads=1, cores=(), main_cores=(min(before),), numa_node=None, shared_with_main=False,
-                        reason="test")
+    plan = pl.Placement(
+        threads=1,
+        cores=(),
+        main_cores=(min(before),),
+        numa_node=None,
+        shared_with_main=False,
+        reason="test",
+    )
     previous = pl.pin_main_thread(plan)
     try:
         assert previous == before and os.sched_getaffinity(0) == {min(before)}
@@ -170,8 +198,14 @@ def test_pin_main_thread_returns_the_previous_mask():
 def test_apply_placement_warns_once_when_forbidden():
     pl._warned.discard("affinity")
     threads_before = torch.get_num_threads()
-    bad = pl.Placement(threads=threads_before, cores=(10_000,), main_cores=(), numa_node=None,
-                       shared_with_main=False, reason="test")
+    bad = pl.Placement(
+        threads=threads_before,
+        cores=(10_000,),
+        main_cores=(),
+        numa_node=None,
+        shared_with_main=False,
+        reason="test",
+    )
     result = {}
 
     def run():
@@ -204,17 +238,24 @@ def test_host_adam_sweep_prints_the_table(capsys):
 
 
 def test_openmp_threads_inherit_the_worker_mask():
-    """The finding in docs/placement.md: the worker's OpenMP team is created by its first parallel op, with the
-    worker's mask; threads that existed before (the main thread's own) keep theirs."""
+    """The finding in docs/placement.md: the worker's OpenMP team is created by its first parallel
+    op, with the worker's mask; threads that existed before (the main thread's own) keep theirs."""
     cpus = sorted(os.sched_getaffinity(0))
     threads_before = torch.get_num_threads()
     before = pl.task_affinities()
-    plan = pl.Placement(threads=2, cores=(cpus[-1],), main_cores=(), numa_node=None, shared_with_main=False,
-                        reason="test")  # 2 threads on one cpu: the team exists even on a 1-cpu box
+    plan = pl.Placement(
+        threads=2,
+        cores=(cpus[-1],),
+        main_cores=(),
+        numa_node=None,
+        shared_with_main=False,
+        reason="test",
+    )  # 2 threads on one cpu: the team exists even on a 1-cpu box
     worker = ThreadPoolExecutor(1, initializer=pl.apply_placement, initargs=(plan,))
     try:
         tid = worker.submit(threading.get_native_id).result()
-        worker.submit(lambda: torch.randn(1_000_000).mul_(2.0)).result()  # large enough to run in parallel
+        # large enough to run in parallel
+        worker.submit(lambda: torch.randn(1_000_000).mul_(2.0)).result()
         after = pl.task_affinities()
         new = {t: m for t, m in after.items() if t not in before}
         assert tid in new and len(new) >= 2  # the worker and at least one thread it started
@@ -226,8 +267,8 @@ def test_openmp_threads_inherit_the_worker_mask():
 
 
 def test_local_ranks_get_disjoint_shares_of_the_host():
-    """Data parallel: two ranks whose GPUs share a NUMA node split its physical cores (SMT siblings follow their
-    core); ranks on different nodes keep their node; the plans never overlap."""
+    """Data parallel: two ranks whose GPUs share a NUMA node split its physical cores (SMT siblings
+    follow their core); ranks on different nodes keep their node; the plans never overlap."""
     from megatrain_ds.host.placement import plan_placement, share_between_local_ranks
 
     # one node, 8 physical cores 0-7 with siblings 8-15

@@ -1,13 +1,15 @@
 """megatrain.tiled_mlp (tiling.py): the tiled MLP / RMSNorm trains like the untiled model.
 
-Tolerances (fp32, 3 steps of GA 2 with clipping firing every step): losses to 1e-6 relative (measured: equal to
-the last bit on the development CPU; a GEMM over fewer rows may take another kernel, so not asserted); grad
-norms to 1e-6 relative (measured <= 6e-8); final fp32 masters to 1e-6 relative over all parameters (measured
-<= 9e-8) and 5e-6 per parameter (measured <= 1.1e-6), attention key biases 1e-4 (their true gradient is zero,
-softmax being shift-invariant: Adam amplifies rounding noise, as in test_equivalence.py; measured 6.5e-6). The
-differences are the weight gradients' sum over rows, taken chunk by chunk instead of in one matmul: the same
-fp32 additions in another order.
+Tolerances (fp32, 3 steps of GA 2 with clipping firing every step): losses to 1e-6 relative
+(measured: equal to the last bit on the development CPU; a GEMM over fewer rows may take another
+kernel, so not asserted); grad norms to 1e-6 relative (measured <= 6e-8); final fp32 masters to 1e-6
+relative over all parameters (measured <= 9e-8) and 5e-6 per parameter (measured <= 1.1e-6),
+attention key biases 1e-4 (their true gradient is zero, softmax being shift-invariant: Adam
+amplifies rounding noise, as in test_equivalence.py; measured 6.5e-6). The differences are the
+weight gradients' sum over rows, taken chunk by chunk instead of in one matmul: the same fp32
+additions in another order.
 """
+
 import copy
 import types
 
@@ -25,15 +27,22 @@ GA, STEPS, SEQ, CHUNK = 2, 3, 13, 5  # 2 x 13 = 26 rows per micro-batch: chunks 
 
 
 def _config(tiled, clip: float = 0.5, **megatrain) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GA,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.95],
-                                                      "eps": 1e-6}},
-            "gradient_clipping": clip, "megatrain": {"tiled_mlp": tiled, **megatrain}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GA,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.95], "eps": 1e-6},
+        },
+        "gradient_clipping": clip,
+        "megatrain": {"tiled_mlp": tiled, **megatrain},
+    }
 
 
 def _train(model, tiled, **megatrain):
-    engine, *_ = megatrain_ds.initialize(model=model, model_parameters=model.parameters(),
-                                         config=_config(tiled, **megatrain))
+    engine, *_ = megatrain_ds.initialize(
+        model=model, model_parameters=model.parameters(), config=_config(tiled, **megatrain)
+    )
     gen = torch.Generator().manual_seed(1)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -56,12 +65,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _assert_same_training(ref, got):
     (ref_losses, ref_norms, ref_state, _), (losses, norms, state, _) = ref, got
-    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, ref_losses)), (
+        losses,
+        ref_losses,
+    )
     assert all(abs(a - b) <= 1e-6 * b for a, b in zip(norms, ref_norms)), (norms, ref_norms)
     assert min(ref_norms) > 0.5, "clipping (at 0.5) must fire for the test to cover it"
     names = list(ref_state)
-    assert _rel(torch.cat([state[n].flatten() for n in names]), torch.cat([ref_state[n].flatten() for n in names])) \
+    assert (
+        _rel(
+            torch.cat([state[n].flatten() for n in names]),
+            torch.cat([ref_state[n].flatten() for n in names]),
+        )
         < 1e-6
+    )
     for name in names:
         assert _rel(state[name], ref_state[name]) < (1e-4 if "k_proj.bias" in name else 5e-6), name
     init = tiny_hf("qwen2").state_dict()  # the run moved the weights (else equality proves nothing)
@@ -79,9 +96,10 @@ def test_tiled_training_equals_untiled(arch):
 
 
 def test_tiled_training_with_kept_layers_and_offloaded_activations():
-    # a kept layer runs the tiled Function in its forward with grad on (its graph held to the backward); the
-    # others recompute it from the saved input, which is in host memory here
-    model = tiny_hf("qwen3")  # its q_norm / k_norm ([batch, seq, heads, head_dim] rows) are tiled too
+    # a kept layer runs the tiled Function in its forward with grad on (its graph held to the
+    # backward); the others recompute it from the saved input, which is in host memory here its
+    # q_norm / k_norm ([batch, seq, heads, head_dim] rows) are tiled too
+    model = tiny_hf("qwen3")
     ref = _train(copy.deepcopy(model), False, keep_activations=1, offload_activations=True)
     got = _train(model, CHUNK, keep_activations=1, offload_activations=True)
     assert {"0:self_attn.q_norm", "0:self_attn.k_norm", "0:mlp"} <= set(got[3])
@@ -120,12 +138,23 @@ def test_settings_accepted():
 def test_moe_blocks_and_dropout_mlps_are_left_alone():
     import transformers as tf
 
-    cfg = tf.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=256, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1])
+    cfg = tf.Qwen2MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[1],
+    )
     layers = tf.Qwen2MoeForCausalLM(cfg).model.layers
     tiled = tiling.apply_tiling([copy.deepcopy(layers[0]), copy.deepcopy(layers[1])], 4)
-    assert "0:mlp" not in tiled and "1:mlp" in tiled  # the sparse block is not tiled; the dense MLP layer is
+    # the sparse block is not tiled; the dense MLP layer is
+    assert "0:mlp" not in tiled and "1:mlp" in tiled
     assert not any(t.startswith("0:mlp.") for t in tiled)  # nor anything inside the sparse block
 
     class DropMLP(nn.Module):
@@ -142,13 +171,15 @@ def test_moe_blocks_and_dropout_mlps_are_left_alone():
 
 
 def _executor_style_grads(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    """As executor.py takes a layer's gradients: parameters bound by functional_call to views of one flat leaf,
-    torch.autograd.grad over [flat leaf, input] (nothing read from .grad)."""
+    """As executor.py takes a layer's gradients: parameters bound by functional_call to views of one
+    flat leaf, torch.autograd.grad over [flat leaf, input] (nothing read from .grad)."""
     names = [n for n, _ in layer.named_parameters()]
-    flat = torch.cat([p.detach().reshape(-1) for _, p in layer.named_parameters()]).requires_grad_(True)
+    flat = torch.cat([p.detach().reshape(-1) for _, p in layer.named_parameters()]).requires_grad_(
+        True
+    )
     views, offset = {}, 0
     for name, p in layer.named_parameters():
-        views[name] = flat[offset:offset + p.numel()].view(p.shape)
+        views[name] = flat[offset : offset + p.numel()].view(p.shape)
         offset += p.numel()
     x = x.detach().requires_grad_(True)
     out = functional_call(layer, views, (x,))
@@ -158,9 +189,9 @@ def _executor_style_grads(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
 
 
 def test_liger_style_bound_forward_is_wrapped_and_gets_weight_gradients_through_autograd_grad():
-    # liger's instance patching binds its SwiGLU forward on the module (a custom autograd Function inside); the
-    # tiled forward wraps whatever forward the module has. Weight gradients must come back through
-    # autograd.grad over the flat leaf, as the executor takes them.
+    # liger's instance patching binds its SwiGLU forward on the module (a custom autograd Function
+    # inside); the tiled forward wraps whatever forward the module has. Weight gradients must come
+    # back through autograd.grad over the flat leaf, as the executor takes them.
     class SiLUMul(torch.autograd.Function):
         @staticmethod
         def forward(ctx, a, b):
@@ -186,17 +217,23 @@ def test_liger_style_bound_forward_is_wrapped_and_gets_weight_gradients_through_
     kwargs_free = _WithRope(layer)
     ref_out, ref_grads = _executor_style_grads(kwargs_free, x, g)
     tiled = copy.deepcopy(kwargs_free)
-    assert tiling.apply_tiling([tiled.layer], 4) == ["0:mlp", "0:input_layernorm", "0:post_attention_layernorm"]
+    assert tiling.apply_tiling([tiled.layer], 4) == [
+        "0:mlp",
+        "0:input_layernorm",
+        "0:post_attention_layernorm",
+    ]
     calls.clear()
     out, grads = _executor_style_grads(tiled, x, g)
-    assert calls == [4, 4, 4, 4, 4, 2] * 2  # 22 rows: the forward's chunks, then the backward's recompute
+    # 22 rows: the forward's chunks, then the backward's recompute
+    assert calls == [4, 4, 4, 4, 4, 2] * 2
     assert _rel(out, ref_out) < 1e-6
     for got, want in zip(grads, ref_grads):
         assert _rel(got, want) < 1e-6
 
 
 class _WithRope(nn.Module):
-    """A decoder layer called with its rotary embeddings, as the model calls it (single positional input)."""
+    """A decoder layer called with its rotary embeddings, as the model calls it (single positional
+    input)."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -217,7 +254,8 @@ def test_liger_rmsnorm_is_not_tiled():
     def forward(self, x):
         return x
 
-    forward.__module__ = "liger_kernel.transformers.rms_norm"  # what liger's instance patching binds
+    # what liger's instance patching binds
+    forward.__module__ = "liger_kernel.transformers.rms_norm"
     norm.__dict__["forward"] = types.MethodType(forward, norm)
     block = nn.Module()
     block.input_layernorm = norm

@@ -1,11 +1,13 @@
-"""``deepspeed.runtime.zero.partition_parameters`` by attribute (DeepSpeed-Chat's ``lora.py`` compares
-``p.ds_status == deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE``).
+"""``deepspeed.runtime.zero.partition_parameters`` by attribute (DeepSpeed-Chat's ``lora.py``
+compares ``p.ds_status ==
+deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE``).
 
-``ZeroParamStatus`` is DeepSpeed's own enum (megatrain_ds/api/zero.py, ``_status_enum``), so the comparison holds
-whichever way the script reached it."""
+``ZeroParamStatus`` is DeepSpeed's own enum (megatrain_ds/api/zero.py, ``_status_enum``), so the
+comparison holds whichever way the script reached it."""
+
 from __future__ import annotations
 
-from ...api.zero import GatheredParameters, Init
+from ...api import GatheredParameters, Init
 
 
 def __getattr__(name: str):
@@ -13,8 +15,10 @@ def __getattr__(name: str):
         from ...api import zero
 
         return zero.ZeroParamStatus
-    raise AttributeError(f"deepspeed.runtime.zero.partition_parameters.{name} (megatrain_ds imported as deepspeed) "
-                         "is not provided: ZeroParamStatus, Init and GatheredParameters are")
+    raise AttributeError(
+        f"deepspeed.runtime.zero.partition_parameters.{name} (megatrain_ds imported as deepspeed) "
+        "is not provided: ZeroParamStatus, Init and GatheredParameters are"
+    )
 
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]
