@@ -237,7 +237,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         )
         # the resident parameters' refresh hooks (a module called without the engine), DeepSpeed's
         # parameter offload face to trl's generation (zero_offload.py)
-        self._offload = ParameterOffload(self, model, resident)
+        self._offload = ParameterOffload(self.resident.upload, model, resident)
         buffers_to_device(model, layers, device)
         self.module = model
         self._fused = fused_loss_parts(model)

@@ -61,6 +61,8 @@ frozen reference) has ``optimizer is None``, for which trl raises before touchin
 
 from __future__ import annotations
 
+from typing import Callable
+
 import types
 
 import torch
@@ -89,8 +91,11 @@ class ParameterOffload:
     (``forward_hooks``), and the registration that puts them back. See [Note: generation under
     ZeRO-3]."""
 
-    def __init__(self, engine, module: nn.Module, resident: list[nn.Parameter]) -> None:
-        self._engine = engine
+    def __init__(
+        self, upload: Callable[[], None], module: nn.Module, resident: list[nn.Parameter]
+    ) -> None:
+        # the resident parameters' refresh: their device copies from the last update
+        self._upload = upload
         self.module = module
         # modules owning resident parameters
         self._owners = _owners(module, {id(p) for p in resident})
@@ -102,7 +107,7 @@ class ParameterOffload:
         self._register_deepspeed_module(module)
 
     def _refresh(self, _module, _args) -> None:
-        self._engine.resident.upload()  # a no-op when the device copies hold the last update
+        self._upload()  # a no-op when the device copies hold the last update
 
     def _register_deepspeed_module(self, module: nn.Module, count=None) -> None:
         """DeepSpeed's name (trl's ``add_hooks``): install the refresh hook of each owner of
