@@ -1,33 +1,25 @@
 """The depth figure: model TFLOPS against decoder layers at a fixed width, every system, on one GPU
 box.
 
-    python -m benchmarks.depth --systems megatrain-host,megatrain --depths 28,56,84,120,180
-    --deadline-s 540 \
-        --out runs/depth_a                                            # one device call's share
-    python -m benchmarks.depth --plot runs/depth_a runs/depth_b --out runs/depth   # depth.png +
-    depth.md, no GPU
+    python -m benchmarks.depth --systems megatrain-host,megatrain --depths 28,56,84,120,180 \
+        --deadline-s 540 --out runs/depth_a                       # one device call's share
+    python -m benchmarks.depth --plot runs/depth_a runs/depth_b --out runs/depth
+                                                # depth.png + depth.md, no GPU
 
 Width: Qwen2.5-1.5B (hidden 1536, inter 8960, 12 heads, 2 KV heads, vocab 151936, tied), depth from
-``--layers``
-of the ``qwen2.5-1.5b`` shape; 16 x 1024 tokens/step, clip 1.0, bf16, liger for every system, 2
-warm-up + 3
-measured steps (median). Systems (each run is its own process, benchmarks.h2h.run_one, with the
-harness's host
-pre-check and OOM records): ``megatrain-host`` (megatrain_ds --host-only), ``megatrain`` (engine
-defaults),
-``zero3``, ``fsdp`` (benchmarks/fsdp_system.py), ``gemini`` (benchmarks/gemini_system.py).
+``--layers`` of the ``qwen2.5-1.5b`` shape; 16 x 1024 tokens/step, clip 1.0, bf16, liger for every
+system, 2 warm-up + 3 measured steps (median). Systems (each run is its own process,
+benchmarks.h2h.run_one, with the harness's host pre-check and OOM records): ``megatrain-host``
+(megatrain_ds --host-only), ``megatrain`` (engine defaults), ``zero3``, ``fsdp``
+(benchmarks/fsdp_system.py), ``gemini`` (benchmarks/gemini_system.py).
 
 A system that does not finish a depth (OOM on the GPU or the host, a host pre-check that says it
-will not fit,
-"did not run", the call's time or ``--run-cap-s`` running out) is recorded as a marked point and not
-run deeper.
-``--deadline-s`` bounds the whole call: each run gets the time left (less a margin for writing
-results) and is
-stopped at it; runs never started are listed under "not_run". ``--order depth`` runs every system at
-one depth before the next
-(peers that compete for the same call's time reach equal depths); ``--order system`` one system's
-depths in a row.
-Writes ``OUT/depth.json`` after every run.
+will not fit, "did not run", the call's time or ``--run-cap-s`` running out) is recorded as a
+marked point and not run deeper. ``--deadline-s`` bounds the whole call: each run gets the time
+left (less a margin for writing results) and is stopped at it; runs never started are listed under
+"not_run". ``--order depth`` runs every system at one depth before the next (peers that compete for
+the same call's time reach equal depths); ``--order system`` one system's depths in a row. Writes
+``OUT/depth.json`` after every run.
 """
 
 from __future__ import annotations

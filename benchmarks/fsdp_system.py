@@ -1,41 +1,34 @@
 """PyTorch FSDP2 with CPU offload as a peer of the benchmark harness (``run_system --system fsdp``).
 
-    python -m benchmarks.run_system --system fsdp --model qwen2.5-1.5b --layers 56 --tokens-per-step
-    16384 \
-        --steps 3 --warmup 2 --json fsdp.json
-    torchrun --nproc-per-node 2 -m benchmarks.run_system --system fsdp ...     # N GPUs (h2h --gpus
-    N)
+    python -m benchmarks.run_system --system fsdp --model qwen2.5-1.5b --layers 56 \
+        --tokens-per-step 16384 --steps 3 --warmup 2 --json fsdp.json
+    torchrun --nproc-per-node 2 -m benchmarks.run_system --system fsdp ...   # N GPUs (h2h --gpus N)
 
 What it runs (the settings recorded under "settings"):
 
-- ``torch.distributed.fsdp.fully_shard`` on every decoder layer, then on the root (embeddings, final
-norm and the
-  LM head, tied or not, in the root's group), over a 1-D device mesh of the launcher's WORLD_SIZE
-  ranks.
+- ``torch.distributed.fsdp.fully_shard`` on every decoder layer, then on the root (embeddings,
+  final norm and the LM head, tied or not, in the root's group), over a 1-D device mesh of the
+  launcher's WORLD_SIZE ranks.
 - ``CPUOffloadPolicy(pin_memory=True)``: the sharded fp32 parameters, their gradients and the
-optimizer state live
-  in pinned host memory; each layer's shard is copied to the GPU for its all-gather and the reduced
-  gradient back.
+  optimizer state live in pinned host memory; each layer's shard is copied to the GPU for its
+  all-gather and the reduced gradient back.
 - ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 parameters on CUDA (the
-compute copies
-  are bf16, gradients are reduced and kept in fp32). On device "cpu" (the unit test) no mixed
-  precision: fp32, as
-  the ``resident`` and ``zero3`` systems train on the CPU.
+  compute copies are bf16, gradients are reduced and kept in fp32). On device "cpu" (the unit
+  test) no mixed precision: fp32, as the ``resident`` and ``zero3`` systems train on the CPU.
 - Per-layer activation checkpointing: every decoder layer wrapped in ``checkpoint_wrapper``
-(non-reentrant
-  torch.utils.checkpoint) before it is sharded, as torchtitan applies AC before FSDP.
+  (non-reentrant torch.utils.checkpoint) before it is sharded, as torchtitan applies AC before
+  FSDP.
 - ``torch.optim.AdamW(fused=True)`` with benchmarks.common.OPTIMIZER on the offloaded (CPU) DTensor
-parameters:
-  the fused kernel has a CPU implementation, and FSDP2 runs the optimizer step where the shards are.
+  parameters: the fused kernel has a CPU implementation, and FSDP2 runs the optimizer step where
+  the shards are.
 - Clip H2H_CLIP with ``torch.nn.utils.clip_grad_norm_`` on the DTensor parameters (the global norm
-over ranks).
+  over ranks).
 - liger-kernel as HF Trainer applies it (``liger=True``), before wrapping, like the other systems.
 
-The model is built by benchmarks.build (``init``: ``hf`` on the GPU when its fp32 weights fit there,
-else on the
-CPU; ``fast`` for big shapes), then each layer is moved, sharded and offloaded by ``fully_shard``
-one at a time, so
-the host never holds a second whole copy. GPU peak memory is counted from after the wrap.
+The model is built by benchmarks.build (``init``: ``hf`` on the GPU when its fp32 weights fit
+there, else on the CPU; ``fast`` for big shapes), then each layer is moved, sharded and offloaded by
+``fully_shard`` one at a time, so the host never holds a second whole copy. GPU peak memory is
+counted from after the wrap.
 """
 
 from __future__ import annotations

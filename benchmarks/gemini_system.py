@@ -1,31 +1,25 @@
 """ColossalAI Gemini as a peer of the benchmark harness (``run_system --system gemini``), the
 paper's other peer.
 
-    python -m benchmarks.run_system --system gemini --model qwen2.5-1.5b --layers 56
-    --tokens-per-step 16384 \
-        --steps 3 --warmup 2 --json gemini.json
+    python -m benchmarks.run_system --system gemini --model qwen2.5-1.5b --layers 56 \
+        --tokens-per-step 16384 --steps 3 --warmup 2 --json gemini.json
 
 What it runs when ColossalAI imports (recorded under "settings"):
 
 - ``GeminiPlugin(placement_policy="static", shard_param_frac=1.0, offload_optim_frac=1.0,
-offload_param_frac=1.0,
-  pin_memory=True, precision="bf16", max_norm=H2H_CLIP)``: the plugin docstring's "old cpu
-  placement", every
-  parameter shard and all optimizer state in (pinned) host memory, the placement its docs give for
-  the largest
-  model a GPU can train; ``GEMINI_PLACEMENT=auto`` runs ``placement_policy="auto"`` (Gemini's
-  runtime memory
-  tracer moves chunks between the GPU and the host) instead. Clipping is the plugin's ``max_norm``.
+  offload_param_frac=1.0, pin_memory=True, precision="bf16", max_norm=H2H_CLIP)``: the plugin
+  docstring's "old cpu placement", every parameter shard and all optimizer state in (pinned) host
+  memory, the placement its docs give for the largest model a GPU can train;
+  ``GEMINI_PLACEMENT=auto`` runs ``placement_policy="auto"`` (Gemini's runtime memory tracer moves
+  chunks between the GPU and the host) instead. Clipping is the plugin's ``max_norm``.
 - ``HybridAdam`` (AdamW mode, benchmarks.common.OPTIMIZER) through ``Booster(plugin=...)``; HF
-activation
-  checkpointing; liger-kernel as HF Trainer applies it (``liger=True``), before boosting.
+  activation checkpointing; liger-kernel as HF Trainer applies it (``liger=True``), before
+  boosting; ``GEMINI_LIGER=0`` leaves liger off and records why (``LIGER_OFF_WHY``).
 
-ColossalAI's newest release (0.5.0) pins ``torch>=2.2.0,<=2.5.1`` and ``transformers==4.51.3``; the
-lent GPU box
-has torch 2.11 and transformers 5.x. When the import (or the plugin's setup) fails, the run is not
-attempted: the
-result has status "did not run" with the exact error and the installed release's pins
-(``requirements``), so the
+ColossalAI's newest release (0.5.0) pins ``torch>=2.2.0,<=2.5.1`` and ``transformers==4.51.3``;
+the lent GPU box has torch 2.11 and transformers 5.x, and it is installed there without its pins.
+When the import (or the plugin's setup) fails, the run is not attempted: the result has status
+"did not run" with the exact error and the installed release's pins (``requirements``), so the
 depth figure and the tables show why the peer is missing rather than leaving it out.
 """
 

@@ -1,40 +1,33 @@
 """100B+ on paper: megatrain_ds's planner for a 100B and a 120B Qwen-like model on the paper's
-machine and on each
-GPU box the project can borrow; predictions, nothing is built or run.
+machine and on each GPU box the project can borrow; predictions, nothing is built or run.
 
     python -m benchmarks.plan_100b --out benchmarks/results/2026-11-29_cpu_plan_100b
 
 Shapes: the Qwen2.5-72B width (hidden 8192, intermediate 29568, 64 heads, 8 KV heads, vocab 152064,
-untied) made
-deeper: 111 layers = 100 B parameters ("qwen-100b"), 134 layers = 120 B ("qwen-120b"). Machines: the
-paper's (one
-H200, 1.5 TB host) and the lent kinds (1/2/4/8 H200 with 128/256/512/560 GiB host, 64/128/235/235 GB
-disk).
+untied) made deeper: 111 layers = 100 B parameters ("qwen-100b"), 134 layers = 120 B
+("qwen-120b"). Machines: the paper's (one H200, 1.5 TB host) and the lent kinds (1/2/4/8 H200 with
+128/256/512/560 GiB host, 64/128/235/235 GB disk).
 
 For each (model, machine) the planner (``megatrain_ds.planning.plan.plan_model``, what
-``megatrain-ds plan`` and
-``initialize`` run) is asked, in order, until one fits (MODES): (1) "ram": fp32 masters, gradients
-and Adam moments
-in RAM; (2) "nvme": the same with the NVMe tier (``offload_optimizer.device: nvme``, ``nvme_layers:
-"auto"``: the
-moments of the fewest trailing layers on disk); (3) and (4): (1) and (2) with bf16 master weights
+``megatrain-ds plan`` and ``initialize`` run) is asked, in order, until one fits (MODES): (1)
+"ram": fp32 masters, gradients and Adam moments in RAM; (2) "nvme": the same with the NVMe tier
+(``offload_optimizer.device: nvme``, ``nvme_layers: "auto"``: the moments of the fewest trailing
+layers on disk); (3) and (4): (1) and (2) with bf16 master weights
 (``bf16_master_weights_and_grads``, 4 host bytes less per parameter: not the exact fp32 recipe,
-labelled so). The
-host budget is 90% of the machine's RAM; the disk's free
-bytes are the kind's disk size (the planner would read this machine's disk: it is replaced by the
-target's).
-16 x 1024 tokens per GPU per step, bf16 compute, data parallel over the box's GPUs (one host copy of
-the state).
+labelled so). The host budget is 90% of the machine's RAM; the disk's free bytes are the kind's
+disk size (the planner would read this machine's disk: it is replaced by the target's). 16 x 1024
+tokens per GPU per step, bf16 compute, data parallel over the box's GPUs (one host copy of the
+state).
 
 The step time is not the planner's (it predicts memory only): it is this script's bound model, the
 largest of
-  GPU     model FLOPs of the step (ANCHORS formula, per GPU) / 350 TFLOPS (the 14B run's rate,
-  2026-11-28),
-  PCIe    weights streamed in twice (bf16) per GPU at 50 GB/s,
-  host    the host update of every parameter at the box's measured rate (5.4 Gparam/s on 16 cores,
-  7.2 on 64),
-  disk    each disk layer's moments read (2.20 GB/s) and written (2.52 GB/s) once per step
-  (2026-11-22 H200 disk),
+
+    GPU     model FLOPs of the step (ANCHORS formula, per GPU) / 350 TFLOPS (the 14B run's rate)
+    PCIe    weights streamed in twice (bf16) per GPU at 50 GB/s
+    host    the host update of every parameter at the box's measured rate (5.4 Gparam/s on 16
+            cores, 7.2 on 64)
+    disk    each disk layer's moments read (2.20 GB/s) and written (2.52 GB/s) once per step
+
 i.e. perfect overlap, a lower bound; the measured 14B step was 1.05x its bound. Labelled "estimate"
 everywhere.
 """
