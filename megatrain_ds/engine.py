@@ -7,17 +7,17 @@
     # enqueue clip + AdamW on the host; returns at once
     engine.step()
 
-Reading order: ``__init__`` (how the model is split, what is decided, and where each tensor lives),
-``forward``, ``backward``, ``step``. ``__init__`` decides nothing itself: decisions.py resolves
-every setting once into ``engine.decisions``, engine_build.py builds the parts from it,
-engine_auto.py places what "auto" leaves to the first step. The executor (executor.py), the host
-state (host_state.py) and the optimizer (optimizer.py) hold the mechanics.
+Reading order: ``__init__``, then ``forward``, ``backward``, ``step``. ``__init__`` decides and
+builds nothing itself: training/construction.py's ``build_engine`` is the one construction path
+(how the model is split, what is decided, where each tensor lives); decisions.py resolves every
+setting once into ``engine.decisions``; engine_auto.py places what "auto" leaves to the first
+steps. The executor (executor.py), the model state (model_state.py) and the optimizer
+(optimizer.py) hold the mechanics.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 import weakref
 
@@ -34,31 +34,14 @@ from .checkpoints import (
     save_16bit_model,
     CheckpointParts,
 )
-from .host import LayerStates, ModelState
 from .planning import TrainConfig
-from .parallel import DataParallel
 from .training import (
-    AutoPlacer,
+    EngineHooks,
     PlacementParts,
-    apply_liger_kernels,
-    buffers_to_device,
-    build_executor,
-    place_initial,
-    build_optimizer,
-    build_store,
-    build_workers,
-    check_capacity_for,
-    count,
-    decide,
-    host_share,
-    host_view,
-    log_tier,
-    param_groups,
-    step_counters,
-    sync_initial_weights,
+    build_engine,
     close_tiers_at_exit,
+    count,
     deferred_interrupt,
-    refuse_a_model_in_use,
     refuse_empty_sequences,
 )
 
@@ -70,17 +53,10 @@ from .training import (  # noqa: F401
     to_device,
 )
 from .log import ALL_RANKS, log, logger
-from .model import (
-    fused_loss_parts,
-    build_layout,
-    find_block_list,
-    shared_parameter_ids,
-    RecomputeMismatch,
-    nonfinite_gradients_message,
-)
-from .optim import cast_inputs_half, ResidentParams
-from .api import Monitor, EngineSurface, adopt_zero3_model, mark_partitioned, ParameterOffload
-from .streaming import make_streams, StepTimer, traced
+from .model import RecomputeMismatch, nonfinite_gradients_message
+from .optim import cast_inputs_half
+from .api import Monitor, EngineSurface
+from .streaming import traced
 
 
 class MegaTrainEngine(EngineSurface, nn.Module):
@@ -96,182 +72,43 @@ class MegaTrainEngine(EngineSurface, nn.Module):
     ) -> None:
         super().__init__()
         self.config_settings = config  # the parsed settings: a value
-        # fp16's live loss scaler, built from the parsed settings; the optimizer updates it each
-        # step
+        # fp16's live loss scaler, built from the parsed settings; the optimizer updates it
         self.loss_scaler = None if config.loss_scaling is None else config.loss_scaling.scaler()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if device is None:
-            device = (
-                torch.device("cuda", self.local_rank)
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        # rank, world, which ranks share a host, who holds which state (dp.py)
-        self.dp = DataParallel(
-            device, config.megatrain.collective_timeout, config.megatrain.host_sharding
+        # every part, built in one pass (training/construction.py): split, decide once, build
+        hooks = EngineHooks(
+            open_implicit_backward=self._open_implicit_backward,
+            synchronize=self.synchronize,
+            step_counts=lambda: (self.micro_steps, self.global_steps),
+            loss_scale=self._loss_scale,
+            close_tiers_at_exit=lambda: close_tiers_at_exit(self),
         )
-        model.train()
-        groups, defaults = param_groups(model, model_parameters, config.optimizer)
-        group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
-        # what initialize decided to train (its layout and optimizer state follow): a later
-        # requires_grad_(False) on one of them is refused at the next forward (_check_trained), not
-        # silently ignored
-        self._trained = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
-        refuse_a_model_in_use(model)
-        # built under real DeepSpeed's zero.Init (HfDeepSpeedConfig): made whole
-        adopt_zero3_model(model)
-        # 1. Split: streamed layers (host flat buffers) vs resident params (device copies).
-        self.block_name, layers = find_block_list(model)
-        # used by two layers (or a layer and the rest): resident
-        shared_ids = shared_parameter_ids(model, layers)
-        layouts = [build_layout(i, layer, group_of, shared_ids) for i, layer in enumerate(layers)]
-        if self.dp.active:  # every rank starts from rank 0's weights, as DeepSpeed's ZeRO-3 does
-            sync_initial_weights(model, layers, self.dp, shared_ids)
-        # 2. Decide, once (decisions.py): dtypes, every "auto" decidable now, which layers are
-        #    GPU-held / on NVMe.
-        # Every rank on this host must fit its budget (NVMe split, gradient_hold); the capacity
-        # check counts the same.
-        owned = self.dp.owned_mask(len(layers))
-        resident_numels, _, freed = host_view(model, layers, shared_ids, group_of, self.dp)
-        # whose host holds each one's state (dp.py)
-        resident_owned = self.dp.set_resident(resident_numels)
-        # every rank on this host
-        share = host_share(config, len(layers), resident_numels, freed, self.dp)
-        self.decisions = dec = decide(config, layouts, device.type, share, self.dp)
-        # before the layer templates are made from the layers
-        # None: the model's own kernels
-        self.liger_model_type = apply_liger_kernels(
-            model, device, dec.liger_kernels, dec.compute_dtype
-        )
-        self.compute_dtype, self.wire_dtype, self.host_kernel = (
-            dec.compute_dtype,
-            dec.wire_dtype,
-            dec.host_kernel,
-        )
-        self.streams = make_streams(device)
-        pin = device.type == "cuda"
-        # refused here, before any buffer, when the state cannot fit
-        self.capacity = (
-            check_capacity_for(config, dec, layouts, share, freed, model, device)
-            if config.optimizer is not None
-            else None
-        )
-        # 3. Build what was decided (engine_build.py): host store, host threads, executor, resident,
-        #    optimizer.
-        self.store = build_store(config, dec, layouts, owned, self.dp.rank, pin, device)
+        parts = build_engine(model, config, model_parameters, device, self.loss_scaler, hooks)
+        self.local_rank, self.device, self.dp = parts.local_rank, parts.device, parts.dp
+        self._trained = parts.trained  # refused if untrained later (_check_trained)
+        self.block_name, self.decisions = parts.block_name, parts.decisions
+        dec = parts.decisions
+        self.liger_model_type = parts.liger_model_type
+        self.compute_dtype, self.wire_dtype = dec.compute_dtype, dec.wire_dtype
+        self.host_kernel = dec.host_kernel
+        self.streams, self.capacity, self.store = parts.streams, parts.capacity, parts.store
         # named in the step line
         self.precision_mode = "bf16 masters" if config.bf16_masters else "fp32 masters"
-        # its writes must land, and its file go, even without destroy()
-        if self.store.tier is not None:
-            close_tiers_at_exit(self)
-            log_tier(self.store, config, dec)
-        self.placement, self.worker, self.opt_worker = build_workers(
-            config, device, self.local_rank, self.dp
+        self.placement, self.worker, self.opt_worker = (
+            parts.placement,
+            parts.worker,
+            parts.opt_worker,
         )
-        # the breakdown costs one device sync per step (see timing.py): only when the config asks
-        # for it
-        self.timer = StepTimer(self.streams, enabled=config.wall_clock_breakdown)
-        # where each layer's state lives: the one owner
-        self.layer_states = LayerStates(self.store, device)
-        self.executor, self.tiled_modules = build_executor(
-            layers,
-            layouts,
-            self.layer_states,
-            device,
-            self.streams,
-            self.worker,
-            config,
-            dec,
-            self.dp,
-            type(model).__name__,
-            self.timer,
-            self._open_implicit_backward,
-        )
-        for i, layer in enumerate(layers):
-            # copies weights to the host master, frees the module's storage
-            self.store.load_layer(i, layer)
-        # page-locks the wire copy now that it is written (host_state.py)
-        self.store.finish_loading()
-        # "auto" placements are decided after the second step, from its measured peak
-        # (engine_auto.py)
-        self.auto_placer = AutoPlacer(
-            dec.auto_device_state, dec.auto_keep, config.megatrain.gpu_memory_reserve
-        )
-        place_initial(self.layer_states, dec.n_device_layers)
-        if not dec.auto_keep:
-            self.executor.set_keep(dec.keep)
-        layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
-        resident = [p for p in model.parameters() if id(p) not in layer_ids]
-        self.resident = ResidentParams(
-            resident,
-            group_of,
-            device,
-            dec.compute_dtype,
-            self.streams,
-            pin,
-            state_on_device=dec.resident_on_device,
-            dp=self.dp,
-            owned=resident_owned,
-        )
-        # every persistent tensor (layers and resident parameters) and each parameter's home
-        # (model_state.py)
-        self.model_state = ModelState(
-            self.layer_states,
-            self.resident.state,
-            self.dp,
-            device,
-            self.block_name,
-            module=model,
-            synchronize=self.synchronize,
-            on_layer_written=self.executor.schedule.invalidate,
-            layer_landings=self.executor,
-            resident_landings=self.resident,
-            refresh_device_copies=self.resident.upload,
-            step_counts=lambda: (self.micro_steps, self.global_steps),
-            pending_device_bytes=self.executor.inference.pending_bytes,
-            trains=config.optimizer is not None,
-            loss_scale=self._loss_scale,
-        )
-        # the resident parameters' refresh hooks (a module called without the engine), DeepSpeed's
-        # parameter offload face to trl's generation (zero_offload.py)
-        self._offload = ParameterOffload(self.resident.upload, model, resident)
-        buffers_to_device(model, layers, device)
+        self.timer, self.layer_states = parts.timer, parts.layer_states
+        self.executor, self.tiled_modules = parts.executor, parts.tiled_modules
+        self.auto_placer, self.resident = parts.auto_placer, parts.resident
+        self.model_state = parts.model_state
+        self._offload = parts.offload
         self.module = model
-        self._fused = fused_loss_parts(model)
+        self._fused = parts.fused
         # why labels= calls ran the model's own forward (each logged once)
         self._fused_refusals: set[str] = set()
-        self._mark_params(layers)
-        if self.auto_placer.pending and device.type == "cuda":
-            # the model's GPU copy, if it was built there, is gone: so is its peak
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        self.optimizer = (
-            None
-            if config.optimizer is None
-            else build_optimizer(
-                groups,
-                defaults,
-                config,
-                dec,
-                self.executor,
-                self.layer_states,
-                self.streams,
-                self.timer,
-                self.resident,
-                self.worker,
-                self.opt_worker,
-                self.dp,
-                self.loss_scaler,
-            )
-        )
+        self.optimizer = parts.optimizer
         self.lr_scheduler = None
-        if self.optimizer is not None:
-            # where trl's remove_hooks/add_hooks look
-            self.optimizer.parameter_offload = self._offload
-            self.timer.counters = step_counters(self.optimizer, self.store)
         # a loss.backward() is open: its ``final`` ([Note: loss.backward()])
         self._implicit_final: bool | None = None
         # global_steps, micro_steps, ...: one value (checkpoints/step_counters.py)
@@ -901,12 +738,6 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         made from them (``ModelState.load_master_state_dict``: all checked before the first
         write)."""
         self.model_state.load_master_state_dict(state, strict)
-
-    # ------------------------------------------------------------------ zero.GatheredParameters
-    def _mark_params(self, layers) -> None:
-        """ZeRO-3-style attributes and a home (where the fp32 master is) on every parameter; see
-        zero.py."""
-        self.model_state.mark_params(layers, mark_partitioned)
 
     def last_step_breakdown(self) -> dict:
         return self.timer.last

@@ -1,9 +1,10 @@
-"""The engine's parts (``megatrain_ds/engine.py`` holds the engine itself): ``engine_build`` builds
-every part from the resolver's ``Decisions``, ``engine_forward`` the batch's way in and the exact
-fused loss, ``engine_auto`` the placements made after the second step, ``lifecycle`` the guards
-around a run.
+"""The engine's parts (``megatrain_ds/engine.py`` holds the engine itself): ``construction`` is the
+one construction path (``build_engine``), ``engine_build`` the builders it calls in order,
+``engine_forward`` the batch's way in and the exact fused loss, ``engine_auto`` the placements made
+after the second step, ``lifecycle`` the guards around a run.
 """
 
+from .construction import EngineHooks, EngineParts, build_engine
 from .engine_auto import AutoPlacer, PlacementParts
 from .engine_build import (
     apply_liger_kernels,
@@ -33,6 +34,9 @@ from .lifecycle import (
 
 # the names the engine (megatrain_ds/engine.py) uses: test_structure.py's face rule
 __all__ = [
+    "EngineHooks",
+    "EngineParts",
+    "build_engine",
     "AutoPlacer",
     "PlacementParts",
     "apply_liger_kernels",
