@@ -363,6 +363,34 @@ def measure(
     return warm_times, times, losses
 
 
+def oom_result(
+    system: str,
+    config,
+    layers: int,
+    micro_batch: int,
+    seq: int,
+    device: str,
+    n_params: int,
+    exc: BaseException,
+    **extra,
+) -> dict:
+    """The result of a run that ran out of memory (status "oom", the error's first 4000
+    characters), after freeing what it held on the device."""
+    cleanup()
+    return result_dict(
+        system,
+        config,
+        layers,
+        micro_batch,
+        seq,
+        device,
+        n_params,
+        status="oom",
+        error=str(exc)[:4000],
+        **extra,
+    )
+
+
 def result_dict(
     system: str,
     config,

@@ -40,13 +40,13 @@ from benchmarks.common import (
     LIGER_KERNELS,
     OPTIMIZER,
     apply_hf_liger,
-    cleanup,
     data_rank,
     h2h_clip,
     is_oom,
     make_batches,
     measure,
     micro_batch_for,
+    oom_result,
     report_phase,
     reset_memory_stats,
     result_dict,
@@ -218,8 +218,7 @@ def run_fsdp(
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
         if not is_oom(exc):
             raise
-        cleanup()
-        return result_dict(
+        return oom_result(
             "fsdp",
             config,
             layers,
@@ -227,8 +226,7 @@ def run_fsdp(
             seq,
             device,
             n_params,
-            status="oom",
-            error=str(exc)[:4000],
+            exc,
             settings=settings,
         )
     return result_dict(

@@ -21,8 +21,9 @@
 #             ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests;
 #             defer26d: ZeRO-3 and host-only at clip 1e9
 #   wire26    the 10 GiB row with the bf16 wire streamed (stream_fp32_master false) and the fp32 master, ZeRO-3
-#   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating;
-#             MODES="host defaults" adds the engine's default placement, ROUNDS pairs (default 2)
+#   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
+#             (ABBA: FIRST=before|after picks the first round's order); MODES="host defaults" adds the engine's
+#             default placement, ROUNDS pairs (default 2)
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
@@ -163,9 +164,17 @@ case $phase in
         for k in $(seq 1 "${ROUNDS:-2}"); do  # ROUNDS: before/after pairs (default 2)
           for mode in ${MODES:-host}; do
             flag=""; suffix=$k; [ "$mode" = host ] && flag="--host-only"; [ "$mode" = defaults ] && suffix=defaults$k
-            (cd "$before" && export PYTHONPATH="$root/.site:$PWD" && h2h_call 95 before$suffix --systems megatrain $flag --clip 1.0 \
-                --tokens-per-step 16384 --warmup 2 --steps 4)
-            h2h_call 95 after$suffix --systems megatrain $flag --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+            # ABBA: odd rounds (and FIRST=before) run the old tree first, even rounds (or FIRST=after) the new one,
+            # so neither tree always runs second
+            first=${FIRST:-before}; [ $((k % 2)) = 0 ] && { [ "$first" = before ] && first=after || first=before; }
+            for tree in $first $([ "$first" = before ] && echo after || echo before); do
+              if [ "$tree" = before ]; then
+                (cd "$before" && export PYTHONPATH="$root/.site:$PWD" && h2h_call 95 before$suffix --systems megatrain \
+                    $flag --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4)
+              else
+                h2h_call 95 after$suffix --systems megatrain $flag --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+              fi
+            done
           done
         done
         [ "${HOST_UPDATE:-1}" = 1 ] && python3 -m benchmarks.host_update_bench --threads 15 --repeats 3 --blocks 16777216 2>&1 \

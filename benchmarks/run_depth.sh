@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/run_depth.sh a OUTDIR     megatrain_ds host-only and defaults, 28..180 layers (depth order)
 #   bash benchmarks/run_depth.sh b OUTDIR     Gemini's row, then ZeRO-3 offload and FSDP2 (depth order)
+#   bash benchmarks/run_depth.sh pre OUTDIR   ColossalAI's JIT kernels, built before b on the same warm machine (its
+#                                             cache is per machine), so no Gemini point spends its cap compiling
 #   python3 -m benchmarks.depth --plot OUT_A/depth_a OUT_B/depth_b --out DIR      (here: depth.png, depth.md)
 #
 # Each phase is one device `run` (carry .wheels: ../shared/tools/gpu-wheels.sh + benchmarks/gemini_wheels.sh) of at
@@ -17,6 +19,8 @@ export TORCH_EXTENSIONS_DIR=$PWD/.site/ext  # DeepSpeed's and ColossalAI's JIT o
 free -g
 depths=${DEPTHS:-28,56,84,120,180}
 case $phase in
+  pre) timeout 560 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 8 | tee "$out/pre.log"
+       exit 0 ;;
   a) systems=${SYSTEMS:-megatrain-host,megatrain} ;;
   b) systems=${SYSTEMS:-gemini,zero3,fsdp} ;;  # Gemini first: an import error costs seconds, a JIT build at most the cap
   *) echo "unknown phase $phase"; exit 2 ;;

@@ -33,7 +33,6 @@ from benchmarks.common import (
     LIGER_KERNELS,
     OPTIMIZER,
     apply_hf_liger,
-    cleanup,
     count_params,
     data_rank,
     enable_hf_checkpointing,
@@ -42,6 +41,7 @@ from benchmarks.common import (
     make_batches,
     measure,
     micro_batch_for,
+    oom_result,
     report_phase,
     reset_memory_stats,
     result_dict,
@@ -150,8 +150,7 @@ def run_resident(
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
         if not is_oom(exc):
             raise
-        cleanup()
-        return result_dict(
+        return oom_result(
             "resident",
             config,
             layers,
@@ -159,8 +158,7 @@ def run_resident(
             seq,
             device,
             n_params,
-            status="oom",
-            error=str(exc)[:4000],
+            exc,
             settings=settings,
         )
     return result_dict(
@@ -455,8 +453,7 @@ def run_zero3(
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
         if not is_oom(exc):
             raise
-        cleanup()
-        return result_dict(
+        return oom_result(
             "zero3",
             config,
             layers,
@@ -464,8 +461,7 @@ def run_zero3(
             seq,
             device,
             n_params,
-            status="oom",
-            error=str(exc)[:4000],
+            exc,
             ds_config=ds_config,
             settings=settings,
             lora_params=counts.get("adapter_params") if lora else None,

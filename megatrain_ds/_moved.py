@@ -43,7 +43,7 @@ PACKAGES = {
         "inference",
         "activations",
     ),
-    "optim": ("optimizer", "host_update", "host_threads", "speculation", "resident", "loss_scale"),
+    "optim": ("optimizer", "host_update", "speculation", "resident", "loss_scale"),
     "planning": (
         "decisions",
         "capacity",

@@ -80,7 +80,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             synchronize=self.synchronize,
             step_counts=lambda: (self.micro_steps, self.global_steps),
             loss_scale=self._loss_scale,
-            close_tiers_at_exit=lambda: close_tiers_at_exit(self),
+            close_tiers_at_exit=lambda tier: close_tiers_at_exit(tier, self.synchronize),
         )
         parts = build_engine(model, config, model_parameters, device, self.loss_scaler, hooks)
         self.local_rank, self.device, self.dp = parts.local_rank, parts.device, parts.dp

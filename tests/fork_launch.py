@@ -22,7 +22,8 @@ first failure's (a rank killed by a signal: 128 + its number).
 forked again as above), with the launch's own environment, working folder and log files; the launch
 then exits as a process does. A launch whose environment differs from the server's in what the
 imports read (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, PYTHONPATH, DS_ACCELERATOR) runs as a fresh
-``python -m tests.fork_launch`` instead.
+``python -m tests.fork_launch`` instead. A launch that may use CUDA (``sees_gpu``) is never forked:
+``python -m tests.fork_launch --spawn NPROC SCRIPT`` starts its ranks as fresh processes.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
+SPAWN = "--spawn"  # the ranks as fresh processes (a launch that may use CUDA: sees_gpu)
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -58,8 +61,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> int:
-    os.environ.update(
+def _rank_env(rank: int, nproc: int, port: int) -> dict:
+    """The variables torchrun gives a rank of one node."""
+    return dict(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
@@ -69,6 +73,10 @@ def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> int
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> int:
+    os.environ.update(_rank_env(rank, nproc, port))
     sys.argv = [script, *args]
     try:
         runpy.run_path(script, run_name="__main__")
@@ -94,8 +102,44 @@ def _preload() -> None:
 def main(argv: list[str]) -> int:
     if argv == ["--serve"]:
         return _serve()
+    if argv[:1] == [SPAWN]:
+        return _spawned_ranks(int(argv[1]), argv[2], argv[3:])
     _preload()
     return _ranks(int(argv[0]), argv[1], argv[2:])
+
+
+def sees_gpu(env: dict) -> bool:
+    """Whether a launch with ``env`` may use CUDA: its ranks are then started as fresh processes,
+    as torchrun starts them, and never forked. A process that has initialized CUDA (an import of
+    the preload may) cannot hand it to a forked child: torch raises "Cannot re-initialize CUDA in
+    forked subprocess". Asked in the client (pytest's process), which never forks."""
+    import torch
+
+    return env.get("CUDA_VISIBLE_DEVICES") != "" and torch.cuda.is_available()
+
+
+def _spawned_ranks(nproc: int, script: str, args: list[str]) -> int:
+    """The script as ``nproc`` fresh processes of one node with torchrun's environment; as in
+    ``_ranks``, the first rank to fail stops the others and its status is the launch's."""
+    port = int(os.environ.get("MASTER_PORT") or _free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, *args], env={**os.environ, **_rank_env(rank, nproc, port)}
+        )
+        for rank in range(nproc)
+    ]
+    status = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed and status == 0:
+            status = failed[0]
+            for p in procs:  # as torchrun: one rank failed, the run is over
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.2)
+    codes = [p.returncode for p in procs]
+    status = status or next((c for c in codes if c != 0), 0)
+    return 128 - status if status < 0 else status
 
 
 def _ranks(nproc: int, script: str, args: list[str]) -> int:
@@ -235,7 +279,9 @@ def warm_run(
     this process's warm server."""
     cmd = [sys.executable, "-m", "tests.fork_launch", str(nproc), script, *args]
     cwd = cwd or os.getcwd()
-    server = _server(env)
+    if sees_gpu(env):
+        cmd.insert(3, SPAWN)
+    server = None if sees_gpu(env) else _server(env)
     if server is None:
         return subprocess.run(
             cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout

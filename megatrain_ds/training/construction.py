@@ -56,7 +56,7 @@ class EngineHooks:
     synchronize: Callable[[], None]  # wait for every queued host task and device work
     step_counts: Callable[[], tuple[int, int]]  # (micro_steps, global_steps)
     loss_scale: Callable[[], float | None]  # fp16's current loss scale
-    close_tiers_at_exit: Callable[[], None]  # register the NVMe tier's flush at interpreter exit
+    close_tiers_at_exit: Callable[[object], None]  # an NVMe tier's flush at interpreter exit
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def build_engine(
     # 3. Build what was decided: host store, host threads, executor, resident, optimizer.
     store = build_store(config, dec, layouts, owned, dp.rank, pin, device)
     if store.tier is not None:  # its writes must land, and its file go, even without destroy()
-        hooks.close_tiers_at_exit()
+        hooks.close_tiers_at_exit(store.tier)
         log_tier(store, config, dec)
     placement, worker, opt_worker = build_workers(config, device, local_rank, dp)
     # the breakdown costs one device sync per step (timing.py): only when the config asks for it

@@ -15,6 +15,7 @@ import atexit
 import signal
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -66,33 +67,38 @@ class deferred_interrupt:
         return False
 
 
-_LIVE_TIERS: weakref.WeakSet = weakref.WeakSet()  # engines with an NVMe tier, not destroyed
+# each NVMe tier not yet closed -> its engine's ``synchronize`` (weak: keeps no engine alive)
+_LIVE_TIERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EXIT_HOOK: list = []  # registered once per process
 EXIT_FLUSH_TIMEOUT_S = 30.0
 
 
-def close_tiers_at_exit(engine) -> None:
+def close_tiers_at_exit(tier, synchronize: Callable[[], None]) -> None:
     """A script that never calls ``destroy()`` (most DeepSpeed scripts) must still exit: at
     interpreter exit the thread pools are joined first (``concurrent.futures``' own exit hook),
     after which the NVMe tier's queued writes could not be issued and the old finalizer waited on
     them for ever. This hook runs before that one (threading's exit hooks run last registered
-    first): it waits for the engine's queued updates while the I/O threads still run, then flushes
-    (bounded) and removes the swap folder."""
-    if not _LIVE_TIERS:
+    first): it waits for the engine's queued updates (``synchronize``, a bound method of the
+    engine) while the I/O threads still run, then flushes ``tier`` (bounded) and removes its swap
+    folder."""
+    if not _EXIT_HOOK:
         try:
             threading._register_atexit(_close_live_tiers)
         # no such hook (another Python), or already shutting down
         except (AttributeError, RuntimeError):
             atexit.register(_close_live_tiers)
-    _LIVE_TIERS.add(engine)
+        _EXIT_HOOK.append(_close_live_tiers)
+    _LIVE_TIERS[tier] = weakref.WeakMethod(synchronize)
 
 
 def _close_live_tiers() -> None:
-    for engine in list(_LIVE_TIERS):
-        tier = engine.store.tier
-        if tier is None or tier.io is None:
+    for tier, synchronize in list(_LIVE_TIERS.items()):
+        if tier.io is None:  # closed already (destroy)
             continue
+        wait = synchronize()
         try:
-            engine.synchronize()  # the queued optimizer tasks, which read and write the tier
+            if wait is not None:
+                wait()  # the queued optimizer tasks, which read and write the tier
         except BaseException as exc:  # noqa: BLE001 - at exit: report, then still close
             logger.warning(
                 f"at exit: the engine's queued work failed ({type(exc).__name__}: {exc}); the "

@@ -26,6 +26,10 @@ CFG = {
         "type": "WarmupDecayLR",
         "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 2, "total_num_steps": 6},
     },
+    # the tests compare runs bit for bit: clipping fires here, and a speculative update it rolls
+    # back is exact only to a few ulps (optim/speculation.py), made or not by the threads' timing
+    # (one test failed so under a loaded make test)
+    "megatrain": {"speculative_step": False},
 }
 
 

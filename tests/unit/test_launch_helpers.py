@@ -67,3 +67,24 @@ def test_warm_run_forks_ranks_with_torchrun_env_and_exits_them_as_processes(tmp_
     assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["ran", "ran"]
     failed = warm_run(2, str(script), [str(tmp_path), "fail"], env, timeout=120, cwd=str(tmp_path))
     assert failed.returncode == 1 and "ValueError: rank 1 fails" in failed.stderr
+
+
+def test_spawned_ranks_get_torchrun_env_and_the_first_failure_is_the_status(tmp_path):
+    """The launch for GPU runs (``--spawn``: fresh processes, no fork after a CUDA init): the same
+    variables and exit handling as the forked ranks, and a failing rank's status is the launch's."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MASTER_PORT="29998")
+    cmd = [sys.executable, "-m", "tests.fork_launch", "--spawn", "2", str(script), str(tmp_path)]
+    root = str(Path(__file__).resolve().parents[2])
+    ok = subprocess.run(
+        [*cmd, "ok"], env=env, cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    lines = sorted(line for line in ok.stdout.splitlines() if line.startswith("out "))
+    assert lines == [f"out {r} 2 {r} 29998 {root}" for r in (0, 1)]
+    assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["ran", "ran"]
+    bad = subprocess.run(
+        [*cmd, "fail"], env=env, cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 1 and "ValueError: rank 1 fails" in bad.stderr
