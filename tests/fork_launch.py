@@ -120,7 +120,11 @@ def sees_gpu(env: dict) -> bool:
 
 def _spawned_ranks(nproc: int, script: str, args: list[str]) -> int:
     """The script as ``nproc`` fresh processes of one node with torchrun's environment; as in
-    ``_ranks``, the first rank to fail stops the others and its status is the launch's."""
+    ``_ranks``, the first rank to fail stops the others and its status is the launch's (one: a
+    plain process, as ``_ranks`` runs it)."""
+    if nproc == 1:
+        code = subprocess.call([sys.executable, script, *args])
+        return 128 - code if code < 0 else code
     port = int(os.environ.get("MASTER_PORT") or _free_port())
     procs = [
         subprocess.Popen(
