@@ -38,6 +38,7 @@ from benchmarks.common import (
     make_batches,
     measure,
     micro_batch_for,
+    oom_result,
     peak_gpu_bytes,
     report_phase,
     reset_memory_stats,
@@ -405,8 +406,7 @@ def run_megatrain(
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed
         if not is_oom(exc):
             raise
-        cleanup()
-        return result_dict(
+        return oom_result(
             "megatrain",
             config,
             layers,
@@ -414,8 +414,7 @@ def run_megatrain(
             seq,
             device,
             n_params,
-            status="oom",
-            error=str(exc)[:4000],
+            exc,
             ds_config=ds_config,
             settings=settings,
             lora_params=counts.get("adapter_params") if lora else None,

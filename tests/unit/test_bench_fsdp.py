@@ -195,3 +195,15 @@ def test_depth_order_stops_a_system_after_its_first_failure(tmp_path, monkeypatc
     assert os.path.getsize(tmp_path / "fig" / "depth.png") > 1000
     md = (tmp_path / "fig" / "depth.md").read_text()
     assert "**oom**" in md and "not run: L=56: oom" in md
+
+
+def test_an_out_of_memory_run_is_a_result_of_its_own():
+    """benchmarks.common.oom_result, the record every system returns for an OOM: status "oom", no
+    tokens/s, the error cut to 4000 characters, the system's own keys kept."""
+    from benchmarks.common import oom_result
+
+    exc = torch.OutOfMemoryError("CUDA out of memory. " + "x" * 5000)
+    rec = oom_result("fsdp", make_config("tiny"), 2, 2, 64, "cpu", 1234, exc, settings={"a": 1})
+    assert (rec["system"], rec["status"], rec["tokens_per_s"]) == ("fsdp", "oom", 0.0)
+    assert rec["error"].startswith("CUDA out of memory.") and len(rec["error"]) == 4000
+    assert rec["settings"] == {"a": 1} and rec["n_params"] == 1234 and rec["layers"] == 2
