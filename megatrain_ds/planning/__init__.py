@@ -1,15 +1,14 @@
-"""Decisions made before the first step: the config parse (``config``, ``config_values``), the one
-resolver (``decisions``), the byte models of host, disk and GPU (``host_bytes``, ``plan_gpu``), the
-capacity check (``capacity``), ``megatrain-ds plan`` (``plan``, ``plan_cli``) and the named shapes
-(``shapes``). Reads the packages below for their constants and byte counts; builds nothing.
+"""Decisions made before the first step: the config parse (``config``, ``config_values``) into
+values (``settings``), the one resolver (``decisions``), the byte models of host, disk and GPU
+(``host_bytes``, ``plan_gpu``), the capacity check (``capacity``), ``megatrain-ds plan`` (``plan``,
+``plan_cli``) and the named shapes (``shapes``). Reads the packages below for their constants and
+byte counts; builds nothing.
 """
 
 import importlib
 
 from .capacity import Prediction, check_capacity
 from .config import (
-    OptimizerSettings,
-    TrainConfig,
     collective_timeout_of,
     load_config_source,
     parse_config,
@@ -19,6 +18,7 @@ from .config import (
 from .config_values import MONITOR_BLOCKS, monitor_config
 from .decisions import Decisions, HostShare, resolve
 from .host_bytes import host_budget_bytes
+from .settings import OptimizerSettings, TrainConfig
 
 # imported on first use: ``python -m megatrain_ds.planning.plan_cli`` runs plan_cli as __main__,
 # which an eager import here would have imported already (runpy's RuntimeWarning, and two copies of

@@ -85,7 +85,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .config import TrainConfig
+from .settings import TrainConfig
 from .decisions import Decisions, HostShare, resolve
 from ..parallel import Topology, resident_positions
 from ..host import memlock_limit, pinning_limits

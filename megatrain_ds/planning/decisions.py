@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .config import TrainConfig
+from .settings import TrainConfig
 from ..errors import ConfigError
 from .host_bytes import (
     layer_store_bytes,

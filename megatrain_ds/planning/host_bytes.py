@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError
+from .settings import TrainConfig
 from ..host import (
     available_bytes,
     CGROUP_ROOT,
