@@ -61,8 +61,8 @@ class PartitionParam:
     shape: torch.Size
     layer: int | None  # streamed layer index; None: a resident parameter
     # layer: element offset in the layer's flat master (its moments: the same, trainable ones);
-    start: int
     # resident: its index in ``CheckpointParts.resident``
+    start: int
 
     @property
     def numel(self) -> int:

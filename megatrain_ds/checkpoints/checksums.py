@@ -84,9 +84,9 @@ def save_file(obj, path: str) -> str:
     except (OSError, RuntimeError) as exc:
         # what the write raised, under torch's RuntimeError
         hidden = writer.error if writer is not None else None
-        # raised before the write's body ran (a Ctrl-C lands at
+        # raised before the write's body ran (a Ctrl-C lands at a call's first instruction): torch
+        # keeps it as the context
         if hidden is None and isinstance(exc, RuntimeError):
-            # a call's first instruction): torch keeps it as the context
             hidden = _hidden_cause(exc)
         # Ctrl-C (KeyboardInterrupt) mid-write: the
         if hidden is not None and not isinstance(hidden, Exception):

@@ -178,9 +178,9 @@ class HostAdamWParts:
     kernel: str = "torch"
     # the update after the norm in two passes ([Note: deferred moments], host_update.py)
     defer_moments: bool = False
-    # also in a step whose speculation was open (deferred_moments true; "auto":
+    # also in a step whose speculation was open (deferred_moments true; "auto": one pass there,
+    # [Note: deferred moments])
     defer_when_speculating: bool = False
-    # one pass there, [Note: deferred moments])
 
 
 @dataclass(frozen=True, slots=True, eq=False)

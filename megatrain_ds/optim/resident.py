@@ -205,11 +205,10 @@ class ResidentParams:
         landed.synchronize()
         self.direct[k] = first and final
         # GA 1: no fold; the update reads the landing buffer (``grad_of``), its norm taken on the
+        # GPU (_send_to_host): folding a large tied embedding from bf16 to fp32 on the landing
+        # thread would hold the norm, and with it the step, behind the AdamW thread's work
         if first and final:
-            # GPU (_send_to_host): the bf16-to-fp32 fold of a 3B model's tied
             sq = float(self.norm_host[k]) ** 2
-            # embedding took 66 ms of the landing thread beside the AdamW thread, and the norm
-            # waited for it
         else:
             if first:
                 self.grad[k].copy_(self.landing[k])

@@ -93,19 +93,17 @@ class Speculation:
     resident_done: list[int] = field(default_factory=list)
     # the landing thread's own (the listener calls)
     landed: set[int] = field(default_factory=set)  # layers whose final gradient has landed
-    # landed, not yet taken by a speculative update: the AdamW thread
+    # landed, not yet taken by a speculative update: the AdamW thread takes the newest first ([Note:
+    # newest landing first]); appended by the landing thread, popped by the AdamW thread
     pending: list[int] = field(default_factory=list)
-    # takes the newest first ([Note: newest landing first]); appended by the landing thread, popped
-    # by the AdamW thread
     stale: set[int] = field(default_factory=set)  # stepped, then another gradient landed for them
     resident_landed: set[int] = field(default_factory=set)
     # flags the AdamW thread reads before each speculative update
     # landing thread: a non-finite gradient landed: nothing more is speculated
     stopped: bool = False
-    # the norm task (landing thread) knows the norm, or main abandoned it: updates not started
+    # the norm task (landing thread) knows the norm, or main abandoned it: updates not started yet
+    # are not made speculatively (the layer gets the plain update after the norm, in forward order)
     closed: bool = False
-    # yet are not made speculatively (the layer gets the plain update after the norm, in forward
-    # order)
 
 
 class SpeculationPolicy:

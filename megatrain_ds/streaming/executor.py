@@ -169,7 +169,7 @@ class StreamedLayers(GradientLanding):
             }
             for layer, layout in zip(layers, layouts)
         ]
-        # after the hidden states
+        # each layer's positional argument names after the hidden states
         self.arg_names = [positional_names(type(layer))[1:] for layer in layers]
         # every recompute compared with its forward while on ([Note: recompute check] in
         # recompute_check.py)
@@ -206,9 +206,9 @@ class StreamedLayers(GradientLanding):
         self.graph_bytes = 0
         # versions, optimizer tasks, H2D reads, landings, forward counts: one owner (schedule.py)
         self.schedule = LayerSchedule(len(layouts))
-        # mark_backward_done(): event on compute after the last backward (device-state
+        # mark_backward_done(): event on compute after the last backward (device-state updates wait
+        # on it)
         self.backward_done = None
-        # updates wait on it)
         self.activations = activations  # HostActivations when layer inputs are kept in host memory
         # per-layer gradient norms taken on the GPU (GA 1, device-state layers) and their pinned
         # host landing
@@ -390,9 +390,8 @@ class StreamedLayers(GradientLanding):
 
     def _log(self, op: str, i: int, slot: Slot | None) -> None:
         if self.trace is not None:
-            # a slot's index, or
+            # a slot's index, or a buffer of its own: a kept layer's, the inference cache's
             where = next((k for k, s in enumerate(self.slots) if s is slot), None)
-            # a buffer of its own: a kept layer's, the inference cache's
             if where is None and slot is not None:
                 where = "keep" if self.keep_slots.get(i) is slot else "cache"
             self.trace.append((op, i, where))
@@ -528,9 +527,9 @@ class StreamedLayers(GradientLanding):
         parameters that require grad, the input."""
         n_train = self.layouts[i].n_train
         train_leaf = slot.buf[:n_train].detach().requires_grad_(True) if n_train else None
-        # one leaf per parameter: a name tied to another gets the same leaf
+        # one leaf per parameter: a name tied to another gets the same leaf (functional_call's tie
+        # search then binds both; the grad sums both uses)
         leaves: dict[int, torch.Tensor] = {}
-        # (functional_call's tie search then binds both; the grad sums both uses)
         for p in self.shared[i].values():
             if p.requires_grad and id(p) not in leaves:
                 leaves[id(p)] = p.detach().requires_grad_(True)

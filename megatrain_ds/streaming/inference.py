@@ -240,7 +240,7 @@ class InferenceCache:
         # written on h2d: not reused before its copies are done
         ex.streams.hand_over(buf, ex.streams.h2d)
         # the fp32 stage (fp32 master streamed, cast on the device) is used on h2d only, in order:
-        # shared
+        # the slots may share it
         slot = Slot(buf, ex.slots[0].stage)
         self.slots[i] = slot
         return slot

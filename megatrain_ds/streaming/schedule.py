@@ -59,10 +59,9 @@ class LayerSchedule:
         self.backward_calls = [0] * n_layers
         # GPU-held state: event after i's update (opt stream)
         self.device_ready: list[object] = [None] * n_layers
-        # i's deferred moments pass (host_update.py's
+        # i's deferred moments pass (host_update.py's [Note: deferred moments]): it reads gradient
+        # i, so no new gradient of i is written before it has run
         self.moments_due: list[Future | None] = [None] * n_layers
-        # [Note: deferred moments]): it reads gradient i, so no new gradient of i is written before
-        # it has run
 
     # --- weights ----------------------------------------------------------------------------------
     def rewrite(self, i: int, task: Future) -> None:
