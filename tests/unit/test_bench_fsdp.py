@@ -93,7 +93,8 @@ def test_gemini_records_why_it_did_not_run(monkeypatch):
         "pin_memory": True,
         "max_norm": 1.0,
     }
-    monkeypatch.setenv("GEMINI_PIN", "0")  # pageable host chunks, recorded with the plugin's settings
+    # pageable host chunks, recorded with the plugin's settings
+    monkeypatch.setenv("GEMINI_PIN", "0")
     assert gemini_system.plugin_kwargs()["pin_memory"] is False
 
 
