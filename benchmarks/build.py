@@ -57,6 +57,16 @@ def resolve_init(init: str, config) -> str:
     return "fast" if n_params(config) >= FAST_INIT_MIN_PARAMS else "hf"
 
 
+def draw_device(config, device: str, init: str, share: float = 0.5) -> str:
+    """Where a peer that trains from host memory (FSDP2, Gemini) has its model built: ``device``
+    (the init drawn on the GPU, fast) when the init is ``hf`` and the fp32 weights take at most
+    ``share`` of the GPU's free memory; else the CPU (``fast`` builds the layers there anyway).
+    Drawn on the CPU, ``hf`` is one core's ``normal_`` per weight: minutes at 7B."""
+    if not device.startswith("cuda") or resolve_init(init, config) != "hf":
+        return "cpu"
+    return device if 4 * n_params(config) <= share * torch.cuda.mem_get_info()[0] else "cpu"
+
+
 def build_model(config, dtype: torch.dtype, init: str, seed: int, device: str = "cpu") -> nn.Module:
     """The random-init causal LM of ``config`` with parameters in ``dtype``, in training mode.
 

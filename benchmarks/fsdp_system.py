@@ -77,18 +77,6 @@ def _mesh(device: str):
     return init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
 
 
-def _init_device(config, device: str, init: str) -> str:
-    """Where benchmarks.build makes the model: on the GPU (fast draws) when its fp32 weights take at
-    most half
-    its free memory and the init is ``hf``; else on the CPU (``fast`` builds the layers there
-    anyway)."""
-    if not device.startswith("cuda") or build.resolve_init(init, config) != "hf":
-        return "cpu"
-    from benchmarks.shapes import n_params
-
-    return device if 4 * n_params(config) <= 0.5 * torch.cuda.mem_get_info()[0] else "cpu"
-
-
 def build_fsdp(
     config,
     device: str,
@@ -106,7 +94,7 @@ def build_fsdp(
     cuda = device.startswith("cuda")
     mixed_precision = cuda if mixed_precision is None else mixed_precision
     mesh = _mesh(device)
-    init_device = _init_device(config, device, init)
+    init_device = build.draw_device(config, device, init)
     model = build.build_model(config, torch.float32, init, seed, device=init_device)
     if liger:
         apply_hf_liger(model)

@@ -131,6 +131,32 @@ def gemini_settings(
     )
 
 
+def profiled_boost(booster, model, optimizer):
+    """``booster.boost(model, optimizer)``; with ``GEMINI_PROFILE=N`` set, under cProfile, printing
+    the N functions of most cumulative time (where a slow boost spends its time) to stderr, or
+    appending them to the file ``GEMINI_PROFILE_OUT`` names (the harness keeps only a run's last
+    lines of output)."""
+    top = int(os.environ.get("GEMINI_PROFILE") or 0)
+    if top <= 0:
+        return booster.boost(model, optimizer)
+    import cProfile
+    import io
+    import pstats
+    import sys
+
+    profile = cProfile.Profile()
+    boosted = profile.runcall(booster.boost, model, optimizer)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(top)
+    where = os.environ.get("GEMINI_PROFILE_OUT")
+    if where:
+        with open(where, "a") as f:
+            f.write(text.getvalue())
+    else:
+        print(text.getvalue(), file=sys.stderr, flush=True)
+    return boosted
+
+
 def run_gemini(
     config,
     tokens_per_step: int,
@@ -177,7 +203,14 @@ def run_gemini(
         if not torch.distributed.is_initialized():
             colossalai.launch_from_torch(seed=seed, verbose=False)
         build_start = time.perf_counter()
-        model = build.build_model(config, torch.bfloat16, init, seed, device="cpu")
+        # drawn on the GPU when it fits (as FSDP2's), then handed to the plugin from host memory
+        init_device = build.draw_device(config, device, init)
+        settings.update(init=build.init_description(build.resolve_init(init, config)))
+        settings["init_device"] = init_device
+        model = build.build_model(config, torch.bfloat16, init, seed, device=init_device)
+        if init_device != "cpu":
+            model.to("cpu")
+            torch.cuda.empty_cache()
         report_phase("model built on the host")
         if liger:
             apply_hf_liger(model)
@@ -193,7 +226,7 @@ def run_gemini(
         )
         report_phase("HybridAdam made")
         booster = Booster(plugin=GeminiPlugin(**kwargs))
-        model, optimizer, *_ = booster.boost(model, optimizer)
+        model, optimizer, *_ = profiled_boost(booster, model, optimizer)
         settings["boost_s"] = report_phase("model built and boosted")["phase_s"]
         # the model's build, the optimizer and the boost
         settings["build_s"] = round(time.perf_counter() - build_start, 3)

@@ -6,6 +6,9 @@
 #   bash benchmarks/run_depth.sh b OUTDIR     Gemini's row, then ZeRO-3 offload and FSDP2 (depth order)
 #   bash benchmarks/run_depth.sh pre OUTDIR   ColossalAI's JIT kernels, built before b on the same warm machine (its
 #                                             cache is per machine), so no Gemini point spends its cap compiling
+#   bash benchmarks/run_depth.sh gprobe OUTDIR   the kernels, then Gemini at 14 layers with pageable host chunks
+#                                             (GEMINI_PIN=0) and pinned, each boost under cProfile (OUTDIR/boost_*.txt):
+#                                             where its build and boost (161 s at 1.5B, over 7 min at 7B) go
 #   python3 -m benchmarks.depth --plot OUT_A/depth_a OUT_B/depth_b --out DIR      (here: depth.png, depth.md)
 #
 # Each phase is one device `run` (carry .wheels: ../shared/tools/gpu-wheels.sh + benchmarks/gemini_wheels.sh) of at
@@ -15,11 +18,21 @@ set -u
 phase=${1:?phase a|b}; out=${2:?outdir}
 mkdir -p "$out"
 source benchmarks/device_setup.sh
-export TORCH_EXTENSIONS_DIR=$PWD/.site/ext  # DeepSpeed's and ColossalAI's JIT ops
+export TORCH_EXTENSIONS_DIR=$PWD/.site/ext  # DeepSpeed's JIT ops
+export HOME=$PWD/.site/home; mkdir -p "$HOME"  # ColossalAI's (~/.cache/colossalai), kept as .site is on a warm machine
 free -g
 depths=${DEPTHS:-28,56,84,120,180}
 case $phase in
   pre) timeout 560 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 8 | tee "$out/pre.log"
+       exit 0 ;;
+  gprobe) timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee "$out/pre.log"
+       for pin in ${PINS:-0 1}; do  # PINS: which of pageable (0), pinned (1)
+         GEMINI_PIN=$pin GEMINI_LIGER=0 GEMINI_PROFILE=30 GEMINI_PROFILE_OUT=$out/boost_pin$pin.txt \
+           python3 -m benchmarks.depth --systems gemini --depths "${DEPTHS:-14}" --deadline-s "${DEADLINE:-200}" \
+           --run-cap-s "${RUN_CAP:-200}" --out "$out/gprobe_pin$pin" 2>&1 | grep -v -e "is deprecated" -e "^\s*$" \
+           | tail -n 20 | tee "$out/gprobe_pin$pin.log"
+         sed -i -e "s#$PWD/#./#g" "$out/gprobe_pin$pin/depth.json"
+       done
        exit 0 ;;
   a) systems=${SYSTEMS:-megatrain-host,megatrain} ;;
   b) systems=${SYSTEMS:-gemini,zero3,fsdp} ;;  # Gemini first: an import error costs seconds, a JIT build at most the cap

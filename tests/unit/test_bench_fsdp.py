@@ -210,3 +210,37 @@ def test_an_out_of_memory_run_is_a_result_of_its_own():
     assert (rec["system"], rec["status"], rec["tokens_per_s"]) == ("fsdp", "oom", 0.0)
     assert rec["error"].startswith("CUDA out of memory.") and len(rec["error"]) == 4000
     assert rec["settings"] == {"a": 1} and rec["n_params"] == 1234 and rec["layers"] == 2
+
+
+def test_gemini_boost_profile_names_where_the_time_went(monkeypatch, capsys, tmp_path):
+    from benchmarks import gemini_system
+
+    class Booster:
+        def boost(self, model, optimizer):
+            return sorted([model, optimizer]), "dataloader"
+
+    monkeypatch.delenv("GEMINI_PROFILE", raising=False)
+    assert gemini_system.profiled_boost(Booster(), 2, 1) == ([1, 2], "dataloader")
+    assert "cumulative" not in capsys.readouterr().err
+    monkeypatch.setenv("GEMINI_PROFILE", "5")
+    assert gemini_system.profiled_boost(Booster(), 2, 1) == ([1, 2], "dataloader")
+    err = capsys.readouterr().err
+    assert "cumulative" in err and "boost" in err
+    monkeypatch.setenv("GEMINI_PROFILE_OUT", str(tmp_path / "boost.prof.txt"))
+    gemini_system.profiled_boost(Booster(), 2, 1)
+    assert "boost" in (tmp_path / "boost.prof.txt").read_text() and not capsys.readouterr().err
+
+
+def test_the_host_peers_draw_their_init_on_the_gpu_when_it_fits(monkeypatch):
+    """FSDP2 and Gemini build their model where ``build.draw_device`` says: drawn on the CPU, HF's
+    init of a 7B took Gemini's whole device call."""
+    from benchmarks import build
+
+    cfg = make_config("qwen2.5-3b")  # 3.1 B params: 12.4 GB in fp32
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (20 * 2**30, 80 * 2**30))
+    assert build.draw_device(cfg, "cuda", "auto") == "cpu"  # 12.4 GB > half of 20 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
+    assert build.draw_device(cfg, "cuda", "auto") == "cuda"
+    assert build.draw_device(cfg, "cuda", "fast") == "cpu"  # fast builds its layers on the host
+    assert build.draw_device(cfg, "cpu", "hf") == "cpu"
+    assert build.draw_device(make_config("qwen2.5-14b"), "cuda", "auto") == "cpu"  # auto: fast
