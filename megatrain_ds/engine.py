@@ -260,10 +260,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
                 "was dropped",
                 stacklevel=2,
             )
-        # layers step as their gradients land (speculation.py), when
+        # layers step as their gradients land (speculation.py) when each layer's backward loads it
+        # exactly once: one forward per layer into this loss, no retained graph
         if final and self.optimizer is not None:
-            # each layer's backward loads it exactly once: one forward per layer into this loss, no
-            # retained graph
             once = not retain_graph and self.executor.schedule.one_forward_each()
             self.optimizer.begin_speculation(allowed=once)
         self.executor.begin_backward(final)
@@ -526,9 +525,9 @@ class MegaTrainEngine(EngineSurface, nn.Module):
         """Read the window's recompute comparisons ([Note: recompute check]); on a mismatch nothing
         of this step is applied: speculated layers are rolled back and the window's gradients
         dropped, then it raises."""
-        # a CPU-GPU sync, where step() waits for the last landing
+        # a CPU-GPU sync, where step() waits for the last landing anyway (the norm below): it
+        # costs no overlap
         if self.executor.backward_done is not None:
-            # anyway (the norm below): it costs no overlap
             self.executor.backward_done.synchronize()
         try:
             report = self.executor.check.read(self.dp, step=self.global_steps + 1)

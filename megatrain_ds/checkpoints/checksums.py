@@ -88,9 +88,9 @@ def save_file(obj, path: str) -> str:
         # keeps it as the context
         if hidden is None and isinstance(exc, RuntimeError):
             hidden = _hidden_cause(exc)
-        # Ctrl-C (KeyboardInterrupt) mid-write: the
+        # Ctrl-C (KeyboardInterrupt) mid-write: the script's except KeyboardInterrupt gets it
+        # (it was a "disk is full" OSError)
         if hidden is not None and not isinstance(hidden, Exception):
-            # script's except KeyboardInterrupt gets it (it was a "disk is full" OSError)
             raise hidden from None
         cause = hidden if hidden is not None else exc
         full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (

@@ -26,8 +26,7 @@ from .nvme import NvmeSettings, check_path
 from .placement import apply_placement, parse_setting
 from .placement import resolve as resolve_placement
 
-# imported on first use (the model's state and the resident parameters' state: modules new in
-# issue 49)
+# imported on first use: the model's state and the resident parameters' state
 _LAZY = {
     "ModelState": ("model_state", "ModelState"),
     "ParamHome": ("model_state", "ParamHome"),

@@ -277,9 +277,9 @@ class HostLayerStore:
         return (self.master_of(i), *self.acquire_moments(i))
 
     def _read(self, i: int) -> tuple:
-        # the last layer read is kept (a checkpoint reads
+        # the last layer read is kept (a checkpoint reads a layer once per parameter)
         if self._read_copy is None or self._read_copy[0] != i:
-            self._read_copy = (i, *self.tier.read(i))  # a layer once per parameter)
+            self._read_copy = (i, *self.tier.read(i))
         return self._read_copy[1:]
 
     def read_moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

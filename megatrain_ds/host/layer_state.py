@@ -247,9 +247,9 @@ class LayerStates:
         (wire, device)."""
         store, gpu = self.store, self.on_gpu(i)
         # the host copy of a GPU-held layer is stale: refresh it before the whole layer is copied
-        # back
+        # back (the other weights must stay)
         if gpu:
-            self._refresh_host(i)  # (the other weights must stay)
+            self._refresh_host(i)
         # a frozen parameter of a compact store: its wire copy
         store.set_param_master(i, name, value)
         if gpu:

@@ -42,12 +42,9 @@ def _l3_bytes() -> int:
 
 # Parameters per block: the two fp32 scratch blocks (gradient, bf16 master) stay in the last-level
 # cache (the block is a 16th of it), as large as that allows up to 16 Mi: each block costs ~4 torch
-# calls, each a parallel region over the host threads, so small blocks lose to their overhead.
-# Measured on the lent H100 box's CPU (Xeon, 16 cores, 300 MiB L3; benchmarks/host_update_bench.py,
-# one 233 M-parameter layer, 15 threads, Gparam/s): bf16 gradient + fp32 master
-# + bf16 wire: passes 2.28, blocks of 256K 1.40, 1M 2.43, 4M 2.59, 16M 2.81; bf16-master mode: 1.96,
-#   1.65, 2.61,
-# 2.51, 2.72 (run-to-run spread ~10%). Here: 16 Mi; with a 32 MiB L3, 2 Mi.
+# calls, each a parallel region over the host threads, so small blocks lose to their overhead
+# (benchmarks/host_update_bench.py measures the rate against the block size). With a 300 MiB L3:
+# 16 Mi; with a 32 MiB L3, 2 Mi.
 BLOCK_ELEMENTS = max(1 << 20, min(1 << 24, _l3_bytes() // 16))
 
 
@@ -118,21 +115,16 @@ def fused_adam(
 # FIFO). AdamW only: Adam's L2 term reads the old master, which the weights pass has overwritten
 # (native_adam refuses the moments pass there).
 #
-# A landing may have to wait for its layer's moments pass: the backward reached the layer first (at
-# 7B on one H100: the trailing layers, kept without recompute, land quickly, and their passes start
-# only when the last weights pass ends; about 0.5 s of main-thread waits per step). Updating those
-# layers whole instead costs more, as measured there
-# (benchmarks/results/2026-11-27_h100_compact_moments, 7bdefer: steps of 2.39-2.43 s with the waits,
-# 2.55-2.59 s once an earlier version made the layers that waited whole, 2.62-2.73 s with every
-# update whole): so they wait.
+# A landing may have to wait for its layer's moments pass: the backward reached the layer first
+# (the trailing layers, kept without recompute, land quickly, and their passes start only when the
+# last weights pass ends). Updating those layers whole instead costs more than the wait (the 7B
+# steps in benchmarks/results/2026-11-27_h100_compact_moments, "7bdefer"): so they wait.
 #
 # Not in a step whose speculation was open (clipping quiet; speculation.py), with
 # ``deferred_moments`` "auto": the layers the AdamW thread did not reach during the backward get one
-# whole pass after the norm. There the AdamW thread's work, not the norm, bounds the step (3B at
-# 16K: about as long as the GPU's compute), and the second pass's extra bytes delay the next
-# backward's speculative updates more than the shorter wait gains (H100, 3B/16K clip 1e9, one lease:
-# 1,204 ms steps deferred, 1,141 ms whole; benchmarks/results/2026-11-27_h100_host_timeline).
-# ``true`` defers there too.
+# whole pass after the norm. There the AdamW thread's work, not the norm, bounds the step, and the
+# second pass's extra bytes delay the next backward's speculative updates more than the shorter
+# wait gains (benchmarks/results/2026-11-27_h100_host_timeline). ``true`` defers there too.
 PHASE_WHOLE, PHASE_WEIGHTS, PHASE_MOMENTS = 0, 1, 2
 
 # [Note: compact moments] Opt-in, never the default: DeepSpeed's ``bf16.bf16_optimizer_states`` (it

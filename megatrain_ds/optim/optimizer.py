@@ -412,11 +412,12 @@ class HostAdamW(torch.optim.Optimizer):
             # the step will be skipped (or this layer's norm is unknown): stop here
             spec.stopped = True
             return
-        # taken newest first ([Note: newest landing first]), but on the NVMe tier (its read-ahead
         spec.pending.append(i)
+        # taken newest first ([Note: newest landing first]), but on the NVMe tier (its read-ahead
+        # is in landing order)
         self.parts.opt_worker.submit(
             self._speculate_next,
-            spec,  # is in landing order)
+            spec,
             not self.parts.states.has_disk_tier(),
         )
 
@@ -510,9 +511,9 @@ class HostAdamW(torch.optim.Optimizer):
         master, m, v = self._state(i)
         try:
             with self.parts.timer.host_span("rollback_s"), _range(f"rollback.L{i}"):
-                # [Note: native rollback]: one pass, the wire copy written in it (the
+                # [Note: native rollback]: one pass, the wire copy written in it (the segments
+                # cover the trainable region [0, n_train), model_map.build_layout)
                 if self.kernel == "native":
-                    # segments cover the trainable region [0, n_train), model_map.build_layout)
                     wire = None if store.wire_is_master else store.wire_of(i)
                     for group, a, b in layout.segments:
                         native_adam_undo(
@@ -720,9 +721,9 @@ class HostAdamW(torch.optim.Optimizer):
         if clip > 0 and not overflow:
             coef = min(1.0, clip / (norm + 1e-6))
         commit = None
-        # every landing ran before this task; speculative updates may still be running
+        # every landing ran before this task; speculative updates may still be running on the
+        # AdamW thread: those not started are left to the plain update
         if spec is not None:
-            # on the AdamW thread: those not started are left to the plain update
             spec.closed = True
             commit = (
                 not overflow and coef / scale == spec.coef and same_hyperparameters(hp, spec.hp)
@@ -784,9 +785,9 @@ class HostAdamW(torch.optim.Optimizer):
         the norm (await_decision)."""
         newest = not self.parts.states.has_disk_tier()  # (_speculate_next)
         decision = await_decision(decided, spec, lambda s: self._speculate_next(s, newest))
-        # stepped after the backward: keep them, or undo them
+        # stepped after the backward: keep them, or undo them (the plain update below then
+        # redoes them, unless the step is skipped)
         if spec is not None and spec.resident_done:
-            # (the plain update below then redoes them, unless the step is skipped)
             if decision.commit:
                 has = [h and k not in spec.resident_done for k, h in enumerate(has)]
             else:

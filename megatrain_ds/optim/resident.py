@@ -165,14 +165,13 @@ class ResidentParams:
         if self.sq_norm[k] is not None:
             self.sq_norm[k].result()  # the landing buffer is free once the previous landing ran
         # a second gradient in the window (GA 1, two backwards): the first, if left in the landing
+        # buffer, goes to the fp32 home before that buffer is overwritten
         if not first:
-            # buffer, goes to the fp32 home before that buffer is overwritten
             self.grad_of(k, fp32=True)
         # GA 1: the gradient is final as it leaves the GPU, so its norm is taken there (as a
+        # layer's, landing.py): on the host, the fp32 dot of a large tied embedding would hold the
+        # landing thread, and the norm, hence every update of the step, would wait for it
         if first and final:
-            # layer's, landing.py): on the host, the fp32 dot of a 3B model's tied embedding (311 M)
-            # took 70-130 ms on the landing thread, and the norm, hence every update of the step,
-            # waited for it (H100, 2026-11-27)
             torch.linalg.vector_norm(grad, dtype=torch.float32, out=self.norm_dev[k])
         st.wait(st.d2h, st.record(st.compute()))
         with st.on(st.d2h):

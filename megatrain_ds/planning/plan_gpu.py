@@ -707,9 +707,9 @@ class ActivationModel:
             f, s, k = liger_loss_bytes(tokens, hidden, vocab, self.c, self.head_trainable)
             targets = 8 * tokens  # the shifted labels (int64)
             return f + targets, s + targets, k + targets
-        # loss.py's chunks: past one chunk, every chunk allocates alike and the rest is
+        # loss.py's chunks: past one chunk, every chunk allocates alike and the rest is linear in
+        # the tokens: two chunk-aligned runs give any count
         if self.loss == "torch":
-            # linear in the tokens: two chunk-aligned runs give any count
             from ..model import default_chunk_rows
 
             rows = self.chunk_rows or default_chunk_rows(vocab)

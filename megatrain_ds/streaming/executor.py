@@ -368,10 +368,11 @@ class StreamedLayers(GradientLanding):
         and the layer's buffers (``buffers`` overrides some: the recompute's pre-forward copies)."""
         layout = self.layouts[i]
         buf = slot.buf
+        # the same views of the same buffer (a decode step calls each layer once per token):
+        # built once per layer held, not per call
         if trainable_leaf is None and slot.views is not None and slot.views[0] == i:
-            # the same views of the same buffer (a decode step calls each layer once
             params = dict(slot.views[1])
-        else:  # per token: built once per layer held, not per call)
+        else:
             train = trainable_leaf if trainable_leaf is not None else buf[: layout.n_train]
             frozen = buf[layout.n_train : layout.numel]
             params = {
@@ -422,9 +423,9 @@ class StreamedLayers(GradientLanding):
         template = self._template(i)
         if training and i in self.keep:
             return self._run_forward_kept(call, hidden, slot, template)
-        # every training forward, as torch.utils.checkpoint preserves it: random
+        # the RNG state of every training forward, as torch.utils.checkpoint preserves it: random
+        # draws outside dropout modules (MoE router jitter) replay too
         if training and template.training:
-            # draws outside dropout modules (MoE router jitter) replay too
             call.rng_state = get_rng_state(self.device)
         # the script's torch.autocast around the forward (the backward's thread has none): replayed
         if training:
@@ -446,10 +447,9 @@ class StreamedLayers(GradientLanding):
                     call.kwargs,
                     tie_weights=self.tie_weights[self.template_of[i]],
                 )
-        # learnt once per layer, from the values:
+        # which buffers the forward mutates, learnt once per layer from the values: kernels that
+        # update running statistics in place (batch_norm) do not bump the version counter
         if training and self.buffers[i] and self.mutated[i] is None:
-            # kernels that update running statistics in place (batch_norm) do not bump the version
-            # counter
             self.mutated[i] = {
                 n
                 for n, b in self.buffers[i].items()
@@ -787,9 +787,9 @@ class _StreamedLayerFn(torch.autograd.Function):
             executor.check.after_forward(call, outputs)
         else:  # a kept layer is not recomputed: nothing of its own to compare
             call.check = None
-        # a kept layer: the graph stays with the call; the Function's outputs are
+        # a kept layer: the graph stays with the call; the Function's outputs are aliases without
+        # it (their grad_fn becomes this node)
         if call.graph is not None:
-            # aliases without it (their grad_fn becomes this node)
             call.graph = (outputs, *call.graph[1:])
             return tuple(o.detach() for o in outputs)
         # the input goes to pinned host memory (activations.py)

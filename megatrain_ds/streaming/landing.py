@@ -82,8 +82,8 @@ class GradientLanding:
                 self._log("reduce", i, None)
                 return
             # the owner's norm / accumulate / D2H follow the reduce on d2h, not compute
+            # (engine.backward joins d2h at the end)
             with st.on(st.d2h):
-                # (engine.backward joins d2h at the end)
                 return self._land_local(i, flat_grad, first, final)
         return self._land_local(i, flat_grad, first, final)
 
@@ -170,8 +170,10 @@ class GradientLanding:
         landed.synchronize()
         # See [Note: host threads] in optimizer.py
         listener = self.landing_listener if final else None
-        if listener is not None:  # a second gradient for a layer stepped speculatively:
-            listener.before_final_fold(i)  # undone while its gradient is the one it used
+        # a second gradient for a layer stepped speculatively: undone while its gradient is the
+        # one it used
+        if listener is not None:
+            listener.before_final_fold(i)
         # the fold overwrites the gradient the moments pass reads ([Note: deferred moments] in
         # host_update.py)
         self.schedule.wait_moments(i, moments, self.timer)

@@ -73,14 +73,12 @@ class StepTimer:
             "landing_s": 0.0,
             "wait_for_optimizer_s": 0.0,
             "speculative_s": 0.0,
-            # nvme_wait_s: within the optimizer spans
             "rollback_s": 0.0,
-            "nvme_wait_s": 0.0,
-            # the deferred moments passes; a landing's wait
-            "moments_s": 0.0,
-            "wait_for_moments_s": 0.0,
-            "updated_params": 0.0,
-        }  # parameters the host AdamW updated (for its Gparam/s)
+            "nvme_wait_s": 0.0,  # within the optimizer spans
+            "moments_s": 0.0,  # the deferred moments passes
+            "wait_for_moments_s": 0.0,  # a landing's wait for its layer's moments pass
+            "updated_params": 0.0,  # parameters the host AdamW updated (for its Gparam/s)
+        }
         # the engine installs a callable returning cumulative counts (speculated steps)
         self.counters = dict
         self._lock = threading.Lock()
