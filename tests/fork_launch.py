@@ -310,9 +310,9 @@ def warm_run(
         pid = _reply(server, 60)["pid"]
         try:
             rc = _reply(server, timeout)["rc"]
-        # the time is up, or the test was stopped (Ctrl-C): the launch goes with it (its
         except BaseException:
-            # own session got no SIGINT), and its {"rc"} is read so the next request gets its own
+            # the time is up, or the test was stopped (Ctrl-C): the launch goes with it (its own
+            # session got no SIGINT), and its {"rc"} is read so the next request gets its own
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -191,9 +191,9 @@ def test_a_backlog_of_landings_is_taken_newest_first(monkeypatch):
         )
         for step, ids in enumerate(_batches(4)):
             loss = engine(input_ids=ids, labels=ids).loss
-            # a step that speculates (not the first): the AdamW thread waits, ahead of
+            # a step that speculates (not the first): the AdamW thread waits, ahead of every task
+            # of this backward and step, until layer 0 has landed
             if speculate and step == 3:
-                # every task of this backward and step, until layer 0 has landed
                 monkeypatch.setattr(HostAdamW, "_speculative_update", spy)
                 monkeypatch.setattr(HostAdamW, "final_landing", final)
                 engine.optimizer.parts.opt_worker.submit(landed_all.wait, 10)
