@@ -2,7 +2,7 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | paper7a | paper7b | paper7c | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | paperC | paperD | paper7a | paper7b | paper7c | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
 #
 # Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
 # limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
@@ -96,6 +96,13 @@ case $phase in
   paperA) h2h_call 330 zero3 --systems zero3 --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
           h2h_call 230 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   paperB) h2h_call 220 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
+  # issue 48, item 6: the 14B row's other peers (4-GPU box, one GPU): Gemini after its kernels build (the call's
+  # remainder), then FSDP2 in a call of its own
+  paperC) export HOME=$PWD/.site/home; mkdir -p "$HOME"
+          timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
+          GEMINI_LIGER=0 h2h_call $((580 - SECONDS)) gemini --systems gemini --clip 1.0 --tokens-per-step 16384 \
+              --warmup 2 --steps 3 ;;
+  paperD) h2h_call 560 fsdp --systems fsdp --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   # the paper's 7B comparison (issue 48) on one GPU of the 2-GPU box (its 256 GiB hold every peer's state), 16K, clip
   # 1.0, liger for all but Gemini (its offloaded norm weights break liger's RMSNorm backward: gemini_system.py)
   paper7a) model=qwen2.5-7b
