@@ -62,19 +62,20 @@ def resolve_liger(mode: str, device: str) -> bool:
     return cuda and liger_importable()
 
 
-def apply_hf_liger(model: torch.nn.Module) -> None:
+def apply_hf_liger(model: torch.nn.Module, kernel_config: dict | None = None) -> None:
     """liger-kernel exactly as HF Trainer's ``use_liger_kernel=True`` applies it
     (liger_kernel_config None): ``_apply_liger_kernel_to_instance(model=model)`` with liger's
     defaults, i.e. RMSNorm, SwiGLU MLP and RoPE patched in, and the causal-LM forward replaced by
-    one using the fused linear cross-entropy (no logits)."""
+    one using the fused linear cross-entropy (no logits). ``kernel_config``: the Trainer's
+    ``liger_kernel_config`` (e.g. ``{"rms_norm": False}``), passed to liger as keywords."""
     try:
         from transformers.integrations.liger import apply_liger_kernel
     except ImportError:  # older transformers: Trainer calls liger directly
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-        _apply_liger_kernel_to_instance(model=model)
+        _apply_liger_kernel_to_instance(model=model, **(kernel_config or {}))
     else:
-        apply_liger_kernel(model, None)
+        apply_liger_kernel(model, kernel_config)
 
 
 def settings_dict(

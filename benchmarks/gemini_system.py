@@ -14,7 +14,9 @@ What it runs when ColossalAI imports (recorded under "settings"):
   chunks between the GPU and the host) instead. Clipping is the plugin's ``max_norm``.
 - ``HybridAdam`` (AdamW mode, benchmarks.common.OPTIMIZER) through ``Booster(plugin=...)``; HF
   activation checkpointing; liger-kernel as HF Trainer applies it (``liger=True``), before
-  boosting; ``GEMINI_LIGER=0`` leaves liger off and records why (``LIGER_OFF_WHY``).
+  boosting; ``GEMINI_LIGER=0`` leaves liger off and records why (``LIGER_OFF_WHY``);
+  ``GEMINI_LIGER=nonorm`` applies every liger kernel but RMSNorm (the one that fails there: the
+  fused loss, SwiGLU and RoPE work on activations), recorded under ``kernels`` and ``liger_off``.
 
 ColossalAI's newest release (0.5.0) pins ``torch>=2.2.0,<=2.5.1`` and ``transformers==4.51.3``;
 the lent GPU box has torch 2.11 and transformers 5.x, and it is installed there without its pins.
@@ -110,7 +112,13 @@ def plugin_kwargs(placement: str | None = None) -> dict:
 
 
 def gemini_settings(
-    micro_batch: int, seq: int, steps: int, warmup: int, liger: bool, kwargs: dict
+    micro_batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    liger: bool,
+    kwargs: dict,
+    kernels: tuple = LIGER_KERNELS,
 ) -> dict:
     return settings_dict(
         precision="bf16 params and compute, fp32 master (Gemini bf16)",
@@ -121,7 +129,7 @@ def gemini_settings(
         steps=steps,
         seq=seq,
         micro_batch=micro_batch,
-        kernels=list(LIGER_KERNELS) if liger else [],
+        kernels=list(kernels) if liger else [],
         loss_kernel=LIGER_LOSS if liger else HF_LOSS,
         gradient_checkpointing=HF_CHECKPOINTING,
         offload_optimizer_ratio=kwargs.get("offload_optim_frac")
@@ -173,11 +181,16 @@ def run_gemini(
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
     kwargs = plugin_kwargs()
-    liger_off = liger and os.environ.get("GEMINI_LIGER") == "0"
-    liger = liger and not liger_off
-    settings = gemini_settings(micro_batch, seq, steps, warmup, liger, kwargs)
+    mode = os.environ.get("GEMINI_LIGER", "1")
+    if mode not in ("0", "1", "nonorm"):
+        raise ValueError(f"GEMINI_LIGER must be 0, 1 or nonorm, got {mode!r}")
+    liger_off = liger and mode != "1"
+    liger = liger and mode != "0"
+    liger_config = {"rms_norm": False} if mode == "nonorm" else None
+    kernels = tuple(k for k in LIGER_KERNELS if liger_config is None or k != "rms_norm")
+    settings = gemini_settings(micro_batch, seq, steps, warmup, liger, kwargs, kernels)
     if liger_off:
-        settings["liger_off"] = LIGER_OFF_WHY
+        settings["liger_off"] = ("RMSNorm only: " if liger else "") + LIGER_OFF_WHY
     settings["colossalai"] = colossalai_pins()
     Booster, GeminiPlugin, HybridAdam, error = import_gemini()
     if error is None and not device.startswith("cuda"):
@@ -213,7 +226,7 @@ def run_gemini(
             torch.cuda.empty_cache()
         report_phase("model built on the host")
         if liger:
-            apply_hf_liger(model)
+            apply_hf_liger(model, liger_config)
         enable_hf_checkpointing(model)
         n_params = sum(p.numel() for p in model.parameters())
         optimizer = HybridAdam(

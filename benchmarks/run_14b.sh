@@ -6,6 +6,7 @@
 #
 # Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
 # limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
+# GEMINI_LIGER (Gemini's runs; default 0): 0 = no liger, nonorm = every liger kernel but RMSNorm (gemini_system.py).
 # Steps: 2 warm-up + 3 measured at 16K, 1 + 2 at 32K and above (a 14B step at 96K takes 22 s). The depth sweep at
 # the 14B width (sweepA/B/C, 16K tokens/step) adds 24, 72 and 96 layers to the 48 of the 16k phase for megatrain
 # (96 layers = 28 B params, ~470 GB of host memory) and 24 for ZeRO-3 (72 layers would need ~540 GB).
@@ -100,7 +101,7 @@ case $phase in
   # remainder), then FSDP2 in a call of its own
   paperC) export HOME=$PWD/.site/home; mkdir -p "$HOME"
           timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
-          GEMINI_LIGER=0 h2h_call $((580 - SECONDS)) gemini --systems gemini --clip 1.0 --tokens-per-step 16384 \
+          GEMINI_LIGER=${GEMINI_LIGER:-0} h2h_call $((580 - SECONDS)) gemini --systems gemini --clip 1.0 --tokens-per-step 16384 \
               --warmup 2 --steps 3 ;;
   paperD) h2h_call 560 fsdp --systems fsdp --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   # the paper's 7B comparison (issue 48) on one GPU of the 2-GPU box (its 256 GiB hold every peer's state), 16K, clip
@@ -115,10 +116,10 @@ case $phase in
   paper7b) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b
           timeout 540 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 8 | tee -a "$log"
           left=$((580 - SECONDS))
-          [ "$left" -gt 240 ] && GEMINI_LIGER=0 h2h_call "$left" gemini --systems gemini --clip 1.0 \
+          [ "$left" -gt 240 ] && GEMINI_LIGER=${GEMINI_LIGER:-0} h2h_call "$left" gemini --systems gemini --clip 1.0 \
               --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   paper7c) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b
-          GEMINI_LIGER=0 h2h_call 370 gemini --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
+          GEMINI_LIGER=${GEMINI_LIGER:-0} h2h_call 370 gemini --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
           h2h_call 200 fsdp --systems fsdp --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

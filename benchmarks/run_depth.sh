@@ -27,7 +27,7 @@ case $phase in
        exit 0 ;;
   gprobe) timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee "$out/pre.log"
        for pin in ${PINS:-0 1}; do  # PINS: which of pageable (0), pinned (1)
-         GEMINI_PIN=$pin GEMINI_LIGER=0 GEMINI_PROFILE=30 GEMINI_PROFILE_OUT=$out/boost_pin$pin.txt \
+         GEMINI_PIN=$pin GEMINI_LIGER=${GEMINI_LIGER:-0} GEMINI_PROFILE=30 GEMINI_PROFILE_OUT=$out/boost_pin$pin.txt \
            python3 -m benchmarks.depth --systems gemini --depths "${DEPTHS:-14}" --deadline-s "${DEADLINE:-200}" \
            --run-cap-s "${RUN_CAP:-200}" --out "$out/gprobe_pin$pin" 2>&1 | grep -v -e "is deprecated" -e "^\s*$" \
            | tail -n 20 | tee "$out/gprobe_pin$pin.log"

@@ -244,3 +244,27 @@ def test_the_host_peers_draw_their_init_on_the_gpu_when_it_fits(monkeypatch):
     assert build.draw_device(cfg, "cuda", "fast") == "cpu"  # fast builds its layers on the host
     assert build.draw_device(cfg, "cpu", "hf") == "cpu"
     assert build.draw_device(make_config("qwen2.5-14b"), "cuda", "auto") == "cpu"  # auto: fast
+
+
+def test_gemini_liger_without_rmsnorm_is_recorded(monkeypatch):
+    """GEMINI_LIGER=nonorm: every liger kernel but RMSNorm, passed to liger as the Trainer's
+    liger_kernel_config and recorded; an unknown value is refused."""
+    import transformers.integrations.liger as hf_liger
+
+    from benchmarks import common, gemini_system
+
+    monkeypatch.setenv("GEMINI_LIGER", "nonorm")
+    res = gemini_system.run_gemini(
+        make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu", liger=True
+    )
+    settings = res["settings"]
+    assert settings["kernels"] == ["swiglu", "rope", "fused_linear_cross_entropy"]
+    assert settings["liger_off"].startswith("RMSNorm only: ")
+    seen = []
+    monkeypatch.setattr(hf_liger, "apply_liger_kernel", lambda model, cfg: seen.append(cfg))
+    common.apply_hf_liger(object(), {"rms_norm": False})
+    common.apply_hf_liger(object())
+    assert seen == [{"rms_norm": False}, None]
+    monkeypatch.setenv("GEMINI_LIGER", "yes")
+    with pytest.raises(ValueError, match="GEMINI_LIGER"):
+        gemini_system.run_gemini(make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu")
