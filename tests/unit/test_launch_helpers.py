@@ -38,7 +38,11 @@ RANK_SCRIPT = """
 import atexit, os, sys
 rank = os.environ["RANK"]
 env = os.environ
-print("out", rank, env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"], os.getcwd())
+# one write (atomic on a pipe): unbuffered print() writes each piece apart, and two ranks' pieces
+# would interleave on the shared stdout
+fields = ["out", rank, env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"], os.getcwd()]
+line = " ".join(fields)
+os.write(1, (line + "\\n").encode())
 atexit.register(lambda: open(os.path.join(sys.argv[1], "exit" + rank), "w").write("ran"))
 if sys.argv[2] == "fail" and rank == "1":
     raise ValueError("rank 1 fails")
