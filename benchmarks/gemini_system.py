@@ -15,8 +15,12 @@ What it runs when ColossalAI imports (recorded under "settings"):
 - ``HybridAdam`` (AdamW mode, benchmarks.common.OPTIMIZER) through ``Booster(plugin=...)``; HF
   activation checkpointing; liger-kernel as HF Trainer applies it (``liger=True``), before
   boosting; ``GEMINI_LIGER=0`` leaves liger off and records why (``LIGER_OFF_WHY``);
-  ``GEMINI_LIGER=nonorm`` applies every liger kernel but RMSNorm (the one that fails there: the
-  fused loss, SwiGLU and RoPE work on activations), recorded under ``kernels`` and ``liger_off``.
+  ``GEMINI_LIGER=activations`` applies the liger kernels that touch only activations: SwiGLU,
+  RoPE and liger's cross-entropy on the logits, recorded under ``kernels``, ``loss_kernel`` and
+  ``liger_off``. The two left out each use a parameter Gemini manages outside its module's forward:
+  RMSNorm's backward reads the norm weight after Gemini has moved it back to the host
+  (``LIGER_OFF_WHY``), and the fused linear cross-entropy multiplies by ``lm_head.weight`` without
+  calling ``lm_head`` (``FUSED_LOSS_OFF_WHY``).
 
 ColossalAI's newest release (0.5.0) pins ``torch>=2.2.0,<=2.5.1`` and ``transformers==4.51.3``;
 the lent GPU box has torch 2.11 and transformers 5.x, and it is installed there without its pins.
@@ -63,6 +67,15 @@ LIGER_OFF_WHY = (
     "(at 7) cannot be accessed from Triton (cpu tensor?)"
 )
 LIGER_LOSS = "liger fused linear cross-entropy (no logits)"
+LIGER_CE_LOSS = "liger cross-entropy (full logits through HF's lm_head)"
+# GEMINI_LIGER=activations leaves the fused loss off too: seen on an H200, Qwen2.5-7B, 2026-11-29
+FUSED_LOSS_OFF_WHY = (
+    "liger's fused linear cross-entropy reads lm_head.weight without calling lm_head, so Gemini "
+    "never gathers its gradient: RuntimeError: Parameter `lm_head.weight` failed at the gradient "
+    "reduction. Some unsupported torch function is operated upon this parameter."
+)
+# GEMINI_LIGER=activations: what the Trainer's liger_kernel_config gets
+ACTIVATION_KERNELS = {"rms_norm": False, "fused_linear_cross_entropy": False, "cross_entropy": True}
 
 
 def colossalai_pins() -> dict:
@@ -182,15 +195,22 @@ def run_gemini(
     layers = config.num_hidden_layers
     kwargs = plugin_kwargs()
     mode = os.environ.get("GEMINI_LIGER", "1")
-    if mode not in ("0", "1", "nonorm"):
-        raise ValueError(f"GEMINI_LIGER must be 0, 1 or nonorm, got {mode!r}")
+    if mode not in ("0", "1", "activations"):
+        raise ValueError(f"GEMINI_LIGER must be 0, 1 or activations, got {mode!r}")
     liger_off = liger and mode != "1"
     liger = liger and mode != "0"
-    liger_config = {"rms_norm": False} if mode == "nonorm" else None
-    kernels = tuple(k for k in LIGER_KERNELS if liger_config is None or k != "rms_norm")
+    liger_config = ACTIVATION_KERNELS if mode == "activations" else None
+    kernels = LIGER_KERNELS
+    if liger_config is not None:
+        kernels = ("swiglu", "rope", "cross_entropy")
     settings = gemini_settings(micro_batch, seq, steps, warmup, liger, kwargs, kernels)
+    if liger_config is not None:
+        settings["loss_kernel"] = LIGER_CE_LOSS
     if liger_off:
-        settings["liger_off"] = ("RMSNorm only: " if liger else "") + LIGER_OFF_WHY
+        why = LIGER_OFF_WHY
+        if liger:
+            why = f"RMSNorm: {LIGER_OFF_WHY}; fused linear cross-entropy: {FUSED_LOSS_OFF_WHY}"
+        settings["liger_off"] = why
     settings["colossalai"] = colossalai_pins()
     Booster, GeminiPlugin, HybridAdam, error = import_gemini()
     if error is None and not device.startswith("cuda"):

@@ -2,11 +2,11 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | paperC | paperD | paper7a | paper7b | paper7c | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | paperC | paperD | big40 | paper7a | paper7b | paper7c | paper7d | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
 #
 # Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
 # limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
-# GEMINI_LIGER (Gemini's runs; default 0): 0 = no liger, nonorm = every liger kernel but RMSNorm (gemini_system.py).
+# GEMINI_LIGER (Gemini's runs; default 0): 0 = no liger, activations = SwiGLU, RoPE and cross-entropy (gemini_system.py).
 # Steps: 2 warm-up + 3 measured at 16K, 1 + 2 at 32K and above (a 14B step at 96K takes 22 s). The depth sweep at
 # the 14B width (sweepA/B/C, 16K tokens/step) adds 24, 72 and 96 layers to the 48 of the 16k phase for megatrain
 # (96 layers = 28 B params, ~470 GB of host memory) and 24 for ZeRO-3 (72 layers would need ~540 GB).
@@ -104,6 +104,10 @@ case $phase in
           left=$((580 - SECONDS))
           [ "$left" -gt 240 ] && GEMINI_LIGER=${GEMINI_LIGER:-0} h2h_call "$left" gemini --systems gemini --clip 1.0 \
               --tokens-per-step 16384 --warmup 2 --steps 3 ;;
+  # issue 48, item 6: the largest exact model of the 4-GPU box (512 GiB host): the 14B width at 140 layers, 40.1 B
+  # parameters, fp32 masters; `megatrain-ds plan qwen2.5-14b --layers 140 --host-budget 480` puts its host state at
+  # 462 GiB with the gradients held on the GPU until the norm (the plan's gradient_hold "auto")
+  big40) h2h_call 570 L140 --systems megatrain --layers 140 --clip 1.0 --tokens-per-step 16384 --warmup 1 --steps 2 ;;
   paperD) h2h_call 560 fsdp --systems fsdp --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   # the paper's 7B comparison (issue 48) on one GPU of the 2-GPU box (its 256 GiB hold every peer's state), 16K, clip
   # 1.0, liger for all but Gemini (its offloaded norm weights break liger's RMSNorm backward: gemini_system.py)
@@ -119,6 +123,12 @@ case $phase in
           left=$((580 - SECONDS))
           [ "$left" -gt 240 ] && GEMINI_LIGER=${GEMINI_LIGER:-0} h2h_call "$left" gemini --systems gemini --clip 1.0 \
               --tokens-per-step 16384 --warmup 2 --steps 3 ;;
+  # Gemini's 7B row beside megatrain_ds in one call, on a machine whose paper7b built ColossalAI's kernels (Gemini
+  # with liger on activations only: GEMINI_LIGER=activations, gemini_system.py)
+  paper7d) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b
+          GEMINI_LIGER=${GEMINI_LIGER:-activations} h2h_call 300 gemini --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
+          h2h_call 120 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
+          h2h_call 130 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   paper7c) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b
           GEMINI_LIGER=${GEMINI_LIGER:-0} h2h_call 370 gemini --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
           h2h_call 200 fsdp --systems fsdp --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;

@@ -5,11 +5,13 @@
 # limit (benchmarks/phase_lib.sh); results.md of each call has tokens/s, peak GPU and the GPU-idle share.
 #
 #   bash benchmarks/run_24gib.sh 3b OUTDIR    megatrain host-only, defaults, ZeRO-3, FSDP2        (~9 min)
+#   bash benchmarks/run_24gib.sh 3b-gemini OUTDIR   Gemini's row (GEMINI_LIGER default 0; ColossalAI's kernels
+#                                             built first, cached in .site/home: ~2 min on a fresh machine)
 #   bash benchmarks/run_24gib.sh 7b OUTDIR    megatrain defaults, host-only, then ZeRO-3 and FSDP2's rows (the
 #                                             harness's host pre-check records them as not fitting 128 GiB)
 #   bash benchmarks/run_24gib.sh 7b-defaults OUTDIR   megatrain defaults alone
 set -u
-phase=${1:?phase 3b|7b}; out=${2:?outdir}
+phase=${1:?phase 3b|3b-gemini|7b|7b-defaults}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 g24() {  # g24 <limit_s> <tag> <h2h args...>
@@ -22,6 +24,9 @@ case $phase in
       g24 100 defaults --systems megatrain
       g24 190 zero3 --systems zero3
       g24 140 fsdp --systems fsdp ;;
+  3b-gemini) model=qwen2.5-3b; export HOME=$PWD/.site/home; mkdir -p "$HOME"
+      timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
+      GEMINI_LIGER=${GEMINI_LIGER:-0} g24 240 gemini --systems gemini ;;
   7b) model=qwen2.5-7b  # fp32 masters: ~115 GB host (ANCHORS 2026-11-27); the planner decides in initialize
       g24 200 defaults --systems megatrain
       g24 200 hostonly --systems megatrain --host-only

@@ -20,6 +20,9 @@ mkdir -p "$out"
 source benchmarks/device_setup.sh
 export TORCH_EXTENSIONS_DIR=$PWD/.site/ext  # DeepSpeed's JIT ops
 export HOME=$PWD/.site/home; mkdir -p "$HOME"  # ColossalAI's (~/.cache/colossalai), kept as .site is on a warm machine
+# Gemini without liger unless asked (GEMINI_LIGER=1 fails in RMSNorm's backward: gemini_system.py); a b phase
+# that left it to gemini_system's default of 1 lost its first point to that error (2026-11-29)
+export GEMINI_LIGER=${GEMINI_LIGER:-0}
 free -g
 depths=${DEPTHS:-28,56,84,120,180}
 case $phase in
@@ -27,7 +30,7 @@ case $phase in
        exit 0 ;;
   gprobe) timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee "$out/pre.log"
        for pin in ${PINS:-0 1}; do  # PINS: which of pageable (0), pinned (1)
-         GEMINI_PIN=$pin GEMINI_LIGER=${GEMINI_LIGER:-0} GEMINI_PROFILE=30 GEMINI_PROFILE_OUT=$out/boost_pin$pin.txt \
+         GEMINI_PIN=$pin GEMINI_PROFILE=30 GEMINI_PROFILE_OUT=$out/boost_pin$pin.txt \
            python3 -m benchmarks.depth --systems gemini --depths "${DEPTHS:-14}" --deadline-s "${DEADLINE:-200}" \
            --run-cap-s "${RUN_CAP:-200}" --out "$out/gprobe_pin$pin" 2>&1 | grep -v -e "is deprecated" -e "^\s*$" \
            | tail -n 20 | tee "$out/gprobe_pin$pin.log"

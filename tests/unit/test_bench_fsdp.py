@@ -246,25 +246,40 @@ def test_the_host_peers_draw_their_init_on_the_gpu_when_it_fits(monkeypatch):
     assert build.draw_device(make_config("qwen2.5-14b"), "cuda", "auto") == "cpu"  # auto: fast
 
 
-def test_gemini_liger_without_rmsnorm_is_recorded(monkeypatch):
-    """GEMINI_LIGER=nonorm: every liger kernel but RMSNorm, passed to liger as the Trainer's
-    liger_kernel_config and recorded; an unknown value is refused."""
+def test_gemini_liger_on_activations_only_is_recorded(monkeypatch):
+    """GEMINI_LIGER=activations: SwiGLU, RoPE and liger's cross-entropy on the logits, passed to
+    liger as the Trainer's liger_kernel_config (RMSNorm and the fused loss off: each uses a
+    parameter Gemini manages outside its module's forward) and recorded with why; an unknown value
+    is refused."""
     import transformers.integrations.liger as hf_liger
 
     from benchmarks import common, gemini_system
 
-    monkeypatch.setenv("GEMINI_LIGER", "nonorm")
+    monkeypatch.setenv("GEMINI_LIGER", "activations")
     res = gemini_system.run_gemini(
         make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu", liger=True
     )
     settings = res["settings"]
-    assert settings["kernels"] == ["swiglu", "rope", "fused_linear_cross_entropy"]
-    assert settings["liger_off"].startswith("RMSNorm only: ")
+    assert settings["kernels"] == ["swiglu", "rope", "cross_entropy"]
+    assert settings["loss_kernel"] == gemini_system.LIGER_CE_LOSS
+    assert settings["liger_off"].startswith("RMSNorm: ")
+    assert "lm_head.weight" in settings["liger_off"]
+    assert gemini_system.ACTIVATION_KERNELS == {
+        "rms_norm": False,
+        "fused_linear_cross_entropy": False,
+        "cross_entropy": True,
+    }
+    monkeypatch.setenv("GEMINI_LIGER", "0")
+    res = gemini_system.run_gemini(
+        make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu", liger=True
+    )
+    assert res["settings"]["kernels"] == [] and res["settings"]["loss_kernel"].startswith("HF")
+    assert res["settings"]["liger_off"] == gemini_system.LIGER_OFF_WHY
     seen = []
     monkeypatch.setattr(hf_liger, "apply_liger_kernel", lambda model, cfg: seen.append(cfg))
-    common.apply_hf_liger(object(), {"rms_norm": False})
+    common.apply_hf_liger(object(), gemini_system.ACTIVATION_KERNELS)
     common.apply_hf_liger(object())
-    assert seen == [{"rms_norm": False}, None]
+    assert seen == [gemini_system.ACTIVATION_KERNELS, None]
     monkeypatch.setenv("GEMINI_LIGER", "yes")
     with pytest.raises(ValueError, match="GEMINI_LIGER"):
         gemini_system.run_gemini(make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu")
