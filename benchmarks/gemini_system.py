@@ -22,6 +22,11 @@ What it runs when ColossalAI imports (recorded under "settings"):
   (``LIGER_OFF_WHY``), and the fused linear cross-entropy multiplies by ``lm_head.weight`` without
   calling ``lm_head`` (``FUSED_LOSS_OFF_WHY``).
 
+Gemini has no step breakdown of its own: its warm-up steps run forward, backward and the optimizer
+step as separately synchronised calls (``phase_timed``), recorded under ``warmup_phases_s`` and
+printed by h2h; the measured steps are not interrupted. ``torch_threads`` records the OpenMP team
+HybridAdam's CPU kernel gets.
+
 ColossalAI's newest release (0.5.0) pins ``torch>=2.2.0,<=2.5.1`` and ``transformers==4.51.3``;
 the lent GPU box has torch 2.11 and transformers 5.x, and it is installed there without its pins.
 When the import (or the plugin's setup) fails, the run is not attempted: the result has status
@@ -56,6 +61,7 @@ from benchmarks.common import (
     result_dict,
     set_single_process_env,
     settings_dict,
+    sync,
 )
 
 DID_NOT_RUN = "did not run"
@@ -178,6 +184,33 @@ def profiled_boost(booster, model, optimizer):
     return boosted
 
 
+def phase_timed(step, parts, warmup: int, device: str, settings: dict):
+    """``step`` whose first ``warmup`` calls run the phases ``parts()`` returns, each timed between
+    device synchronisations, appended to ``settings["warmup_phases_s"]`` (one dict per warm-up
+    step): where Gemini's step goes (it has no breakdown of its own), without a synchronisation
+    inside the measured steps. ``parts()`` -> (box, ((name, fn(input_ids)), ...)); box["loss"] is
+    the step's loss."""
+    calls = [0]
+    record = settings.setdefault("warmup_phases_s", [])
+
+    def timed(input_ids: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] > warmup:
+            return step(input_ids)
+        box, phases = parts()
+        seconds = {}
+        for name, fn in phases:
+            sync(device)
+            t0 = time.perf_counter()
+            fn(input_ids)
+            sync(device)
+            seconds[name] = round(time.perf_counter() - t0, 4)
+        record.append(seconds)
+        return box["loss"]
+
+    return timed
+
+
 def run_gemini(
     config,
     tokens_per_step: int,
@@ -271,6 +304,21 @@ def run_gemini(
             optimizer.step()  # the plugin clips to max_norm first
             optimizer.zero_grad()
             return loss
+
+        def parts():  # what each phase of ``step`` calls, so a warm-up step can be timed by phase
+            box = {}
+
+            def forward(input_ids):
+                box["loss"] = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+
+            return box, (
+                ("forward", forward),
+                ("backward", lambda _: booster.backward(box["loss"], optimizer)),
+                ("optimizer", lambda _: (optimizer.step(), optimizer.zero_grad())),
+            )
+
+        step = phase_timed(step, parts, warmup, device, settings)
+        settings["torch_threads"] = torch.get_num_threads()  # HybridAdam's CPU kernel's OpenMP team
 
         batches = make_batches(
             config.vocab_size, micro_batch, seq, warmup + steps, seed, rank=data_rank()

@@ -688,6 +688,10 @@ def breakdown_line(res: dict) -> str:
     """The median step's time breakdown of a run that has one (megatrain_ds), one line; ""
     otherwise."""
     b = res.get("breakdown") or {}
+    phases = (res.get("settings") or {}).get("warmup_phases_s")
+    if res.get("status") == "ok" and not b and phases:  # Gemini: its last warm-up step, by phase
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in phases[-1].items())
+        return f"    [{res['system']}] last warm-up step by phase (s, synchronised): {parts}"
     if res.get("status") != "ok" or not b:
         return ""
     keys = (

@@ -10,8 +10,11 @@
 #   bash benchmarks/run_24gib.sh 7b OUTDIR    megatrain defaults, host-only, then ZeRO-3 and FSDP2's rows (the
 #                                             harness's host pre-check records them as not fitting 128 GiB)
 #   bash benchmarks/run_24gib.sh 7b-defaults OUTDIR   megatrain defaults alone
+#   bash benchmarks/run_24gib.sh 7b-whole OUTDIR      defaults with deferred moments, then with one-pass updates
+#                                             (deferred_moments false): at 7B/8K the host's two passes (36 B/param
+#                                             moved) are the step (2026-11-29_h200_gemini_g24_auto); one pass moves 26
 set -u
-phase=${1:?phase 3b|3b-gemini|7b|7b-defaults}; out=${2:?outdir}
+phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 g24() {  # g24 <limit_s> <tag> <h2h args...>
@@ -32,5 +35,8 @@ case $phase in
       g24 200 hostonly --systems megatrain --host-only
       g24 60 peers --systems zero3,fsdp ;;
   7b-defaults) model=qwen2.5-7b; g24 200 defaults --systems megatrain ;;
+  7b-whole) model=qwen2.5-7b
+      g24 200 deferred --systems megatrain
+      g24 200 whole --systems megatrain --megatrain-options '{"deferred_moments": false}' ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
