@@ -11,7 +11,9 @@ What it runs when ColossalAI imports (recorded under "settings"):
   docstring's "old cpu placement", every parameter shard and all optimizer state in (pinned) host
   memory, the placement its docs give for the largest model a GPU can train;
   ``GEMINI_PLACEMENT=auto`` runs ``placement_policy="auto"`` (Gemini's runtime memory tracer moves
-  chunks between the GPU and the host) instead. Clipping is the plugin's ``max_norm``.
+  chunks between the GPU and the host) instead; ``GEMINI_OFFLOAD_PARAM=0`` keeps the static
+  placement's bf16 parameters on the GPU (optimizer state still on the host). Clipping is the
+  plugin's ``max_norm``.
 - ``HybridAdam`` (AdamW mode, benchmarks.common.OPTIMIZER) through ``Booster(plugin=...)``; HF
   activation checkpointing; liger-kernel as HF Trainer applies it (``liger=True``), before
   boosting; ``GEMINI_LIGER=0`` leaves liger off and records why (``LIGER_OFF_WHY``);
@@ -126,7 +128,15 @@ def plugin_kwargs(placement: str | None = None) -> dict:
         "max_norm": h2h_clip(),
     }
     if placement == "static":
-        kwargs.update(shard_param_frac=1.0, offload_optim_frac=1.0, offload_param_frac=1.0)
+        # GEMINI_OFFLOAD_PARAM: the share of the bf16 parameters kept on the host (default 1.0; 0.0:
+        # all on the GPU, the optimizer state still offloaded: the plugin docstring's advice is to
+        # tune shard_param_frac, then offload_optim_frac, and offload parameters only past both)
+        offload_param = float(os.environ.get("GEMINI_OFFLOAD_PARAM", "1.0"))
+        if not 0.0 <= offload_param <= 1.0:
+            raise ValueError(f"GEMINI_OFFLOAD_PARAM must be in [0, 1], got {offload_param}")
+        kwargs.update(
+            shard_param_frac=1.0, offload_optim_frac=1.0, offload_param_frac=offload_param
+        )
     return kwargs
 
 

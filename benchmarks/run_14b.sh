@@ -2,7 +2,7 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | paperC | paperD | big40 | paper7a | paper7b | paper7c | paper7d | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | paperC | paperD | big40 | paper7a | paper7b | paper7c | paper7d | paper7e | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
 #
 # Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
 # limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
@@ -129,6 +129,11 @@ case $phase in
           GEMINI_LIGER=${GEMINI_LIGER:-activations} h2h_call 300 gemini --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
           h2h_call 120 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
           h2h_call 130 hostonly --systems megatrain --host-only --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
+  # Gemini's other placements at 7B (after paper7b's kernel build): "auto" (its memory tracer places chunks), and
+  # static with the bf16 parameters on the GPU (GEMINI_OFFLOAD_PARAM=0), the optimizer state on the host as ZeRO-3's
+  paper7e) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b; export GEMINI_LIGER=${GEMINI_LIGER:-0}
+          GEMINI_PLACEMENT=auto h2h_call 280 gemini_auto --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
+          GEMINI_OFFLOAD_PARAM=0 h2h_call 280 gemini_gpuparams --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   paper7c) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b
           GEMINI_LIGER=${GEMINI_LIGER:-0} h2h_call 370 gemini --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
           h2h_call 200 fsdp --systems fsdp --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;

@@ -96,6 +96,13 @@ def test_gemini_records_why_it_did_not_run(monkeypatch):
     # pageable host chunks, recorded with the plugin's settings
     monkeypatch.setenv("GEMINI_PIN", "0")
     assert gemini_system.plugin_kwargs()["pin_memory"] is False
+    # the static placement with the bf16 parameters on the GPU; a share outside [0, 1] is refused
+    monkeypatch.setenv("GEMINI_OFFLOAD_PARAM", "0")
+    kw = gemini_system.plugin_kwargs("static")
+    assert kw["offload_param_frac"] == 0.0 and kw["offload_optim_frac"] == 1.0
+    monkeypatch.setenv("GEMINI_OFFLOAD_PARAM", "1.5")
+    with pytest.raises(ValueError, match="GEMINI_OFFLOAD_PARAM"):
+        gemini_system.plugin_kwargs("static")
 
 
 def test_run_system_knows_the_new_systems():
