@@ -83,8 +83,9 @@ HOST_BYTES_PER_PARAM = {
     "megatrain": 18.0,
     "zero3": 27.0,
     "resident": 1.0,
-    # predictions, not yet measured: fp32 shard + fp32 gradient + Adam moments (16) and the
-    # pinned allocator's rounding (fsdp); Gemini's fp32 master + moments + its chunks (gemini)
+    # peak host RSS / params measured on H200 boxes (2026-11-29, benchmarks/results/): FSDP2 18.4
+    # (5.85 B) to 20.2 (3B) and 23.4 (7B); Gemini 17.4 (5.85 B), 18.0 (3B), 19.8 (7B). The
+    # pre-check uses the middle: a higher one would refuse FSDP2's 5.85 B point, which ran in 108 GB
     "fsdp": 20.0,
     "gemini": 18.0,
 }
