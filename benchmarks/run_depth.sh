@@ -11,6 +11,9 @@
 #                                             where its build and boost (161 s at 1.5B, over 7 min at 7B) go
 #   python3 -m benchmarks.depth --plot OUT_A/depth_a OUT_B/depth_b --out DIR      (here: depth.png, depth.md)
 #
+# The paper's own width on the 4-GPU box (512 GiB host; `megatrain-ds plan qwen2.5-7b --layers 165 --host-budget 480`
+# fits, 180 layers does not without the NVMe tier): MODEL=qwen2.5-7b DEPTHS=28,56,84,120,165, one call per system
+# and a few depths (SYSTEMS=megatrain DEPTHS=28,56,84 ..., then the rest).
 # Each phase is one device `run` (carry .wheels: ../shared/tools/gpu-wheels.sh + benchmarks/gemini_wheels.sh) of at
 # most DEADLINE seconds of runs (default 525; the setup takes ~20 s more). DEPTHS overrides the layer list, SYSTEMS
 # the phase's systems.
@@ -41,7 +44,7 @@ case $phase in
   b) systems=${SYSTEMS:-gemini,zero3,fsdp} ;;  # Gemini first: an import error costs seconds, a JIT build at most the cap
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
-python3 -m benchmarks.depth --systems "$systems" --depths "$depths" --order depth --deadline-s "${DEADLINE:-525}" \
+python3 -m benchmarks.depth --model "${MODEL:-qwen2.5-1.5b}" --systems "$systems" --depths "$depths" --order depth --deadline-s "${DEADLINE:-525}" \
   --run-cap-s "${RUN_CAP:-300}" \
   --out "$out/depth_$phase" 2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 60 | tee "$out/depth_$phase.log"
 sed -i -e "s#$PWD/#./#g" "$out/depth_$phase/depth.json"
