@@ -12,7 +12,10 @@
 #   bash benchmarks/run_24gib.sh 7b-defaults OUTDIR   megatrain defaults alone
 #   bash benchmarks/run_24gib.sh 7b-whole OUTDIR      defaults with deferred moments, then with one-pass updates
 #                                             (deferred_moments false): at 7B/8K the host's two passes (36 B/param
-#                                             moved) are the step (2026-11-29_h200_gemini_g24_auto); one pass moves 26
+#                                             moved) are the step (2026-11-29_h200_gemini_g24_auto); one pass moves
+#                                             26; then defaults with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+#                                             (the 7B row's reserved peak was 5.9 GB above its allocated one, memory
+#                                             "auto" could not place into)
 set -u
 phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
@@ -36,7 +39,8 @@ case $phase in
       g24 60 peers --systems zero3,fsdp ;;
   7b-defaults) model=qwen2.5-7b; g24 200 defaults --systems megatrain ;;
   7b-whole) model=qwen2.5-7b
-      g24 200 deferred --systems megatrain
-      g24 200 whole --systems megatrain --megatrain-options '{"deferred_moments": false}' ;;
+      g24 170 deferred --systems megatrain
+      g24 170 whole --systems megatrain --megatrain-options '{"deferred_moments": false}'
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 170 expandable --systems megatrain ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
