@@ -19,7 +19,8 @@ endif
 
 .PHONY: demo test lint test-system env clean canary oldest
 
-# the Python sources ruff checks: every line at most 100 characters, and ruff's format (pyproject.toml [tool.ruff])
+# the Python sources ruff checks: every line at most 100 characters, no unused or undefined names (pyflakes),
+# and ruff's format (pyproject.toml [tool.ruff])
 LINT_PATHS := megatrain_ds tests benchmarks compat examples setup.py
 
 env: $(ENV_DEP)

@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -74,152 +73,15 @@ from tqdm import tqdm
 from benchmarks import multi_gpu, report
 from benchmarks.build import INIT_CHOICES
 from benchmarks.common import PHASE_TAG, PROGRESS_TAG, peak_host_rss_bytes
-from benchmarks.shapes import SHAPE_NAMES, is_moe, make_config, n_params
-
-# Peak host bytes per parameter each system needs (measured: 3B on the H200 box,
-# benchmarks/results/): model build (fp32, 4 B) + state. megatrain 17.3, zero3 25.9, resident builds
-# on the GPU.
-HOST_BYTES_PER_PARAM = {
-    "megatrain": 18.0,
-    "zero3": 27.0,
-    "resident": 1.0,
-    # peak host RSS / params measured on H200 boxes (2026-11-29, benchmarks/results/): FSDP2 18.4
-    # (5.85 B) to 20.2 (3B) and 23.4 (7B); Gemini 17.4 (5.85 B), 18.0 (3B), 19.8 (7B). The
-    # pre-check uses the middle: a higher one would refuse FSDP2's 5.85 B point, which ran in 108 GB
-    "fsdp": 20.0,
-    "gemini": 18.0,
-}
-# LoRA (per base parameter; predictions, not yet measured): megatrain_ds keeps the frozen base in
-# bf16 only (2 B) + the adapters' state, and the fast init holds one layer while building; ZeRO-3
-# holds the bf16 partitions in pinned host memory, which torch's caching host allocator rounds up to
-# powers of two (about 2.22 B at 72B).
-LORA_HOST_BYTES_PER_PARAM = {"megatrain": 2.4, "zero3": 2.5}
-
-
-def hardware() -> dict:
-    info = {
-        "cpu_cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "host_mem_bytes": _meminfo("MemTotal"),
-    }
-    try:
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                "--query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current",
-                "--format=csv,noheader",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        info["gpu"] = out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["gpu"] = None
-    return info
-
-
-def _meminfo(key: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _n_params(config) -> int:
-    return n_params(config)
-
-
-# megatrain with its NVMe tier (--ds-config with offload_optimizer.device nvme): fp32 master + fp32
-# gradient stay in RAM (8), the Adam moments of as many layers as needed go to disk
-NVME_HOST_BYTES_PER_PARAM = 8.0
-# ZeRO-3 with DeepSpeed's bf16 master weights and optimizer states (--zero3-ds-config): a
-# prediction, not a measurement (bf16 offloaded params 2 + master 2 + gradient 2 + moments 4, and
-# its buffers): checked loosely
-ZERO3_BF16_STATE_HOST_BYTES_PER_PARAM = 14.0
-# Data parallel: host bytes one more process costs beyond the model's state (libraries, CUDA
-# context)
-PER_PROCESS_HOST_BYTES = 3 * 2**30
-
-
-def planned_megatrain_host_bytes(args, config, tokens: int, gpus: int) -> int | None:
-    """The host bytes megatrain_ds's planner (the check ``initialize`` runs) predicts for this run's
-    config, summed over ``gpus`` ranks (``--nodes``: over the "nodes" on this box, each one's own
-    plan): engine state, NVMe staging, optimizer scratch. None where the plan does not apply here
-    (LoRA: the harness applies peft after building; an NVMe config: the engine places layers on disk
-    itself)."""
-    if getattr(args, "lora", 0) or '"nvme"' in (getattr(args, "ds_config", None) or ""):
-        return None
-    from benchmarks.common import micro_batch_for, resolve_liger
-    from benchmarks.megatrain_system import megatrain_ds_config
-    from megatrain_ds.planning.config import parse_config
-    from megatrain_ds.planning.plan import meta_model, plan_model
-
-    device = "cuda" if args.device.startswith("cuda") else "cpu"
-    ds = megatrain_ds_config(
-        micro_batch_for(tokens, args.seq),
-        device,
-        resolve_liger(args.liger, args.device),
-        args.gpu_optimizer_fraction,
-        args.host_only,
-    )
-    # h2h --nodes: every "node" is on this box
-    nodes = int(getattr(args, "nodes", 1) or 1) if gpus > 1 else 1
-    pred = plan_model(
-        meta_model(config),
-        parse_config(ds, world_size=gpus, warn=False),
-        device=device,
-        # (GiB: no budget; compared with what is free)
-        world=gpus // nodes,
-        nodes=nodes,
-        host_budget=1e9,
-    )
-    return int(pred.host_need_bytes) * nodes
-
-
-def host_precheck(system: str, args, config, tokens: int, gpus: int) -> str | None:
-    """Why ``system`` would not fit this host's memory (the skip message), or None. megatrain: its
-    own planner with this run's config; the others (and megatrain under LoRA or NVMe): measured
-    bytes per parameter. The resident system builds on each GPU (1 B/param of host per process); the
-    offloading systems partition their state."""
-    per_param = (
-        LORA_HOST_BYTES_PER_PARAM[system]
-        if getattr(args, "lora", 0)
-        else HOST_BYTES_PER_PARAM[system]
-    )
-    if system == "megatrain" and '"nvme"' in (getattr(args, "ds_config", None) or ""):
-        # the moments may go to disk; the engine's own check (plan.py) decides
-        per_param = NVME_HOST_BYTES_PER_PARAM
-    if system == "zero3" and "bf16_optimizer_states" in (
-        getattr(args, "zero3_ds_config", None) or ""
-    ):
-        per_param = ZERO3_BF16_STATE_HOST_BYTES_PER_PARAM
-    need = (
-        per_param * _n_params(config) * (gpus if system == "resident" else 1)
-        + (gpus - 1) * PER_PROCESS_HOST_BYTES
-    )
-    source = f"{per_param:g} B/param"
-    planned = (
-        planned_megatrain_host_bytes(args, config, tokens, gpus) if system == "megatrain" else None
-    )
-    # the engine's own planner, with this run's config (precision, masters, placements)
-    if planned is not None:
-        need, source = (
-            planned + gpus * PER_PROCESS_HOST_BYTES,
-            "megatrain_ds's plan + 3 GiB per process",
-        )
-    have = (
-        int(args.host_mem_gib * 2**30)
-        if getattr(args, "host_mem_gib", None)
-        else _meminfo("MemAvailable")
-    )
-    if have and need > have:
-        return f"needs ~{need / 2**30:.0f} GiB host memory ({source}), {have / 2**30:.0f} GiB free"
-    return None
+from benchmarks.host_check import (
+    HOST_BYTES_PER_PARAM,
+    LORA_HOST_BYTES_PER_PARAM,
+    hardware,
+    host_precheck,
+    meminfo,
+)
+from benchmarks.report import best_vs_best_table, breakdown_line, plot, report_line
+from benchmarks.shapes import SHAPE_NAMES, is_moe, make_config
 
 
 def run_one(
@@ -305,7 +167,7 @@ def run_one(
     else:
         host = max(
             int(args.host_mem_gib * 2**30) if getattr(args, "host_mem_gib", None) else 0,
-            _meminfo("MemTotal"),
+            meminfo("MemTotal"),
         )
         result = failed_run(system, args.model, config.num_hidden_layers, tokens, tail, watch, host)
     result["name"] = os.path.splitext(os.path.basename(path))[0]
@@ -622,137 +484,6 @@ def best_batch(system: str, args, layers: int | None, out: str, on_probe=lambda 
     if best is not None:
         best["best_batch"] = True
     return best or res
-
-
-def best_vs_best_table(best: list[dict]) -> str:
-    """Each system at its fastest batch, with ratios against ZeRO-3's and the whole-on-GPU run's
-    best."""
-    peer = {r["system"]: r["tokens_per_s"] for r in best}
-    out = [
-        "| system (L) | best tokens/step | tokens/s | TFLOPS | vs ZeRO-3 best | vs whole-on-GPU "
-        "best | peak GPU GB |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in sorted(best, key=lambda r: -r["tokens_per_s"]):
-        ratio = lambda s: (  # noqa: E731
-            f"{r['tokens_per_s'] / peer[s]:.2f}×" if peer.get(s) else "–"
-        )
-        out.append(
-            f"| {r['system']} ({r['layers']}) | {r['tokens_per_step']} | {r['tokens_per_s']:,.0f} "
-            "| "
-            f"{r['tflops']:.1f} | {ratio('zero3')} | {ratio('resident')} | "
-            f"{r['peak_gpu_bytes'] / 1e9:.1f} |"
-        )
-    return "\n".join(out)
-
-
-def report_line(res: dict) -> str:
-    if int(res.get("gpus", 1)) > 1:
-        return multi_gpu.report_line(res)
-    if res.get("status") != "ok":
-        seen = (
-            f" (peak host RSS {res['peak_host_rss_bytes'] / 1e9:.1f} GB, last phase: "
-            f"{res['last_phase']})"
-            if "last_phase" in res
-            else ""
-        )
-        return (
-            f"[{res.get('system')}] tokens/step={res.get('tokens_per_step')} "
-            f"{str(res.get('status')).upper()}"
-            f"{seen}: "
-            f"{str(res.get('error', '')).strip().splitlines()[-1:] if res.get('error') else ''}"
-        )
-    line = (
-        f"[{res['system']}] L={res['layers']} tokens/step={res['tokens_per_step']} "
-        f"{res['tokens_per_s']:,.0f} tokens/s {res['tflops']:.1f} TFLOPS "
-        f"peak GPU {res['peak_gpu_bytes'] / 1e9:.1f} GB host {res['peak_host_rss_bytes'] / 1e9:.1f}"
-        " GB"
-    )
-    settings = res.get("settings") or {}
-    if settings.get("build_s") is not None:
-        line += f" build {settings['build_s']:.1f} s"
-        if settings.get("initialize_s") is not None:
-            line += f" + initialize {settings['initialize_s']:.1f} s"
-    if settings.get("lora"):
-        line += (
-            f" | LoRA r{settings['lora']['r']}: trainable {report.count(res['trainable_params'])}, "
-            "base "
-            f"{report.count(res['base_params'])}, host {res['host_bytes_per_base_param']:.2f} "
-            "B/base param"
-        )
-        if res.get("engine_host_bytes_per_base_param") is not None:
-            line += f" (engine state {res['engine_host_bytes_per_base_param']:.2f})"
-    return line
-
-
-def breakdown_line(res: dict) -> str:
-    """The median step's time breakdown of a run that has one (megatrain_ds), one line; ""
-    otherwise."""
-    b = res.get("breakdown") or {}
-    phases = (res.get("settings") or {}).get("warmup_phases_s")
-    if res.get("status") == "ok" and not b and phases:  # Gemini: its last warm-up step, by phase
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in phases[-1].items())
-        return f"    [{res['system']}] last warm-up step by phase (s, synchronised): {parts}"
-    if res.get("status") != "ok" or not b:
-        return ""
-    keys = (
-        "step_s",
-        "forward_s",
-        "backward_s",
-        "compute_s",
-        "h2d_s",
-        "d2h_s",
-        "cpu_optimizer_s",
-        "wait_for_optimizer_s",
-        "gpu_idle_s",
-    )
-    # the moments passes under the step, and the landings' waits for them
-    if b.get("cpu_deferred_moments_s"):
-        keys += ("cpu_deferred_moments_s", "wait_for_moments_s")
-    parts = [f"{k[:-2]} {b[k]:.3f}" for k in keys if isinstance(b.get(k), (int, float))]
-    idle = (
-        f", GPU idle {100 * b['gpu_idle_s'] / b['step_s']:.0f}%"
-        if b.get("gpu_idle_s") and b.get("step_s")
-        else ""
-    )
-    rate = (
-        f", host update {b['cpu_optimizer_gparam_s']:.2f} Gparam/s"
-        if b.get("cpu_optimizer_gparam_s")
-        else ""
-    )
-    return f"    [{res['system']}] breakdown (s, median step): " + ", ".join(parts) + idle + rate
-
-
-def plot(results: list[dict], path: str, depth_sweep: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if r.get("status") == "ok"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    # data parallel: one series per system and GPU count
-    dp = any(int(r.get("gpus", 1)) > 1 for r in ok)
-    name = multi_gpu.label if dp else (lambda r: r["system"])
-    systems = sorted({name(r) for r in ok})
-    if depth_sweep:
-        for system in systems:
-            rows = sorted((r for r in ok if name(r) == system), key=lambda r: r["layers"])
-            ax.plot(
-                [r["layers"] for r in rows], [r["tflops"] for r in rows], marker="o", label=system
-            )
-        ax.set_xlabel("decoder layers")
-    else:
-        ax.bar(systems, [max(r["tflops"] for r in ok if name(r) == s) for s in systems])
-        ax.set_xlabel("system")
-    ax.set_ylabel("model TFLOPS per GPU" if dp else "model TFLOPS")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{ok[0]['model'] if ok else ''}: throughput" if ok else "no successful run")
-    if depth_sweep and ok:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

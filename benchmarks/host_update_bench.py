@@ -266,7 +266,7 @@ def _phases(n: int, counts: list[int], args) -> int:
             for k in counts:
                 s = [
                     _median_s(
-                        lambda: host_update.native_adam(
+                        lambda t=t, k=k, ph=ph: host_update.native_adam(
                             t[0], t[1], t[2], t[3], HP, args.coef, True, threads=k, phase=ph
                         ),
                         args.repeats,

@@ -21,6 +21,8 @@ import os
 import re
 import sys
 
+from benchmarks import multi_gpu
+
 
 def load(folder: str) -> list[dict]:
     """Every run in ``folder``: run_system JSONs (one run each) and h2h ``results.json`` files (a
@@ -218,6 +220,137 @@ def settings_lines(rows: list[dict]) -> str:
     return "\n".join(settings_line(r) for r in rows)
 
 
+def best_vs_best_table(best: list[dict]) -> str:
+    """Each system at its fastest batch, with ratios against ZeRO-3's and the whole-on-GPU run's
+    best."""
+    peer = {r["system"]: r["tokens_per_s"] for r in best}
+    out = [
+        "| system (L) | best tokens/step | tokens/s | TFLOPS | vs ZeRO-3 best | vs whole-on-GPU "
+        "best | peak GPU GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(best, key=lambda r: -r["tokens_per_s"]):
+        ratio = lambda s: (  # noqa: E731
+            f"{r['tokens_per_s'] / peer[s]:.2f}×" if peer.get(s) else "–"
+        )
+        out.append(
+            f"| {r['system']} ({r['layers']}) | {r['tokens_per_step']} | {r['tokens_per_s']:,.0f} "
+            "| "
+            f"{r['tflops']:.1f} | {ratio('zero3')} | {ratio('resident')} | "
+            f"{r['peak_gpu_bytes'] / 1e9:.1f} |"
+        )
+    return "\n".join(out)
+
+
+def report_line(res: dict) -> str:
+    if int(res.get("gpus", 1)) > 1:
+        return multi_gpu.report_line(res)
+    if res.get("status") != "ok":
+        seen = (
+            f" (peak host RSS {res['peak_host_rss_bytes'] / 1e9:.1f} GB, last phase: "
+            f"{res['last_phase']})"
+            if "last_phase" in res
+            else ""
+        )
+        return (
+            f"[{res.get('system')}] tokens/step={res.get('tokens_per_step')} "
+            f"{str(res.get('status')).upper()}"
+            f"{seen}: "
+            f"{str(res.get('error', '')).strip().splitlines()[-1:] if res.get('error') else ''}"
+        )
+    line = (
+        f"[{res['system']}] L={res['layers']} tokens/step={res['tokens_per_step']} "
+        f"{res['tokens_per_s']:,.0f} tokens/s {res['tflops']:.1f} TFLOPS "
+        f"peak GPU {res['peak_gpu_bytes'] / 1e9:.1f} GB host {res['peak_host_rss_bytes'] / 1e9:.1f}"
+        " GB"
+    )
+    settings = res.get("settings") or {}
+    if settings.get("build_s") is not None:
+        line += f" build {settings['build_s']:.1f} s"
+        if settings.get("initialize_s") is not None:
+            line += f" + initialize {settings['initialize_s']:.1f} s"
+    if settings.get("lora"):
+        line += (
+            f" | LoRA r{settings['lora']['r']}: trainable {count(res['trainable_params'])}, "
+            "base "
+            f"{count(res['base_params'])}, host {res['host_bytes_per_base_param']:.2f} "
+            "B/base param"
+        )
+        if res.get("engine_host_bytes_per_base_param") is not None:
+            line += f" (engine state {res['engine_host_bytes_per_base_param']:.2f})"
+    return line
+
+
+def breakdown_line(res: dict) -> str:
+    """The median step's time breakdown of a run that has one (megatrain_ds), one line; ""
+    otherwise."""
+    b = res.get("breakdown") or {}
+    phases = (res.get("settings") or {}).get("warmup_phases_s")
+    if res.get("status") == "ok" and not b and phases:  # Gemini: its last warm-up step, by phase
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in phases[-1].items())
+        return f"    [{res['system']}] last warm-up step by phase (s, synchronised): {parts}"
+    if res.get("status") != "ok" or not b:
+        return ""
+    keys = (
+        "step_s",
+        "forward_s",
+        "backward_s",
+        "compute_s",
+        "h2d_s",
+        "d2h_s",
+        "cpu_optimizer_s",
+        "wait_for_optimizer_s",
+        "gpu_idle_s",
+    )
+    # the moments passes under the step, and the landings' waits for them
+    if b.get("cpu_deferred_moments_s"):
+        keys += ("cpu_deferred_moments_s", "wait_for_moments_s")
+    parts = [f"{k[:-2]} {b[k]:.3f}" for k in keys if isinstance(b.get(k), (int, float))]
+    idle = (
+        f", GPU idle {100 * b['gpu_idle_s'] / b['step_s']:.0f}%"
+        if b.get("gpu_idle_s") and b.get("step_s")
+        else ""
+    )
+    rate = (
+        f", host update {b['cpu_optimizer_gparam_s']:.2f} Gparam/s"
+        if b.get("cpu_optimizer_gparam_s")
+        else ""
+    )
+    return f"    [{res['system']}] breakdown (s, median step): " + ", ".join(parts) + idle + rate
+
+
+def plot(results: list[dict], path: str, depth_sweep: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.get("status") == "ok"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    # data parallel: one series per system and GPU count
+    dp = any(int(r.get("gpus", 1)) > 1 for r in ok)
+    name = multi_gpu.label if dp else (lambda r: r["system"])
+    systems = sorted({name(r) for r in ok})
+    if depth_sweep:
+        for system in systems:
+            rows = sorted((r for r in ok if name(r) == system), key=lambda r: r["layers"])
+            ax.plot(
+                [r["layers"] for r in rows], [r["tflops"] for r in rows], marker="o", label=system
+            )
+        ax.set_xlabel("decoder layers")
+    else:
+        ax.bar(systems, [max(r["tflops"] for r in ok if name(r) == s) for s in systems])
+        ax.set_xlabel("system")
+    ax.set_ylabel("model TFLOPS per GPU" if dp else "model TFLOPS")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{ok[0]['model'] if ok else ''}: throughput" if ok else "no successful run")
+    if depth_sweep and ok:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -251,8 +384,6 @@ def main(argv: list[str]) -> int:
     print()
     print(settings_lines(rows))
     if args.depth_plot:
-        from benchmarks.h2h import plot
-
         plot(
             [r for r in rows if r["tokens_per_step"] == args.tokens],
             args.depth_plot,

@@ -17,7 +17,6 @@ GPU.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path

@@ -880,7 +880,7 @@ def _run_child(first, last, seed, kinds, workdir, verbose, log) -> list[Outcome]
             bufsize=1,
             start_new_session=True,
         )
-    outcomes, current, buffer = [], first, ""
+    outcomes, current = [], first
     deadline = time.monotonic() + CASE_TIMEOUT_S
     try:
         while True:

@@ -65,7 +65,6 @@ from typing import Callable
 
 import types
 
-import torch
 from torch import nn
 
 

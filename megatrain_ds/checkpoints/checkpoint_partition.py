@@ -191,7 +191,7 @@ class RankState:
     def _local(self, p: PartitionParam, kind: str, dtype: torch.dtype):
         """This rank's partition of ``p`` from the state it holds (one rank: the whole parameter, a
         view)."""
-        flat, rank, n = _source(self.parts, p, kind), self.world.rank, self.world.size
+        flat, rank = _source(self.parts, p, kind), self.world.rank
         size = self._size(p)
         lo = min(rank * size, flat.numel())
         hi = min(lo + size, flat.numel())

@@ -388,8 +388,8 @@ def plain_lm_head(model: nn.Module, head_name: str, decoder_name: str) -> str | 
                     for n in ast.walk(t):
                         if isinstance(n, ast.Name):
                             assigns.setdefault(n.id, []).append(stmt)
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                inner = getattr(stmt, field, None)
+            for attr in ("body", "orelse", "finalbody", "handlers"):
+                inner = getattr(stmt, attr, None)
                 if isinstance(inner, list) and not isinstance(stmt, ast.If):
                     visit(
                         [s for s in inner if isinstance(s, ast.stmt)]

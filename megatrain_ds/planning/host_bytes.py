@@ -13,7 +13,6 @@ into a prediction. Pure, but for the reads of /proc/meminfo, the cgroup files an
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch

@@ -1,7 +1,5 @@
 """DeepSpeed engine calls with DeepSpeed's semantics."""
 
-import copy
-
 import pytest
 import torch
 

@@ -14,7 +14,6 @@ non-finite values are (it stopped the run with ``RecomputeMismatch`` blaming the
 transformers).
 """
 
-import copy
 import math
 import types
 
@@ -25,7 +24,6 @@ import transformers as tf
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import megatrain_ds
-from megatrain_ds.model.recompute_check import RecomputeMismatch
 from tests.engine import test_paths
 from tests.models import PlainLM, tiny_hf
 

@@ -13,7 +13,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import megatrain_ds
 from tests.models import tiny_hf

@@ -950,8 +950,8 @@ def test_host_precheck_asks_megatrains_planner(tmp_path, monkeypatch):
     is skipped with the plan's number."""
     import argparse
 
-    from benchmarks import h2h
-    from benchmarks.shapes import make_config
+    from benchmarks import h2h, host_check
+    from benchmarks.shapes import make_config, n_params
     from megatrain_ds.planning.config import parse_config
     from megatrain_ds.planning.plan import meta_model, plan_model
     from benchmarks.megatrain_system import megatrain_ds_config
@@ -969,29 +969,29 @@ def test_host_precheck_asks_megatrains_planner(tmp_path, monkeypatch):
         host_mem_gib=100.0,
     )
     cfg = make_config("qwen2.5-7b")
-    fp32 = h2h.planned_megatrain_host_bytes(args, cfg, 16384, 1)
+    fp32 = host_check.planned_megatrain_host_bytes(args, cfg, 16384, 1)
     want = plan_model(
         meta_model(cfg),
         parse_config(megatrain_ds_config(16, "cuda", False, 0.0, True), warn=False),
         device="cuda",
         host_budget=1e9,
     ).host_need_bytes
-    assert fp32 == want and 14.5 < fp32 / h2h._n_params(cfg) < 15.5
+    assert fp32 == want and 14.5 < fp32 / n_params(cfg) < 15.5
     monkeypatch.setenv(
         "MEGATRAIN_DS_CONFIG",
         json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}),
     )
-    bf16 = h2h.planned_megatrain_host_bytes(args, cfg, 16384, 1)
+    bf16 = host_check.planned_megatrain_host_bytes(args, cfg, 16384, 1)
     # the layers (not the resident part)
-    assert 1.5 < (fp32 - bf16) / h2h._n_params(cfg) < 2.5, (fp32, bf16)
+    assert 1.5 < (fp32 - bf16) / n_params(cfg) < 2.5, (fp32, bf16)
     # 100 GiB: bf16 masters fit...
-    assert h2h.host_precheck("megatrain", args, cfg, 16384, 1) is None
+    assert host_check.host_precheck("megatrain", args, cfg, 16384, 1) is None
     args.host_mem_gib = 80.0  # ...80 GiB do not: skipped before any process starts, naming the plan
     res = h2h.run_one("megatrain", args, None, 16384, str(tmp_path / "y.json"))
     assert res["status"] == "skipped" and "megatrain_ds's plan" in res["error"], res
     monkeypatch.delenv("MEGATRAIN_DS_CONFIG")
     # fp32 masters: 106.3 + 3
-    assert "needs ~109 GiB" in h2h.host_precheck("megatrain", args, cfg, 16384, 1)
+    assert "needs ~109 GiB" in host_check.host_precheck("megatrain", args, cfg, 16384, 1)
 
 
 def test_megatrain_builds_on_the_cpu_when_the_gpu_cannot_hold_the_fp32_model(monkeypatch):

@@ -21,4 +21,4 @@ def __getattr__(name: str):
     )
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]  # noqa: F822 (module __getattr__)
