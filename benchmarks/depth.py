@@ -138,33 +138,57 @@ def sweep(a: argparse.Namespace) -> int:
 # plot
 def load(
     folders: list[str], supersede: tuple[str, ...] = ()
-) -> tuple[list[dict], list[dict], dict]:
+) -> tuple[list[dict], list[dict], list[tuple[str, dict]]]:
     """The runs of ``folders`` in order; a later folder's run of a (system, depth) replaces an
     earlier one's (a point run again in a later call), and a system in ``supersede`` is taken only
-    from the last folder that ran it (its earlier rows had a cause since fixed)."""
-    runs, not_run, hardware = {}, [], {}
+    from the last folder that ran it (its earlier rows had a cause since fixed). Also the sources:
+    (folder, its hardware) for each folder, and each run's ``source`` (1-based index into them), so
+    a figure merged across leases says which machine each point came from."""
+    runs, not_run, sources = {}, [], []
     for folder in folders:
         with open(os.path.join(folder, "depth.json")) as f:
             data = json.load(f)
+        sources.append((folder, data.get("hardware", {})))
         fresh = {r.get("depth_system") for r in data["results"]} & set(supersede)
         runs = {k: v for k, v in runs.items() if k[0] not in fresh}
         for r in data["results"]:
-            runs[(r.get("depth_system"), r["layers"])] = r
+            runs[(r.get("depth_system"), r["layers"])] = {**r, "source": len(sources)}
         not_run += data.get("not_run", [])
-        hardware = hardware or data.get("hardware", {})
     results = list(runs.values())
     ran = set(runs)
     not_run = [
         n for n in not_run if (n.get("depth_system", n.get("system")), n.get("layers")) not in ran
     ]
-    return results, not_run, hardware
+    return results, not_run, sources
+
+
+def sources_md(sources: list[tuple[str, dict]]) -> str:
+    """The merged figure's machines: one line for one folder, a numbered list (the table's "from"
+    column) for several."""
+
+    def box(hw: dict) -> str:
+        gpu = (hw.get("gpu") or "no GPU").splitlines()
+        parts = [x.strip() for x in gpu[0].split(",")]
+        if len(parts) == 4:  # nvidia-smi's name, memory.total, pcie gen, pcie width (h2h.hardware)
+            gpu[0] = f"{parts[0]} ({parts[1]}, PCIe gen{parts[2]} x{parts[3]})"
+        mem = hw.get("host_mem_bytes") or 0
+        return f"{len(gpu)} × {gpu[0]}, {hw.get('cpu_cores')} CPU cores, {mem / 2**30:.0f} GiB host"
+
+    if len(sources) == 1:
+        return f"Hardware: {box(sources[0][1])}"
+    return "Sources (the table's \"from\"):\n\n" + "\n".join(
+        f"{i}. `{folder}`: {box(hw)}" for i, (folder, hw) in enumerate(sources, 1)
+    )
 
 
 def table(results: list[dict], not_run: list[dict]) -> str:
+    """The runs as a markdown table; with runs from several folders (``load``), a "from" column."""
+    many = len({r.get("source") for r in results}) > 1
+    src = (lambda r: f" {r.get('source', '')} |") if many else (lambda r: "")
     out = [
         "| system | layers | params | status | s/step | tokens/s | TFLOPS | peak GPU GB | peak "
-        "host RSS GB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "host RSS GB |" + (" from |" if many else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if many else ""),
     ]
     for r in sorted(results, key=lambda r: (r["depth_system"], r.get("layers") or 0)):
         label = LABELS.get(r["depth_system"], r["depth_system"])
@@ -173,19 +197,19 @@ def table(results: list[dict], not_run: list[dict]) -> str:
                 f"| {label} | {r['layers']} | {r['n_params'] / 1e9:.2f} B | ok | "
                 f"{r['median_step_s']:.3f} | "
                 f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['peak_gpu_bytes'] / 1e9:.1f} | "
-                f"{r['peak_host_rss_bytes'] / 1e9:.1f} |"
+                f"{r['peak_host_rss_bytes'] / 1e9:.1f} |" + src(r)
             )
         else:
             why = str(r.get("error") or "").strip().splitlines()[-1:] or [""]
             out.append(
                 f"| {label} | {r.get('layers')} | | **{r.get('status')}** | | | | | "
-                f"{(r.get('peak_host_rss_bytes') or 0) / 1e9:.1f} |"
+                f"{(r.get('peak_host_rss_bytes') or 0) / 1e9:.1f} |" + src(r)
             )
-            out.append(f"|  | | | {why[0][:160]} | | | | | |")
+            out.append(f"|  | | | {why[0][:160]} | | | | | |" + (" |" if many else ""))
     for n in not_run:
         out.append(
             f"| {LABELS.get(n['system'], n['system'])} | {n['layers']} | | not run: {n['why']} | | "
-            "| | | |"
+            "| | | |" + (" |" if many else "")
         )
     return "\n".join(out)
 
@@ -281,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.plot:
-        results, not_run, hardware = load(a.plot, tuple(filter(None, a.supersede.split(","))))
+        results, not_run, sources = load(a.plot, tuple(filter(None, a.supersede.split(","))))
         os.makedirs(a.out, exist_ok=True)
         plot(results, os.path.join(a.out, "depth.png"))
         with open(os.path.join(a.out, "depth.md"), "w") as f:
-            f.write(f"Hardware: {json.dumps(hardware)}\n\n{table(results, not_run)}\n")
+            f.write(f"{sources_md(sources)}\n\n{table(results, not_run)}\n")
         print(table(results, not_run))
         return 0
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]

@@ -207,6 +207,52 @@ def test_depth_order_stops_a_system_after_its_first_failure(tmp_path, monkeypatc
     assert "**oom**" in md and "not run: L=56: oom" in md
 
 
+def test_a_depth_figure_merged_from_two_leases_names_each_points_machine(tmp_path):
+    """depth --plot over several folders: a later folder's point replaces an earlier one's, and
+    depth.md lists each folder's machine and gives each row its folder ("from")."""
+    from benchmarks import depth
+
+    def run(system, layers, tflops):
+        return {
+            "system": system,
+            "depth_system": system,
+            "layers": layers,
+            "status": "ok",
+            "n_params": layers * 1e8,
+            "median_step_s": 1.0,
+            "tokens_per_s": 16384.0,
+            "tflops": tflops,
+            "peak_gpu_bytes": 1e9,
+            "peak_host_rss_bytes": 2e9,
+        }
+
+    boxes = {
+        "a": {"gpu": "NVIDIA H200, 143771 MiB, 5, 16", "cpu_cores": 16, "host_mem_bytes": 2**37},
+        "b": {"gpu": "NVIDIA H200\nNVIDIA H200", "cpu_cores": 32, "host_mem_bytes": 251 * 2**30},
+    }
+    runs = {"a": [run("zero3", 28, 95.0), run("gemini", 28, 0.0)], "b": [run("gemini", 28, 47.6)]}
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "depth.json").write_text(
+            json.dumps({"hardware": boxes[name], "results": runs[name], "not_run": []})
+        )
+    folders = [str(tmp_path / "a"), str(tmp_path / "b")]
+    results, _, sources = depth.load(folders)
+    assert {(r["depth_system"], r["tflops"], r["source"]) for r in results} == {
+        ("zero3", 95.0, 1),
+        ("gemini", 47.6, 2),
+    }
+    assert depth.main(["--plot", *folders, "--out", str(tmp_path / "fig")]) == 0
+    md = (tmp_path / "fig" / "depth.md").read_text()
+    assert "1. `" in md and "16 CPU cores, 128 GiB host" in md
+    assert "2 × NVIDIA H200, 32 CPU cores, 251 GiB host" in md
+    assert "| 47.6 | 1.0 | 2.0 | 2 |" in md and "| 95.0 | 1.0 | 2.0 | 1 |" in md
+    one = depth.sources_md(sources[:1])
+    assert (
+        one == "Hardware: 1 × NVIDIA H200 (143771 MiB, PCIe gen5 x16), 16 CPU cores, 128 GiB host"
+    )
+
+
 def test_an_out_of_memory_run_is_a_result_of_its_own():
     """benchmarks.common.oom_result, the record every system returns for an OOM: status "oom", no
     tokens/s, the error cut to 4000 characters, the system's own keys kept."""
