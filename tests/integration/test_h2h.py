@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -536,8 +538,9 @@ def test_make_batches_gives_each_rank_its_own_data_and_rank_0_the_one_process_da
 
 def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
     """--gpus 2 on CPU (torchrun, gloo): megatrain on 1 and 2 ranks (--scaling); every rank's file,
-    the sums and the recorded launch. (The whole-on-GPU run as DDP takes the same path: ``--systems
-    resident``.)"""
+    the sums and the recorded launch. FSDP2 on 2 ranks (the harness's N-GPU peer) trains each rank
+    exactly as torch DDP does (the whole-on-GPU system on 2 ranks: plain PyTorch data parallel),
+    rank by rank: the same losses, so the same averaged, clipped updates."""
     out = tmp_path / "dp"
     cmd = [
         sys.executable,
@@ -548,7 +551,7 @@ def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
         "--device",
         "cpu",
         "--systems",
-        "megatrain",
+        "megatrain,fsdp,resident",
         "--seq",
         "64",
         "--tokens-per-step",
@@ -574,10 +577,10 @@ def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     runs = {(r["system"], r["gpus"]): r for r in data["results"]}
-    assert set(runs) == {("megatrain", 1), ("megatrain", 2)}
+    assert set(runs) == {("megatrain", 1), ("megatrain", 2), ("fsdp", 2), ("resident", 2)}
     for (system, gpus), r in runs.items():
         assert r["status"] == "ok", r.get("error")
-        if gpus == 1:
+        if gpus == 1 or system != "megatrain":
             continue
         ranks = r["per_rank"]
         assert [p["rank"] for p in ranks] == [0, 1] and all(p["status"] == "ok" for p in ranks)
@@ -590,6 +593,12 @@ def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
         assert "torch.distributed.run --standalone --nproc_per_node 2" in r["launch"]["command"]
         assert (out / f"{r['name']}.rank1.json").exists()
     assert runs[("megatrain", 2)]["settings"]["owned_layers"] == "1/2"  # layer i on rank i % 2
+    fsdp, ddp = (runs[(system, 2)]["per_rank"] for system in ("fsdp", "resident"))
+    for f, d in zip(fsdp, ddp):
+        # one step's update moves this loss by 3-4e-5 (lr 1e-5 against lr 0): 1e-6 would see a
+        # fortieth of it
+        assert len(f["losses"]) == 3 and f["losses"] == pytest.approx(d["losses"], rel=0, abs=1e-6)
+    assert fsdp[0]["losses"] != fsdp[1]["losses"]
     (s,) = data["scaling"]
     assert (
         s["ratio"]

@@ -42,8 +42,8 @@ def test_fsdp_losses_match_plain_adamw(one_process_world, monkeypatch):
     plain = run_resident(config, 256, seq=64, steps=3, warmup=1, device="cpu", seed=3)
     assert len(fsdp["losses"]) == 4
     # the same init, data, AdamW and clip: steps 2-4 see the updates, so equal losses mean equal
-    # updates
-    assert fsdp["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6)
+    # updates (one update moves this loss by about 4e-5: lr 1e-5 against lr 0)
+    assert fsdp["losses"] == pytest.approx(plain["losses"], rel=0, abs=1e-6)
     assert fsdp["n_params"] == plain["n_params"]
     s = fsdp["settings"]
     assert s["mesh_size"] == 1 and s["fused"] is True and s["clip"] == 1.0
