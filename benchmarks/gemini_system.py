@@ -194,31 +194,31 @@ def profiled_boost(booster, model, optimizer):
     return boosted
 
 
-def phase_timed(step, parts, warmup: int, device: str, settings: dict):
-    """``step`` whose first ``warmup`` calls run the phases ``parts()`` returns, each timed between
-    device synchronisations, appended to ``settings["warmup_phases_s"]`` (one dict per warm-up
-    step): where Gemini's step goes (it has no breakdown of its own), without a synchronisation
-    inside the measured steps. ``parts()`` -> (box, ((name, fn(input_ids)), ...)); box["loss"] is
-    the step's loss."""
+def phase_timed(phases, warmup: int, device: str, settings: dict):
+    """The training step made of ``phases`` (``(name, fn(input_ids, box)), ...``, run in order on
+    one dict ``box`` per step; ``box["loss"]`` is the step's loss). Its first ``warmup`` calls time
+    each phase between device synchronisations, appended to ``settings["warmup_phases_s"]`` (one
+    dict per warm-up step): where Gemini's step goes (it has no breakdown of its own). The measured
+    steps run the same phases with no synchronisation between them."""
     calls = [0]
     record = settings.setdefault("warmup_phases_s", [])
 
-    def timed(input_ids: torch.Tensor) -> torch.Tensor:
+    def step(input_ids: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
-        if calls[0] > warmup:
-            return step(input_ids)
-        box, phases = parts()
-        seconds = {}
+        timed, box, seconds = calls[0] <= warmup, {}, {}
         for name, fn in phases:
-            sync(device)
-            t0 = time.perf_counter()
-            fn(input_ids)
-            sync(device)
-            seconds[name] = round(time.perf_counter() - t0, 4)
-        record.append(seconds)
+            if timed:
+                sync(device)
+                t0 = time.perf_counter()
+            fn(input_ids, box)
+            if timed:
+                sync(device)
+                seconds[name] = round(time.perf_counter() - t0, 4)
+        if timed:
+            record.append(seconds)
         return box["loss"]
 
-    return timed
+    return step
 
 
 def run_gemini(
@@ -308,26 +308,19 @@ def run_gemini(
         settings["build_s"] = round(time.perf_counter() - build_start, 3)
         reset_memory_stats(device)
 
-        def step(input_ids: torch.Tensor) -> torch.Tensor:
-            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-            booster.backward(loss, optimizer)
+        def forward(input_ids, box):
+            box["loss"] = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+
+        def optimize(_, box):
             optimizer.step()  # the plugin clips to max_norm first
             optimizer.zero_grad()
-            return loss
 
-        def parts():  # what each phase of ``step`` calls, so a warm-up step can be timed by phase
-            box = {}
-
-            def forward(input_ids):
-                box["loss"] = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-
-            return box, (
-                ("forward", forward),
-                ("backward", lambda _: booster.backward(box["loss"], optimizer)),
-                ("optimizer", lambda _: (optimizer.step(), optimizer.zero_grad())),
-            )
-
-        step = phase_timed(step, parts, warmup, device, settings)
+        phases = (
+            ("forward", forward),
+            ("backward", lambda _, box: booster.backward(box["loss"], optimizer)),
+            ("optimizer", optimize),
+        )
+        step = phase_timed(phases, warmup, device, settings)
         settings["torch_threads"] = torch.get_num_threads()  # HybridAdam's CPU kernel's OpenMP team
 
         batches = make_batches(

@@ -338,37 +338,31 @@ def test_gemini_liger_on_activations_only_is_recorded(monkeypatch):
         gemini_system.run_gemini(make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu")
 
 
-def test_gemini_warmup_steps_are_timed_by_phase_and_measured_steps_are_not():
-    """gemini_system.phase_timed: the warm-up steps run forward, backward and optimizer as separate
-    timed calls (recorded under settings["warmup_phases_s"], printed by h2h's breakdown line); the
-    measured steps call the plain step, untouched."""
+def test_gemini_steps_run_its_phases_and_only_warmup_steps_are_timed():
+    """gemini_system.phase_timed: every step runs forward, backward and optimizer in order on its
+    own box; only the warm-up steps are timed by phase (settings["warmup_phases_s"], printed by
+    h2h's breakdown line)."""
     from benchmarks import gemini_system
     from benchmarks.h2h import breakdown_line
 
     calls = []
 
-    def step(x):
-        calls.append(("step", x))
-        return torch.tensor(float(x))
+    def forward(x, box):
+        assert box == {}  # a fresh box each step
+        calls.append(("forward", x))
+        box["loss"] = torch.tensor(10.0 * x)
 
-    def parts():
-        box = {}
-
-        def forward(x):
-            calls.append(("forward", x))
-            box["loss"] = torch.tensor(10.0 * x)
-
-        return box, (
-            ("forward", forward),
-            ("backward", lambda x: calls.append(("backward", x))),
-            ("optimizer", lambda x: calls.append(("optimizer", x))),
-        )
-
+    phases = (
+        ("forward", forward),
+        ("backward", lambda x, box: calls.append(("backward", float(box["loss"])))),
+        ("optimizer", lambda x, box: calls.append(("optimizer", x))),
+    )
     settings = {}
-    timed = gemini_system.phase_timed(step, parts, 2, "cpu", settings)
-    losses = [float(timed(x)) for x in (1, 2, 3, 4)]
-    assert losses == [10.0, 20.0, 3.0, 4.0]
-    assert [c[0] for c in calls] == ["forward", "backward", "optimizer"] * 2 + ["step", "step"]
+    step = gemini_system.phase_timed(phases, 2, "cpu", settings)
+    losses = [float(step(x)) for x in (1, 2, 3, 4)]
+    assert losses == [10.0, 20.0, 30.0, 40.0]
+    assert calls[:3] == [("forward", 1), ("backward", 10.0), ("optimizer", 1)]
+    assert [c[0] for c in calls] == ["forward", "backward", "optimizer"] * 4
     phases = settings["warmup_phases_s"]
     assert len(phases) == 2 and list(phases[0]) == ["forward", "backward", "optimizer"]
     assert all(v >= 0 for p in phases for v in p.values())
