@@ -152,8 +152,14 @@ def host_rss_bytes(pid: int | str = "self") -> int:
 
 
 def _proc_status_bytes(key: str, pid: int | str) -> int:
+    return proc_kb_bytes(f"/proc/{pid}/status", key)
+
+
+def proc_kb_bytes(path: str, key: str) -> int:
+    """The ``key:`` line of a /proc file that counts in kB (``/proc/PID/status``,
+    ``/proc/meminfo``), in bytes; 0 if the file or the key is missing."""
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        with open(path, encoding="ascii") as fh:
             for line in fh:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024

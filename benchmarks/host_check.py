@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 
+from benchmarks.common import proc_kb_bytes
 from benchmarks.shapes import n_params
 
 # Peak host bytes per parameter each system needs (measured: 3B on the H200 box,
@@ -59,14 +60,8 @@ def hardware() -> dict:
 
 
 def meminfo(key: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """/proc/meminfo's ``key`` (MemTotal, MemAvailable) in bytes; 0 if unreadable."""
+    return proc_kb_bytes("/proc/meminfo", key)
 
 
 # megatrain with its NVMe tier (--ds-config with offload_optimizer.device nvme): fp32 master + fp32

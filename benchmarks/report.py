@@ -94,16 +94,20 @@ def throughput_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+# the breakdown's columns (megatrain_ds's StepTimer keys), in both the table and h2h's line
+BREAKDOWN_KEYS = (
+    "step_s",
+    "compute_s",
+    "h2d_s",
+    "d2h_s",
+    "cpu_optimizer_s",
+    "wait_for_optimizer_s",
+    "gpu_idle_s",
+)
+
+
 def breakdown_table(rows: list[dict]) -> str:
-    keys = [
-        "step_s",
-        "compute_s",
-        "h2d_s",
-        "d2h_s",
-        "cpu_optimizer_s",
-        "wait_for_optimizer_s",
-        "gpu_idle_s",
-    ]
+    keys = BREAKDOWN_KEYS
     out = [
         "| run | " + " | ".join(k.replace("_s", " (s)") for k in keys) + " | GPU idle % |",
         "|---|" + "---|" * (len(keys) + 1),
@@ -291,17 +295,7 @@ def breakdown_line(res: dict) -> str:
         return f"    [{res['system']}] last warm-up step by phase (s, synchronised): {parts}"
     if res.get("status") != "ok" or not b:
         return ""
-    keys = (
-        "step_s",
-        "forward_s",
-        "backward_s",
-        "compute_s",
-        "h2d_s",
-        "d2h_s",
-        "cpu_optimizer_s",
-        "wait_for_optimizer_s",
-        "gpu_idle_s",
-    )
+    keys = BREAKDOWN_KEYS
     # the moments passes under the step, and the landings' waits for them
     if b.get("cpu_deferred_moments_s"):
         keys += ("cpu_deferred_moments_s", "wait_for_moments_s")
