@@ -106,10 +106,10 @@ def test_gemini_records_why_it_did_not_run(monkeypatch):
 
 
 def test_run_system_knows_the_new_systems():
-    from benchmarks import h2h, run_system
+    from benchmarks import host_check, run_system
 
     assert {"fsdp", "gemini"} <= set(run_system.SYSTEMS) and {"fsdp", "gemini"} <= set(
-        h2h.HOST_BYTES_PER_PARAM
+        host_check.HOST_BYTES_PER_PARAM
     )
     args = run_system.parse_args(
         [
