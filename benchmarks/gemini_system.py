@@ -12,7 +12,8 @@ What it runs when ColossalAI imports (recorded under "settings"):
   memory, the placement its docs give for the largest model a GPU can train;
   ``GEMINI_PLACEMENT=auto`` runs ``placement_policy="auto"`` (Gemini's runtime memory tracer moves
   chunks between the GPU and the host) instead; ``GEMINI_OFFLOAD_PARAM=0`` keeps the static
-  placement's bf16 parameters on the GPU (optimizer state still on the host). Clipping is the
+  placement's bf16 parameters on the GPU (optimizer state still on the host);
+  ``GEMINI_MAX_PREFETCH=N`` fetches N chunks ahead (the plugin's default: 0). Clipping is the
   plugin's ``max_norm``.
 - ``HybridAdam`` (AdamW mode, benchmarks.common.OPTIMIZER) through ``Booster(plugin=...)``; HF
   activation checkpointing; liger-kernel as HF Trainer applies it (``liger=True``), before
@@ -126,6 +127,8 @@ def plugin_kwargs(placement: str | None = None) -> dict:
         # GEMINI_PIN=0: pageable host chunks (the plugin's own default), recorded in the settings
         "pin_memory": os.environ.get("GEMINI_PIN", "1") != "0",
         "max_norm": h2h_clip(),
+        # GEMINI_MAX_PREFETCH: chunks fetched ahead of their use (the plugin's default, 0: none)
+        "max_prefetch": int(os.environ.get("GEMINI_MAX_PREFETCH", "0")),
     }
     if placement == "static":
         # GEMINI_OFFLOAD_PARAM: the share of the bf16 parameters kept on the host (default 1.0; 0.0:

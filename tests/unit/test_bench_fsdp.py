@@ -92,7 +92,10 @@ def test_gemini_records_why_it_did_not_run(monkeypatch):
         "precision": "bf16",
         "pin_memory": True,
         "max_norm": 1.0,
+        "max_prefetch": 0,
     }
+    monkeypatch.setenv("GEMINI_MAX_PREFETCH", "4")
+    assert gemini_system.plugin_kwargs()["max_prefetch"] == 4
     # pageable host chunks, recorded with the plugin's settings
     monkeypatch.setenv("GEMINI_PIN", "0")
     assert gemini_system.plugin_kwargs()["pin_memory"] is False
