@@ -201,6 +201,10 @@ def table(results: list[dict], not_run: list[dict]) -> str:
             )
         else:
             why = str(r.get("error") or "").strip().splitlines()[-1:] or [""]
+            if str(r.get("status", "")).startswith("timed out") and r.get("last_phase"):
+                # stopped by a cap: where it was says more than the stderr's last line (often a
+                # teardown warning printed by the interrupt)
+                why = [f"stopped in the phase after: {r['last_phase']}"]
             out.append(
                 f"| {label} | {r.get('layers')} | | **{r.get('status')}** | | | | | "
                 f"{(r.get('peak_host_rss_bytes') or 0) / 1e9:.1f} |" + src(r)

@@ -256,6 +256,25 @@ def test_a_depth_figure_merged_from_two_leases_names_each_points_machine(tmp_pat
     )
 
 
+def test_a_timed_out_depth_point_names_its_last_phase_not_the_teardown_warning():
+    """A point stopped by the call's time: the table names the phase it was in, not stderr's last
+    line (there, the interrupt's teardown warning); a failed point still shows its error."""
+    from benchmarks import depth
+
+    base = {"system": "gemini", "depth_system": "gemini", "layers": 120}
+    timed_out = {
+        **base,
+        "status": "timed out (stopped after 57 s)",
+        "last_phase": "HybridAdam made",
+        "error": "KeyboardInterrupt\nWarning: destroy_process_group() was not called",
+    }
+    md = depth.table([timed_out], [])
+    assert "stopped in the phase after: HybridAdam made" in md
+    assert "destroy_process_group" not in md
+    failed = {**base, "status": "failed", "error": "Traceback\nRuntimeError: bad shape"}
+    assert "RuntimeError: bad shape" in depth.table([failed], [])
+
+
 def test_an_out_of_memory_run_is_a_result_of_its_own():
     """benchmarks.common.oom_result, the record every system returns for an OOM: status "oom", no
     tokens/s, the error cut to 4000 characters, the system's own keys kept."""
