@@ -17,10 +17,19 @@ placement is made after it: ``exposure`` is the time that forward waited for the
 update was exposed (the forward waited at least half a layer's update), the step is bound by the
 host: the GPU sat waiting, so a shorter GPU schedule (a kept layer) would only wait longer, while
 each layer whose state moves takes its update off the critical path. Optimizer state then goes
-first, for as many layers as the exposure pays for (``ceil(exposure / update)``), and kept layers
-take what is left. Otherwise (the host update is hidden: long sequences) kept layers go first. The
-second step's wall time measures neither a layer's recompute nor the step: that step still carries
-warm-up work, so neither rule reads it.
+first, for as many layers as the exposure pays for with a margin (``ceil(EXPOSURE_MARGIN * exposure
+/ update)``), kept layers take what is left, and what they leave goes to further layers' state (the
+host is the bound: a layer's update off it is worth more than idle memory). Otherwise (the host
+update is hidden: long sequences) kept layers go first. The second step's wall time measures neither
+a layer's recompute nor the step: that step still carries warm-up work, so neither rule reads it.
+
+The margin: the second step's host rate is not the settled one. In the one-lease depth runs
+(benchmarks/results/2026-11-29_h200_depth_one_lease, 1.5B width) the rate the cap was computed from
+was 1.3-1.46x the settled steps' (84 layers: about 5.3 against 3.64 Gparam/s; 120: 7.8 against 5.9;
+180: 7.6 against 5.6), so ``ceil(exposure / update)`` left the settled forward waiting (84 layers:
+0.25 s of a 1.36 s step). The costs are not symmetric: a layer of state too few leaves its whole
+update (about 13 ms there) on the step, one too many displaces about half a kept layer (2 ms of
+recompute, at about 4 ms a layer) where memory is short, and nothing where it is not.
 """
 
 from __future__ import annotations
@@ -40,6 +49,10 @@ if TYPE_CHECKING:
     from ..optim import ResidentParams
     from ..parallel import DataParallel
     from ..streaming import StepTimer
+
+
+# the state-first cap over what the second step's exposure pays for ([Note: auto placement order])
+EXPOSURE_MARGIN = 1.5
 
 
 @dataclass(frozen=True)
@@ -157,10 +170,11 @@ def _place(
     and the host update's exposure: GPU memory the steps left free (``budget``) goes to (1) the
     resident parameters' optimizer state (embeddings, head: their update otherwise sits between the
     backward and the next forward), then (2) kept layers (no recompute) and (3) the optimizer state
-    of leading layers, or (3) before (2) when the host update was exposed ([Note: auto placement
-    order]). Later batches are assumed no larger than the first (a longer one may run out of memory:
-    the error then names the keys). The reserve (``gpu_memory_reserve``) stays free. Returns what
-    was placed."""
+    of leading layers, or, when the host update was exposed, (3) up to the exposure's cap, (2), and
+    (3) again for further layers in what the kept layers left ([Note: auto placement order]). Later
+    batches are assumed no larger than the first (a longer one may run out of memory: the error
+    then names the keys). The reserve (``gpu_memory_reserve``) stays free. Returns what was
+    placed."""
     budget = parts.dp.min_int(budget)  # every rank keeps the same layers (the collectives' order)
     start, placed = budget, []
     if auto_state and parts.has_optimizer and not parts.resident.on_device:
@@ -181,24 +195,27 @@ def _place(
     )
     n_layers = min(len(store.layouts), store.disk_from)  # not the NVMe tier's (they trail)
     exposure, update = host_update_exposure(wall, delta, [lay.n_train for lay in store.layouts])
-    cap = n_layers
-    state_first = False
-    if state_ok and auto_keep and n_layers and update > 0 and exposure >= 0.5 * update:
-        state_first = True  # a host-bound step: the GPU waited ([Note: auto placement order])
-        cap = min(n_layers, math.ceil(exposure / update))
+    state_first = bool(
+        state_ok and auto_keep and n_layers and update > 0 and exposure >= 0.5 * update
+    )  # a host-bound step: the GPU waited ([Note: auto placement order])
     state_first = bool(parts.dp.min_int(int(state_first)))  # every rank the same order and cap
-    cap = parts.dp.min_int(cap)
     if state_first:
+        cap = parts.dp.min_int(min(n_layers, math.ceil(EXPOSURE_MARGIN * exposure / update)))
         placed.append(
             f"the host update held the forward {exposure:.2f} s of a {wall:.2f} s step: optimizer "
-            "state "
-            f"first"
+            f"state first (cap {cap} layers)"
         )
-        budget -= _state_layers(parts, budget, min(cap, n_layers), placed)
-    if auto_keep:
-        budget -= _keep_layers(parts, budget, placed)
-    if state_ok and not state_first:
-        budget -= _state_layers(parts, budget, n_layers, placed)
+        first = _state_count(store, budget, cap)
+        n_keep, per_keep = _keep_count(parts, budget - _state_bytes(store, first))
+        # what the kept layers leave goes to further layers' state: the host is the bound
+        n_state = parts.dp.min_int(_state_count(store, budget - n_keep * per_keep, n_layers))
+        budget -= _move_state(parts, n_state, placed)
+        budget -= _set_keep(parts, n_keep, per_keep, placed)
+    else:
+        if auto_keep:
+            budget -= _set_keep(parts, *_keep_count(parts, budget), placed)
+        if state_ok:
+            budget -= _move_state(parts, _state_count(store, budget, n_layers), placed)
     log(
         f"placed from the first steps' peak ({max(start, 0) / 2**30:.1f} GiB free above it "
         f"and the reserve): {'; '.join(placed) or 'nothing'}",
@@ -212,20 +229,29 @@ def _place(
     )
 
 
-def _state_layers(parts: PlacementParts, budget: int, limit: int, placed: list[str]) -> int:
-    """Move the optimizer state of as many leading layers (up to ``limit``) as ``budget`` holds;
-    returns the bytes."""
-    store, n = parts.store, 0
-    n_layers = min(len(store.layouts), store.disk_from)
+def _state_bytes(store: HostLayerStore, n: int) -> int:
+    """GPU bytes of the leading ``n`` layers' optimizer state (0 for none)."""
+    return DeviceOptimizerState.nbytes(store, n) if n else 0
+
+
+def _state_count(store: HostLayerStore, budget: int, limit: int) -> int:
+    """How many leading layers' optimizer state (up to ``limit``) ``budget`` holds."""
+    n = 0
     while n < limit and DeviceOptimizerState.nbytes(store, n + 1) <= budget:
         n += 1
+    return n
+
+
+def _move_state(parts: PlacementParts, n: int, placed: list[str]) -> int:
+    """Move the optimizer state of the leading ``n`` layers to the GPU; returns the bytes."""
+    store = parts.store
     if n > 0:
         parts.move_layer_state_to_device(n)
     placed.append(
-        f"{n} of {n_layers} layers' optimizer state on the GPU "
-        f"({DeviceOptimizerState.nbytes(store, n) / 2**30:.1f} GiB)"
+        f"{n} of {min(len(store.layouts), store.disk_from)} layers' optimizer state on the GPU "
+        f"({_state_bytes(store, n) / 2**30:.1f} GiB)"
     )
-    return DeviceOptimizerState.nbytes(store, n) if n else 0
+    return _state_bytes(store, n)
 
 
 def _keep_bytes_per_layer(parts: PlacementParts) -> int:
@@ -237,15 +263,20 @@ def _keep_bytes_per_layer(parts: PlacementParts) -> int:
     return int(parts.graph_bytes * 1.1) + weights
 
 
-def _keep_layers(parts: PlacementParts, budget: int, placed: list[str]) -> int:
-    """Keep as many trailing layers (no recompute) as ``budget`` holds, each its largest graph + 10%
-    and its own weight buffer; every rank the same number. Returns the bytes they take."""
+def _keep_count(parts: PlacementParts, budget: int) -> tuple[int, int]:
+    """(how many trailing layers to keep without recompute in ``budget``, the bytes each takes: its
+    largest graph + 10% and its own weight buffer); every rank the same number."""
     per_layer = _keep_bytes_per_layer(parts)
     n_layers = len(parts.store.layouts)
     n = min(n_layers, max(0, budget) // per_layer) if per_layer else 0
-    n = parts.dp.min_int(n)
+    return parts.dp.min_int(n), per_layer
+
+
+def _set_keep(parts: PlacementParts, n: int, per_layer: int, placed: list[str]) -> int:
+    """Keep the trailing ``n`` layers (no recompute); returns the bytes they take."""
     parts.set_keep(n)
     placed.append(
-        f"{n} of {n_layers} layers kept without recompute ({n * per_layer / 2**30:.1f} GiB)"
+        f"{n} of {len(parts.store.layouts)} layers kept without recompute "
+        f"({n * per_layer / 2**30:.1f} GiB)"
     )
     return n * per_layer

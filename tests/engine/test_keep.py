@@ -234,15 +234,25 @@ def test_out_of_memory_after_auto_placement_names_the_keys(monkeypatch):
     engine.destroy()
 
 
-@pytest.mark.parametrize("exposure,expect", [(0.15, "state first"), (0.01, "keep first")])
+@pytest.mark.parametrize(
+    "exposure,extra_states,expect_state,expect_keep",
+    [
+        (0.10, 0, 2, {3}),  # the cap: ceil(1.5 * 0.10 / 0.1) = 2 layers' state, a kept layer after
+        (0.15, 0, 3, set()),  # the margin: 3 (ceil(0.15 / 0.1) would have been 2 and a kept layer)
+        (0.10, 1, 3, {3}),  # what the kept layer leaves goes to a third layer's state
+        (0.01, 0, None, {2, 3}),  # hidden: kept layers first
+    ],
+)
 def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(
-    monkeypatch, exposure, expect
+    monkeypatch, exposure, extra_states, expect_state, expect_keep
 ):
-    """engine_auto's [Note: auto placement order]: with the second step's forward held 0.15 s of a 1
-    s step by the host update (0.1 s a layer), GPU-held state saves more per byte than a kept layer
-    could: as many leading layers' state as the exposure pays for (2), then kept layers in what is
-    left; held 0.01 s (hidden), kept layers first. (The engine's ``AutoPlacer`` calls ``_place``
-    after its second step with what it measured; here the measurements are given.)"""
+    """engine_auto's [Note: auto placement order]: with the second step's forward held by the host
+    update (0.1 s a layer) the step is host-bound: leading layers' state first, as many as the
+    exposure pays for with the margin (EXPOSURE_MARGIN), then kept layers, then further layers'
+    state in what they left; held 0.01 s (hidden), kept layers first. The budget holds the resident
+    state, two layers' state, a kept layer and ``extra_states`` more layers' state. (The engine's
+    ``AutoPlacer`` calls ``_place`` after its second step with what it measured; here the
+    measurements are given.)"""
     from megatrain_ds.host.device_state import DeviceOptimizerState
     from megatrain_ds.training.engine_auto import AutoPlacer
     from megatrain_ds.training.engine_auto import (
@@ -258,10 +268,12 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(
     engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)
     store = engine.store
     state = DeviceOptimizerState.nbytes(store, 1)
+    assert DeviceOptimizerState.nbytes(store, 3) == 3 * state  # the layers are alike
     # a kept layer takes about a layer's state (and its weights)
     engine.executor.graph_bytes = int(state / 1.1)
     keep = _keep_bytes_per_layer(engine.placement_parts())
-    budget = engine.resident.device_bytes() + DeviceOptimizerState.nbytes(store, 2) + keep + 1
+    assert state < keep < 2 * state
+    budget = engine.resident.device_bytes() + (2 + extra_states) * state + keep + 1
     monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, parts: budget)
     params = [lay.n_train for lay in store.layouts]
     delta = {
@@ -274,18 +286,11 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(
     ds = engine.layer_states.device_state
     n_state = 0 if ds is None else ds.hi
     assert engine.resident.on_device
-    if expect == "state first":
-        assert (
-            n_state == 2
-            and engine.executor.keep == frozenset({3})
-            and "optimizer state first" in placed
-        )
-    # the kept layers take what they can of the budget first (2: a kept layer also holds its
-    # weights)
-    else:
-        n_keep = (budget - engine.resident.device_bytes()) // keep
-        assert n_keep == 2 and engine.executor.keep == frozenset({2, 3}) and n_state < 2
-        assert "optimizer state first" not in placed
+    assert engine.executor.keep == frozenset(expect_keep), placed
+    if expect_state is not None:
+        assert n_state == expect_state and "optimizer state first" in placed, placed
+    else:  # the kept layers take what they can of the budget first (a kept layer holds its weights)
+        assert n_state < 2 and "optimizer state first" not in placed, placed
     ids = test_paths._batches(n=1)[0]  # and it trains on
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
