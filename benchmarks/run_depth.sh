@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/run_depth.sh a OUTDIR     megatrain_ds host-only and defaults, 28..180 layers (depth order)
 #   bash benchmarks/run_depth.sh b OUTDIR     Gemini's row, then ZeRO-3 offload and FSDP2 (depth order)
-#   bash benchmarks/run_depth.sh pre OUTDIR   ColossalAI's JIT kernels, built before b on the same warm machine (its
-#                                             cache is per machine), so no Gemini point spends its cap compiling
+#   bash benchmarks/run_depth.sh pre OUTDIR   ColossalAI's JIT kernels and DeepSpeed's CPU Adam, built before b on the
+#                                             same warm machine (their caches are per machine), so no Gemini or
+#                                             ZeRO-3 point spends its cap compiling
 #   bash benchmarks/run_depth.sh gprobe OUTDIR   the kernels, then Gemini at 14 layers with pageable host chunks
 #                                             (GEMINI_PIN=0) and pinned, each boost under cProfile (OUTDIR/boost_*.txt):
 #                                             where its build and boost (161 s at 1.5B, over 7 min at 7B) go
@@ -29,7 +30,10 @@ export GEMINI_LIGER=${GEMINI_LIGER:-0}
 free -g
 depths=${DEPTHS:-28,56,84,120,180}
 case $phase in
-  pre) timeout 560 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 8 | tee "$out/pre.log"
+  pre) # DeepSpeed's CPU Adam beside ColossalAI's kernels (ZeRO-3's first point spent ~45 s of its run building it)
+       timeout 560 python3 -m tests.ops_prebuild > "$out/pre_deepspeed.log" 2>&1 &
+       timeout 560 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 8 | tee "$out/pre.log"
+       wait; grep "ops_prebuild" "$out/pre_deepspeed.log"
        exit 0 ;;
   gprobe) timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee "$out/pre.log"
        for pin in ${PINS:-0 1}; do  # PINS: which of pageable (0), pinned (1)
