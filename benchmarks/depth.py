@@ -218,36 +218,66 @@ def table(results: list[dict], not_run: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(results: list[dict], path: str) -> None:
+def stops(results: list[dict], not_run: list[dict]) -> dict[str, tuple[int, str]]:
+    """Where each system stopped, as the figure marks it: {system: (layers, label)} for the
+    shallowest depth it has no TFLOPS at, from a failed, skipped or timed-out run or a ``not_run``
+    point; the label "OOM" for a device out-of-memory, "host" for the host pre-check's refusal,
+    else the status's first words ("timed out", "not run")."""
+    seen: dict[str, list[tuple[int, str]]] = {}
+    ran = {(r["depth_system"], r["layers"]) for r in results if r.get("status") == "ok"}
+    for r in results:
+        status = str(r.get("status"))
+        if status != "ok":  # a skipped run's error says why (the host pre-check's numbers)
+            text = f"{status} {r.get('error') or ''}" if status == "skipped" else status
+            seen.setdefault(r["depth_system"], []).append((r["layers"], text))
+    for n in not_run:
+        if (n.get("system"), n["layers"]) not in ran:
+            seen.setdefault(n["system"], []).append((n["layers"], f"not run: {n.get('why', '')}"))
+    out = {}
+    for name, points in seen.items():
+        layers, status = min(points)
+        low = status.lower()
+        label = (
+            "OOM"
+            if "oom" in low or "out of memory" in low
+            else "host"
+            if "host memory" in low
+            else status.split(" (")[0].split(":")[0]
+        )
+        out[name] = (layers, label)
+    return out
+
+
+def plot(results: list[dict], path: str, not_run: list[dict] = ()) -> None:
+    """TFLOPS against depth, a line per system; where a system stopped (a failed, skipped or
+    timed-out run, or a point ``not_run`` names) an x on the axis with the reason beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    stopped = stops(results, list(not_run))
+    deepest = max([r["layers"] for r in results] + [n["layers"] for n in not_run])
     for name in [n for n in SYSTEM_ARGS if any(r["depth_system"] == n for r in results)]:
         rows = sorted((r for r in results if r["depth_system"] == name), key=lambda r: r["layers"])
         ok = [r for r in rows if r.get("status") == "ok"]
         (line,) = ax.plot(
             [r["layers"] for r in ok], [r["tflops"] for r in ok], marker="o", label=LABELS[name]
         )
-        for r in rows:
-            if r.get("status") != "ok":  # where it stopped: an x on the axis, its status beside it
-                status = str(r.get("status"))
-                short = (
-                    "OOM"
-                    if "oom" in status.lower() or "host" in status.lower()
-                    else status.split(" (")[0]
-                )
-                ax.plot([r["layers"]], [0], marker="x", markersize=10, color=line.get_color())
-                ax.annotate(
-                    f"{LABELS[name].split()[0]}: {short}",
-                    (r["layers"], 0),
-                    textcoords="offset points",
-                    xytext=(4, 6 + 10 * list(SYSTEM_ARGS).index(name)),
-                    fontsize=7,
-                    color=line.get_color(),
-                )
+        if name in stopped:  # the first place it stopped: an x on the axis, why beside it
+            layers, label = stopped[name]
+            ax.plot([layers], [0], marker="x", markersize=10, color=line.get_color())
+            right = layers >= deepest  # at the figure's right edge: the text to its left
+            ax.annotate(
+                f"{LABELS[name]}: {label}",
+                (layers, 0),
+                textcoords="offset points",
+                xytext=(-4 if right else 4, 6 + 10 * list(SYSTEM_ARGS).index(name)),
+                ha="right" if right else "left",
+                fontsize=7,
+                color=line.get_color(),
+            )
     ax.set_xlabel("decoder layers (hidden 1536, Qwen2.5-1.5B width)")
     ax.set_ylabel("model TFLOPS (ANCHORS formula)")
     top = max([r["tflops"] for r in results if r.get("status") == "ok"] + [10.0])
@@ -311,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot:
         results, not_run, sources = load(a.plot, tuple(filter(None, a.supersede.split(","))))
         os.makedirs(a.out, exist_ok=True)
-        plot(results, os.path.join(a.out, "depth.png"))
+        plot(results, os.path.join(a.out, "depth.png"), not_run)
         with open(os.path.join(a.out, "depth.md"), "w") as f:
             f.write(f"{sources_md(sources)}\n\n{table(results, not_run)}\n")
         print(table(results, not_run))

@@ -275,6 +275,38 @@ def test_a_timed_out_depth_point_names_its_last_phase_not_the_teardown_warning()
     assert "RuntimeError: bad shape" in depth.table([failed], [])
 
 
+def test_the_depth_figure_marks_where_each_system_stopped_and_why():
+    """benchmarks.depth.stops: each system's shallowest depth without TFLOPS, labelled from a device
+    OOM, the host pre-check's refusal, a timeout or a point the call's time did not reach; a system
+    that ran every depth has no mark, and a point run again after a timeout is not a stop."""
+    from benchmarks import depth
+
+    def r(system, layers, status, error=""):
+        return {"depth_system": system, "layers": layers, "status": status, "error": error}
+
+    results = [
+        r("fsdp", 84, "ok"),
+        r("fsdp", 120, "oom"),
+        r("zero3", 84, "ok"),
+        r("zero3", 120, "skipped", "needs ~147 GiB host memory (27 B/param), 124 GiB free"),
+        r("zero3", 180, "skipped", "needs ~218 GiB host memory (27 B/param), 124 GiB free"),
+        r("gemini", 120, "timed out (stopped after 57 s)"),
+        r("megatrain", 180, "ok"),
+    ]
+    not_run = [
+        {"system": "gemini", "layers": 180, "why": "L=120: timed out"},
+        {"system": "megatrain-host", "layers": 180, "why": "the call's time ran out"},
+        {"system": "megatrain", "layers": 180, "why": "the call's time ran out"},  # ran later
+    ]
+    results.append(r("megatrain-host", 120, "ok"))
+    assert depth.stops(results, not_run) == {
+        "fsdp": (120, "OOM"),
+        "zero3": (120, "host"),
+        "gemini": (120, "timed out"),
+        "megatrain-host": (180, "not run"),
+    }
+
+
 def test_an_out_of_memory_run_is_a_result_of_its_own():
     """benchmarks.common.oom_result, the record every system returns for an OOM: status "oom", no
     tokens/s, the error cut to 4000 characters, the system's own keys kept."""
