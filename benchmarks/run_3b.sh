@@ -23,11 +23,12 @@
 #   wire26    the 10 GiB row with the bf16 wire streamed (stream_fp32_master false) and the fp32 master, ZeRO-3
 #   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
 #             (ABBA: FIRST=before|after picks the first round's order); MODES="host defaults" adds the engine's
-#             default placement, ROUNDS pairs (default 2)
+#             default placement, ROUNDS pairs (default 2); MODEL, LAYERS another shape and depth (the depth figure's:
+#             MODEL=qwen2.5-1.5b LAYERS=84), LIMIT each run's seconds (default 95)
 #   CLIP=1.0|1e9 (default 1e9) sets --clip for every system of fair16k/fairbest; the tags carry it (…_clip1e9)
 # Results: OUTDIR/<phase>_<tag>.json (h2h results.json) and OUTDIR/<phase>.log.
 set -u
-phase=${1:?phase}; out=${2:?outdir}; model=qwen2.5-3b
+phase=${1:?phase}; out=${2:?outdir}; model=${MODEL:-qwen2.5-3b}  # MODEL: another shape (same28)
 source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 
@@ -169,10 +170,11 @@ case $phase in
             first=${FIRST:-before}; [ $((k % 2)) = 0 ] && { [ "$first" = before ] && first=after || first=before; }
             for tree in $first $([ "$first" = before ] && echo after || echo before); do
               if [ "$tree" = before ]; then
-                (cd "$before" && export PYTHONPATH="$root/.site:$PWD" && h2h_call 95 before$suffix --systems megatrain \
-                    $flag --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4)
+                (cd "$before" && export PYTHONPATH="$root/.site:$PWD" && h2h_call "${LIMIT:-95}" before$suffix \
+                    --systems megatrain $flag --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4 ${LAYERS:+--layers $LAYERS})
               else
-                h2h_call 95 after$suffix --systems megatrain $flag --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 4
+                h2h_call "${LIMIT:-95}" after$suffix --systems megatrain $flag --clip 1.0 --tokens-per-step 16384 --warmup 2 \
+                    --steps 4 ${LAYERS:+--layers $LAYERS}
               fi
             done
           done
