@@ -25,9 +25,10 @@ a layer's recompute nor the step: that step still carries warm-up work, so neith
 
 The margin: the second step's host rate is not the settled one. In the one-lease depth runs
 (benchmarks/results/2026-11-29_h200_depth_one_lease, 1.5B width) the rate the cap was computed from
-was 1.3-1.46x the settled steps' (84 layers: about 5.3 against 3.64 Gparam/s; 120: 7.8 against 5.9;
-180: 7.6 against 5.6), so ``ceil(exposure / update)`` left the settled forward waiting (84 layers:
-0.25 s of a 1.36 s step). The costs are not symmetric: a layer of state too few leaves its whole
+(as the cap it placed and the printed exposure imply it) was 1.3-1.46x the settled steps' measured
+one (84 layers: about 5.3 against 3.64 Gparam/s; 120: 7.8 against 5.9; 180: 7.6 against 5.6), so
+``ceil(exposure / update)`` left the settled forward waiting (84 layers: 0.25 s of a 1.36 s step).
+The costs are not symmetric: a layer of state too few leaves its whole
 update (about 13 ms there) on the step, one too many displaces about half a kept layer (2 ms of
 recompute, at about 4 ms a layer) where memory is short, and nothing where it is not.
 """
