@@ -27,7 +27,8 @@ The margin: the second step's host rate is not the settled one. In the one-lease
 (benchmarks/results/2026-11-29_h200_depth_one_lease, 1.5B width) the rate the cap was computed from
 (as the cap it placed and the printed exposure imply it) was 1.3-1.46x the settled steps' measured
 one (84 layers: about 5.3 against 3.64 Gparam/s; 120: 7.8 against 5.9; 180: 7.6 against 5.6), so
-``ceil(exposure / update)`` left the settled forward waiting (84 layers: 0.25 s of a 1.36 s step).
+``ceil(exposure / update)`` left the settled steps waiting for the host (84 layers: the forward
+0.17 s for the update and the landings 0.08 s for the moments pass, of a 1.36 s step).
 The costs are not symmetric: a layer of state too few leaves its whole
 update (about 13 ms there) on the step, one too many displaces about half a kept layer (2 ms of
 recompute, at about 4 ms a layer) where memory is short, and nothing where it is not.
