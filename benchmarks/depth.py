@@ -187,8 +187,8 @@ def table(results: list[dict], not_run: list[dict]) -> str:
     src = (lambda r: f" {r.get('source', '')} |") if many else (lambda r: "")
     out = [
         "| system | layers | params | status | s/step | tokens/s | TFLOPS | peak GPU GB | peak "
-        "host RSS GB |" + (" from |" if many else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if many else ""),
+        "host RSS GB | GPU idle | host Gparam/s |" + (" from |" if many else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if many else ""),
     ]
     for r in sorted(results, key=lambda r: (r["depth_system"], r.get("layers") or 0)):
         label = LABELS.get(r["depth_system"], r["depth_system"])
@@ -197,7 +197,7 @@ def table(results: list[dict], not_run: list[dict]) -> str:
                 f"| {label} | {r['layers']} | {r['n_params'] / 1e9:.2f} B | ok | "
                 f"{r['median_step_s']:.3f} | "
                 f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['peak_gpu_bytes'] / 1e9:.1f} | "
-                f"{r['peak_host_rss_bytes'] / 1e9:.1f} |" + src(r)
+                f"{r['peak_host_rss_bytes'] / 1e9:.1f} | {_stall(r.get('breakdown'))} |" + src(r)
             )
         else:
             why = str(r.get("error") or "").strip().splitlines()[-1:] or [""]
@@ -207,15 +207,25 @@ def table(results: list[dict], not_run: list[dict]) -> str:
                 why = [f"stopped in the phase after: {r['last_phase']}"]
             out.append(
                 f"| {label} | {r.get('layers')} | | **{r.get('status')}** | | | | | "
-                f"{(r.get('peak_host_rss_bytes') or 0) / 1e9:.1f} |" + src(r)
+                f"{(r.get('peak_host_rss_bytes') or 0) / 1e9:.1f} | | |" + src(r)
             )
-            out.append(f"|  | | | {why[0][:160]} | | | | | |" + (" |" if many else ""))
+            out.append(f"|  | | | {why[0][:160]} | | | | | | | |" + (" |" if many else ""))
     for n in not_run:
         out.append(
             f"| {LABELS.get(n['system'], n['system'])} | {n['layers']} | | not run: {n['why']} | | "
-            "| | | |" + (" |" if many else "")
+            "| | | | | |" + (" |" if many else "")
         )
     return "\n".join(out)
+
+
+def _stall(b: dict | None) -> str:
+    """The breakdown's stall columns: the GPU's idle share of the step and the host update's rate
+    (megatrain_ds's step breakdown; blank for a system without one)."""
+    if not b or not b.get("step_s"):
+        return " | "
+    idle, rate = b.get("gpu_idle_s"), b.get("cpu_optimizer_gparam_s")
+    share = "" if idle is None else f"{idle / b['step_s']:.0%}"
+    return f"{share} | {f'{rate:.2f}' if rate else ''}"
 
 
 def stops(results: list[dict], not_run: list[dict]) -> dict[str, tuple[int, str]]:

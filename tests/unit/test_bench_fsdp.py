@@ -249,7 +249,7 @@ def test_a_depth_figure_merged_from_two_leases_names_each_points_machine(tmp_pat
     md = (tmp_path / "fig" / "depth.md").read_text()
     assert "1. `" in md and "16 CPU cores, 128 GiB host" in md
     assert "2 × NVIDIA H200, 32 CPU cores, 251 GiB host" in md
-    assert "| 47.6 | 1.0 | 2.0 | 2 |" in md and "| 95.0 | 1.0 | 2.0 | 1 |" in md
+    assert "| 47.6 | 1.0 | 2.0 |  |  | 2 |" in md and "| 95.0 | 1.0 | 2.0 |  |  | 1 |" in md
     one = depth.sources_md(sources[:1])
     assert (
         one == "Hardware: 1 × NVIDIA H200 (143771 MiB, PCIe gen5 x16), 16 CPU cores, 128 GiB host"
@@ -273,6 +273,20 @@ def test_a_timed_out_depth_point_names_its_last_phase_not_the_teardown_warning()
     assert "destroy_process_group" not in md
     failed = {**base, "status": "failed", "error": "Traceback\nRuntimeError: bad shape"}
     assert "RuntimeError: bad shape" in depth.table([failed], [])
+    # a run with a step breakdown shows its stall: the GPU's idle share and the host update's rate
+    ok = {
+        **base,
+        "depth_system": "megatrain",
+        "status": "ok",
+        "n_params": 1e9,
+        "median_step_s": 1.0,
+        "tokens_per_s": 16384.0,
+        "tflops": 300.0,
+        "peak_gpu_bytes": 1e9,
+        "peak_host_rss_bytes": 2e9,
+        "breakdown": {"step_s": 1.2, "gpu_idle_s": 0.3, "cpu_optimizer_gparam_s": 5.5},
+    }
+    assert "| 300.0 | 1.0 | 2.0 | 25% | 5.50 |" in depth.table([ok], [])
 
 
 def test_the_depth_figure_marks_where_each_system_stopped_and_why():
