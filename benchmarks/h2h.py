@@ -74,6 +74,7 @@ from benchmarks.common import PHASE_TAG, PROGRESS_TAG, peak_host_rss_bytes
 from benchmarks.host_check import (
     hardware,
     host_precheck,
+    host_snapshot,
     meminfo,
 )
 from benchmarks.report import best_vs_best_table, breakdown_line, plot, report_line
@@ -156,6 +157,7 @@ def run_one(
     watch: dict = {}
     # benchmarks.depth: the call's time left
     watch["timeout_s"] = getattr(args, "run_timeout_s", None)
+    host_at_start = host_snapshot()
     tail = _run_with_progress(cmd, f"{system} L={config.num_hidden_layers} T={tokens}", watch=watch)
     if os.path.exists(path):
         with open(path) as f:
@@ -167,6 +169,7 @@ def run_one(
         )
         result = failed_run(system, args.model, config.num_hidden_layers, tokens, tail, watch, host)
     result["name"] = os.path.splitext(os.path.basename(path))[0]
+    result["host_at_start"] = host_at_start
     return result
 
 

@@ -58,6 +58,8 @@ def test_h2h_cpu_smoke(tmp_path):
             and r["peak_host_rss_bytes"] > 0
             and r["host_bytes_per_param"] > 0
         )
+        # the host as the run started (host_check.host_snapshot): memory read from /proc/meminfo
+        assert r["host_at_start"]["mem_free_bytes"] > 0 and "cached_bytes" in r["host_at_start"]
     assert "breakdown" in by_system["megatrain"]
     # --megatrain-options reached it
     assert by_system["megatrain"]["ds_config"]["megatrain"]["num_slots"] == 3
