@@ -31,6 +31,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+from benchmarks.report import stall
+
 MODEL = "qwen2.5-1.5b"
 SYSTEM_ARGS = {  # depth.py's name -> (h2h system, host_only)
     "megatrain-host": ("megatrain", True),
@@ -197,7 +199,8 @@ def table(results: list[dict], not_run: list[dict]) -> str:
                 f"| {label} | {r['layers']} | {r['n_params'] / 1e9:.2f} B | ok | "
                 f"{r['median_step_s']:.3f} | "
                 f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['peak_gpu_bytes'] / 1e9:.1f} | "
-                f"{r['peak_host_rss_bytes'] / 1e9:.1f} | {_stall(r.get('breakdown'))} |" + src(r)
+                f"{r['peak_host_rss_bytes'] / 1e9:.1f} | {' | '.join(stall(r.get('breakdown')))} |"
+                + src(r)
             )
         else:
             why = str(r.get("error") or "").strip().splitlines()[-1:] or [""]
@@ -216,16 +219,6 @@ def table(results: list[dict], not_run: list[dict]) -> str:
             "| | | | | |" + (" |" if many else "")
         )
     return "\n".join(out)
-
-
-def _stall(b: dict | None) -> str:
-    """The breakdown's stall columns: the GPU's idle share of the step and the host update's rate
-    (megatrain_ds's step breakdown; blank for a system without one)."""
-    if not b or not b.get("step_s"):
-        return " | "
-    idle, rate = b.get("gpu_idle_s"), b.get("cpu_optimizer_gparam_s")
-    share = "" if idle is None else f"{idle / b['step_s']:.0%}"
-    return f"{share} | {f'{rate:.2f}' if rate else ''}"
 
 
 def stops(results: list[dict], not_run: list[dict]) -> dict[str, tuple[int, str]]:

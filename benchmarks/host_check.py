@@ -73,9 +73,8 @@ def host_snapshot() -> dict:
         )
     }
     try:
-        with open("/proc/loadavg") as f:
-            snap["loadavg_1m"] = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+        snap["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
         pass
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

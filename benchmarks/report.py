@@ -300,17 +300,26 @@ def breakdown_line(res: dict) -> str:
     if b.get("cpu_deferred_moments_s"):
         keys += ("cpu_deferred_moments_s", "wait_for_moments_s")
     parts = [f"{k[:-2]} {b[k]:.3f}" for k in keys if isinstance(b.get(k), (int, float))]
+    idle, rate = stall(b)
+    return (
+        f"    [{res['system']}] breakdown (s, median step): "
+        + ", ".join(parts)
+        + (f", GPU idle {idle}" if idle else "")
+        + (f", host update {rate} Gparam/s" if rate else "")
+    )
+
+
+def stall(b: dict | None) -> tuple[str, str]:
+    """(the GPU's idle share of the step, the host update's Gparam/s) of a step breakdown,
+    formatted; "" for what it lacks (no breakdown, no GPU idle time off CUDA, no host update)."""
+    b = b or {}
     idle = (
-        f", GPU idle {100 * b['gpu_idle_s'] / b['step_s']:.0f}%"
-        if b.get("gpu_idle_s") and b.get("step_s")
+        f"{b['gpu_idle_s'] / b['step_s']:.0%}"
+        if b.get("gpu_idle_s") is not None and b.get("step_s")
         else ""
     )
-    rate = (
-        f", host update {b['cpu_optimizer_gparam_s']:.2f} Gparam/s"
-        if b.get("cpu_optimizer_gparam_s")
-        else ""
-    )
-    return f"    [{res['system']}] breakdown (s, median step): " + ", ".join(parts) + idle + rate
+    rate = f"{b['cpu_optimizer_gparam_s']:.2f}" if b.get("cpu_optimizer_gparam_s") else ""
+    return idle, rate
 
 
 def plot(results: list[dict], path: str, depth_sweep: bool) -> None:

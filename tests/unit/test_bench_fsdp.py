@@ -441,25 +441,21 @@ def test_gemini_steps_run_its_phases_and_only_warmup_steps_are_timed():
 
 def test_host_snapshot_reads_memory_load_and_the_huge_page_mode(monkeypatch, tmp_path):
     """benchmarks.host_check.host_snapshot: /proc/meminfo's free, cached and huge-page bytes, the
-    load average and the bracketed THP mode; an unreadable file leaves its entry out."""
+    load average and the bracketed THP mode; what cannot be read is left out."""
     import builtins
 
     from benchmarks import host_check
 
-    files = {
-        "/proc/loadavg": "3.25 2.00 1.00 1/200 999\n",
-        "/sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never\n",
-    }
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    (tmp_path / "thp").write_text("always [madvise] never\n")
     real_open = builtins.open
 
     def fake_open(path, *a, **k):
-        if path in files:
-            (tmp_path / "f").write_text(files[path])
-            return real_open(tmp_path / "f", *a, **k)
-        return real_open(path, *a, **k)
+        return real_open(tmp_path / "thp" if path == thp else path, *a, **k)
 
     sizes = {"MemFree": 3 * 2**30, "Cached": 2**30, "AnonHugePages": 2**21}
     monkeypatch.setattr(host_check, "meminfo", lambda key: sizes[key])
+    monkeypatch.setattr(host_check.os, "getloadavg", lambda: (3.25, 2.0, 1.0))
     monkeypatch.setattr(builtins, "open", fake_open)
     assert host_check.host_snapshot() == {
         "mem_free_bytes": 3 * 2**30,
@@ -468,14 +464,13 @@ def test_host_snapshot_reads_memory_load_and_the_huge_page_mode(monkeypatch, tmp
         "loadavg_1m": 3.25,
         "thp": "madvise",
     }
-    # an empty load average and an unreadable THP file: both left out
-    files["/proc/loadavg"] = ""
-    del files["/sys/kernel/mm/transparent_hugepage/enabled"]
+
+    def unreadable(*_):
+        raise OSError("unreadable")
 
     def no_sys(path, *a, **k):
-        if str(path).startswith("/sys/"):
-            raise OSError(path)
-        return fake_open(path, *a, **k)
+        return unreadable() if str(path).startswith("/sys/") else real_open(path, *a, **k)
 
+    monkeypatch.setattr(host_check.os, "getloadavg", unreadable)
     monkeypatch.setattr(builtins, "open", no_sys)
     assert set(host_check.host_snapshot()) == {"mem_free_bytes", "cached_bytes", "anon_huge_bytes"}
