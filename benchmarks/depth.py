@@ -16,8 +16,9 @@ benchmarks.h2h.run_one, with the harness's host pre-check and OOM records): ``me
 A system that does not finish a depth (OOM on the GPU or the host, a host pre-check that says it
 will not fit, "did not run", the call's time or ``--run-cap-s`` running out) is recorded as a
 marked point and not run deeper. ``--deadline-s`` bounds the whole call: each run gets the time
-left (less a margin for writing results) and is stopped at it; runs never started are listed under
-"not_run". ``--order depth`` runs every system at one depth before the next (peers that compete for
+left (less a margin for writing results) and is stopped at it; a run its system's last finished
+run (scaled by depth) predicts would not finish in that time is not started, and runs never
+started are listed under "not_run" with why. ``--order depth`` runs every system at one depth before the next (peers that compete for
 the same call's time reach equal depths); ``--order system`` one system's depths in a row. Writes
 ``OUT/depth.json`` after every run.
 """
@@ -82,6 +83,15 @@ def plan_runs(systems: list[str], depths: list[int], order: str) -> list[tuple[s
     return [(s, d) for s in systems for d in depths]
 
 
+def predicted_wall(last: tuple[int, float] | None, layers: int) -> float | None:
+    """Seconds a run at ``layers`` should take, from the same system's last finished run
+    ``(layers, wall s)``, scaled by depth (its build, initialize and steps grow with the layers;
+    the import and start-up that do not make this an over-estimate); None without one."""
+    if last is None:
+        return None
+    return last[1] * layers / last[0]
+
+
 def sweep(a: argparse.Namespace) -> int:
     from benchmarks import h2h
 
@@ -110,6 +120,7 @@ def sweep(a: argparse.Namespace) -> int:
             )
         os.replace(path + ".tmp", path)
 
+    walls: dict[str, tuple[int, float]] = {}  # system -> (layers, wall s) of its last finished run
     for name, layers in plan_runs(a.systems, a.depths, a.order):
         left = a.deadline_s - (time.monotonic() - start) - MARGIN_S
         if name in stopped:
@@ -118,10 +129,25 @@ def sweep(a: argparse.Namespace) -> int:
         if left < 30:
             not_run.append({"system": name, "layers": layers, "why": "the call's time ran out"})
             continue
+        timeout = min(left, a.run_cap_s) if a.run_cap_s else left
+        want = predicted_wall(walls.get(name), layers)
+        if want is not None and want > timeout:  # it would be stopped part-way: leave its time
+            # to the systems after it (2026-11-29: three runs cut by the call's end cost ~170 s)
+            not_run.append(
+                {
+                    "system": name,
+                    "layers": layers,
+                    "why": f"the call's time: predicted {want:.0f} s, {timeout:.0f} s left",
+                }
+            )
+            continue
         system, _ = SYSTEM_ARGS[name]
         path = os.path.join(a.out, f"{name}_L{layers}.json")
-        timeout = min(left, a.run_cap_s) if a.run_cap_s else left
+        began = time.monotonic()
         res = h2h.run_one(system, run_args(name, a, timeout), layers, a.tokens_per_step, path)
+        res["run_wall_s"] = round(time.monotonic() - began, 1)
+        if res.get("status") == "ok":
+            walls[name] = (layers, res["run_wall_s"])
         res["depth_system"] = name
         print(h2h.report_line(res), flush=True)
         results.append(res)

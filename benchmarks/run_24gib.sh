@@ -16,8 +16,9 @@
 #                                             26; then defaults with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #                                             (the 7B row's reserved peak was 5.9 GB above its allocated one, memory
 #                                             "auto" could not place into)
+#   bash benchmarks/run_24gib.sh 7b-expandable OUTDIR  that last run alone (LIMIT s, default 170)
 set -u
-phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole}; out=${2:?outdir}
+phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole|7b-expandable}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 g24() {  # g24 <limit_s> <tag> <h2h args...>
@@ -42,5 +43,7 @@ case $phase in
       g24 170 deferred --systems megatrain
       g24 170 whole --systems megatrain --megatrain-options '{"deferred_moments": false}'
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 170 expandable --systems megatrain ;;
+  7b-expandable) model=qwen2.5-7b  # the last of 7b-whole alone
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 ${LIMIT:-170} expandable --systems megatrain ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -10,6 +10,8 @@
 #   bash benchmarks/run_depth.sh gprobe OUTDIR   the kernels, then Gemini at 14 layers with pageable host chunks
 #                                             (GEMINI_PIN=0) and pinned, each boost under cProfile (OUTDIR/boost_*.txt):
 #                                             where its build and boost (161 s at 1.5B, over 7 min at 7B) go
+#   bash benchmarks/run_depth.sh lease1|lease2|lease3 OUTDIR   the whole figure (megatrain_ds defaults and the three
+#                                             peers) in three calls of one lease: below, at the phases
 #   python3 -m benchmarks.depth --plot OUT_A/depth_a OUT_B/depth_b --out DIR      (here: depth.png, depth.md)
 #
 # The paper's own width on the 4-GPU box (512 GiB host; `megatrain-ds plan qwen2.5-7b --layers 165 --host-budget 480`
@@ -29,13 +31,20 @@ export HOME=$PWD/.site/home; mkdir -p "$HOME"  # ColossalAI's (~/.cache/colossal
 export GEMINI_LIGER=${GEMINI_LIGER:-0}
 free -g
 depths=${DEPTHS:-28,56,84,120,180}
+prebuild() {  # DeepSpeed's CPU Adam beside ColossalAI's kernels (2026-11-29: ZeRO-3's first point initialized in
+  # 68 s, the next depth's in 24 s: the first built the op)
+  timeout 560 python3 -m tests.ops_prebuild > "$out/pre_deepspeed.log" 2>&1 &
+  timeout 560 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 8 | tee "$out/pre.log"
+  wait; grep "ops_prebuild" "$out/pre_deepspeed.log"
+}
+sweep() {  # sweep SYSTEMS DEPTHS DEADLINE NAME: benchmarks.depth into OUTDIR/NAME (+ NAME.log)
+  python3 -m benchmarks.depth --model "${MODEL:-qwen2.5-1.5b}" --systems "$1" --depths "$2" --order depth \
+    --deadline-s "$3" --run-cap-s "${RUN_CAP:-300}" --out "$out/$4" 2>&1 \
+    | grep -v -e "is deprecated" -e "^\s*$" | tail -n 60 | tee "$out/$4.log"
+  sed -i -e "s#$PWD/#./#g" "$out/$4/depth.json"
+}
 case $phase in
-  pre) # DeepSpeed's CPU Adam beside ColossalAI's kernels (2026-11-29: ZeRO-3's first point initialized in 68 s, the
-       # next depth's in 24 s: the first built the op)
-       timeout 560 python3 -m tests.ops_prebuild > "$out/pre_deepspeed.log" 2>&1 &
-       timeout 560 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 8 | tee "$out/pre.log"
-       wait; grep "ops_prebuild" "$out/pre_deepspeed.log"
-       exit 0 ;;
+  pre) prebuild; exit 0 ;;
   gprobe) timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee "$out/pre.log"
        for pin in ${PINS:-0 1}; do  # PINS: which of pageable (0), pinned (1)
          GEMINI_PIN=$pin GEMINI_PROFILE=30 GEMINI_PROFILE_OUT=$out/boost_pin$pin.txt \
@@ -45,11 +54,20 @@ case $phase in
          sed -i -e "s#$PWD/#./#g" "$out/gprobe_pin$pin/depth.json"
        done
        exit 0 ;;
-  a) systems=${SYSTEMS:-megatrain-host,megatrain} ;;
-  b) systems=${SYSTEMS:-gemini,zero3,fsdp} ;;  # Gemini first: an import error costs seconds, a JIT build at most the cap
+  a) sweep "${SYSTEMS:-megatrain-host,megatrain}" "$depths" "${DEADLINE:-525}" depth_a ;;
+  b) sweep "${SYSTEMS:-gemini,zero3,fsdp}" "$depths" "${DEADLINE:-525}" depth_b ;;  # Gemini first: an
+     # import error costs seconds, a JIT build at most the cap
+  # The one-lease figure in three calls back to back on one warm machine (2026-11-30), megatrain_ds
+  # defaults with the peers (no host-only line: it is not a peer, and its ~200 s went to the peers'
+  # 120-layer points). Each call fits one 600 s `run` by the 2026-11-29 lease's walls (each run ~19 s
+  # more than its process_wall_s); depth.py leaves a run its system's last wall says will not finish.
+  lease1) prebuild  # ~105 s; then a megatrain_ds point on the fresh machine (the engine's check and,
+       # beside call 3's, a fresh machine's first minutes), then Gemini 28..120 (~370 s)
+       sweep megatrain 28 110 check
+       sweep gemini 28,56,84,120 "${DEADLINE:-400}" depth_gemini ;;
+  lease2) sweep zero3,fsdp 28,56,84,120 "${DEADLINE:-555}" depth_peers ;;  # ~450 s to 84 layers
+  lease3) sweep megatrain 28,56,84,120,180 "${DEADLINE:-300}" depth_megatrain  # ~265 s
+       [ -n "${AFTER:-}" ] && sweep "${AFTER%%:*}" "${AFTER#*:}" "${AFTER_DEADLINE:-150}" depth_after ;;
+       # AFTER=fsdp:120: the points call 2 left, in what is left of the call
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
-python3 -m benchmarks.depth --model "${MODEL:-qwen2.5-1.5b}" --systems "$systems" --depths "$depths" --order depth --deadline-s "${DEADLINE:-525}" \
-  --run-cap-s "${RUN_CAP:-300}" \
-  --out "$out/depth_$phase" 2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 60 | tee "$out/depth_$phase.log"
-sed -i -e "s#$PWD/#./#g" "$out/depth_$phase/depth.json"

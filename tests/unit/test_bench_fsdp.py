@@ -210,6 +210,47 @@ def test_depth_order_stops_a_system_after_its_first_failure(tmp_path, monkeypatc
     assert "**oom**" in md and "not run: L=56: oom" in md
 
 
+def test_a_depth_run_predicted_past_the_calls_time_is_left_for_the_next_system(
+    tmp_path, monkeypatch
+):
+    """depth.sweep: a system's deeper run that its last finished run (scaled by depth) says would
+    not finish in the call's time is recorded as not run, with the prediction, and the time goes
+    to the next system; a system with no finished run yet is always tried."""
+    from benchmarks import depth, h2h
+
+    assert depth.predicted_wall(None, 56) is None
+    assert depth.predicted_wall((28, 30.0), 56) == 60.0
+    clock = [0.0]
+    monkeypatch.setattr(depth.time, "monotonic", lambda: clock[0])
+    ran = []
+
+    def fake_run_one(system, args, layers, tokens, path):
+        ran.append((system, layers))
+        clock[0] += {"zero3": 100.0, "fsdp": 10.0}[system] * layers / 28
+        return {
+            "system": system,
+            "layers": layers,
+            "tokens_per_step": tokens,
+            "status": "ok",
+            "tokens_per_s": 1.0,
+            "tflops": 1.0,
+            "peak_gpu_bytes": 1e9,
+            "peak_host_rss_bytes": 1e9,
+        }
+
+    monkeypatch.setattr(h2h, "run_one", fake_run_one)
+    monkeypatch.setattr(h2h, "hardware", lambda: {"gpu": None})
+    argv = ["--systems", "zero3,fsdp", "--depths", "28,56", "--deadline-s", "300"]
+    assert depth.main([*argv, "--out", str(tmp_path / "d")]) == 0
+    # after 110 s: 300 - 110 - 25 = 165 s left; zero3 at 56 wants 200 s, fsdp at 56 wants 20 s
+    assert ran == [("zero3", 28), ("fsdp", 28), ("fsdp", 56)]
+    data = json.loads((tmp_path / "d" / "depth.json").read_text())
+    assert data["not_run"] == [
+        {"system": "zero3", "layers": 56, "why": "the call's time: predicted 200 s, 165 s left"}
+    ]
+    assert [r["run_wall_s"] for r in data["results"]] == [100.0, 10.0, 20.0]
+
+
 def test_a_depth_figure_merged_from_two_leases_names_each_points_machine(tmp_path):
     """depth --plot over several folders: a later folder's point replaces an earlier one's, and
     depth.md lists each folder's machine and gives each row its folder ("from")."""
