@@ -18,9 +18,9 @@ will not fit, "did not run", the call's time or ``--run-cap-s`` running out) is 
 marked point and not run deeper. ``--deadline-s`` bounds the whole call: each run gets the time
 left (less a margin for writing results) and is stopped at it; a run its system's last finished
 run (scaled by depth) predicts would not finish in that time is not started, and runs never
-started are listed under "not_run" with why. ``--order depth`` runs every system at one depth before the next (peers that compete for
-the same call's time reach equal depths); ``--order system`` one system's depths in a row. Writes
-``OUT/depth.json`` after every run.
+started are listed under "not_run" with why. ``--order depth`` runs every system at one depth
+before the next (peers that compete for the same call's time reach equal depths); ``--order
+system`` one system's depths in a row. Writes ``OUT/depth.json`` after every run.
 """
 
 from __future__ import annotations
