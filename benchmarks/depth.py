@@ -92,6 +92,17 @@ def predicted_wall(last: tuple[int, float] | None, layers: int) -> float | None:
     return last[1] * layers / last[0]
 
 
+def refused(name: str, a: argparse.Namespace, layers: int) -> bool:
+    """Whether the harness's host pre-check (bytes/param x params against MemAvailable) refuses
+    system ``name`` at ``layers``: run_one then records it as skipped without starting it."""
+    from benchmarks import h2h
+    from benchmarks.shapes import make_config
+
+    system, _ = SYSTEM_ARGS[name]
+    config = make_config(a.model, layers=layers)
+    return h2h.host_precheck(system, run_args(name, a, 0), config, a.tokens_per_step, 1) is not None
+
+
 def sweep(a: argparse.Namespace) -> int:
     from benchmarks import h2h
 
@@ -131,8 +142,10 @@ def sweep(a: argparse.Namespace) -> int:
             continue
         timeout = min(left, a.run_cap_s) if a.run_cap_s else left
         want = predicted_wall(walls.get(name), layers)
-        if want is not None and want > timeout:  # it would be stopped part-way: leave its time
-            # to the systems after it (2026-11-29: three runs cut by the call's end cost ~170 s)
+        if want is not None and want > timeout and not refused(name, a, layers):
+            # it would be stopped part-way: its time goes to the systems after it (2026-11-29:
+            # three runs cut by the call's end cost ~170 s). One the host pre-check refuses is
+            # run_one's quick "skipped" record below, which says why better than the time would
             not_run.append(
                 {
                     "system": name,

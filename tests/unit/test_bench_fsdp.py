@@ -226,6 +226,8 @@ def test_a_depth_run_predicted_past_the_calls_time_is_left_for_the_next_system(
 
     def fake_run_one(system, args, layers, tokens, path):
         ran.append((system, layers))
+        if layers > 28 and h2h.host_precheck(system):  # as run_one: skipped, in no time
+            return {"system": system, "layers": layers, "status": "skipped", "error": "host"}
         clock[0] += {"zero3": 100.0, "fsdp": 10.0}[system] * layers / 28
         return {
             "system": system,
@@ -240,6 +242,7 @@ def test_a_depth_run_predicted_past_the_calls_time_is_left_for_the_next_system(
 
     monkeypatch.setattr(h2h, "run_one", fake_run_one)
     monkeypatch.setattr(h2h, "hardware", lambda: {"gpu": None})
+    monkeypatch.setattr(h2h, "host_precheck", lambda *args: None)
     argv = ["--systems", "zero3,fsdp", "--depths", "28,56", "--deadline-s", "300"]
     assert depth.main([*argv, "--out", str(tmp_path / "d")]) == 0
     # after 110 s: 300 - 110 - 25 = 165 s left; zero3 at 56 wants 200 s, fsdp at 56 wants 20 s
@@ -249,6 +252,12 @@ def test_a_depth_run_predicted_past_the_calls_time_is_left_for_the_next_system(
         {"system": "zero3", "layers": 56, "why": "the call's time: predicted 200 s, 165 s left"}
     ]
     assert [r["run_wall_s"] for r in data["results"]] == [100.0, 10.0, 20.0]
+    # a run the host pre-check refuses goes to run_one (its quick "skipped" record says why), not
+    # to "the call's time"
+    monkeypatch.setattr(h2h, "host_precheck", lambda system, *args: system == "zero3" or None)
+    clock[0], ran[:] = 0.0, []
+    assert depth.main([*argv, "--out", str(tmp_path / "e")]) == 0
+    assert ran == [("zero3", 28), ("fsdp", 28), ("zero3", 56), ("fsdp", 56)]
 
 
 def test_a_depth_figure_merged_from_two_leases_names_each_points_machine(tmp_path):
