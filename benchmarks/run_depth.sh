@@ -37,11 +37,14 @@ prebuild() {  # DeepSpeed's CPU Adam beside ColossalAI's kernels (2026-11-29: Ze
   timeout 560 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 8 | tee "$out/pre.log"
   wait; grep "ops_prebuild" "$out/pre_deepspeed.log"
 }
+unplace() {  # the machine's paths out of what is kept: the device's output folder as $OUT, the checkout as ./
+  sed -e "s#${OUT:-/nonexistent}/#\$OUT/#g" -e "s#$PWD/#./#g"
+}
 sweep() {  # sweep SYSTEMS DEPTHS DEADLINE NAME: benchmarks.depth into OUTDIR/NAME (+ NAME.log)
   python3 -m benchmarks.depth --model "${MODEL:-qwen2.5-1.5b}" --systems "$1" --depths "$2" --order depth \
     --deadline-s "$3" --run-cap-s "${RUN_CAP:-300}" --out "$out/$4" 2>&1 \
-    | grep -v -e "is deprecated" -e "^\s*$" | tail -n 60 | tee "$out/$4.log"
-  sed -i -e "s#$PWD/#./#g" "$out/$4/depth.json"
+    | grep -v -e "is deprecated" -e "^\s*$" | tail -n 60 | unplace | tee "$out/$4.log"
+  unplace < "$out/$4/depth.json" > "$out/$4/depth.json.tmp" && mv "$out/$4/depth.json.tmp" "$out/$4/depth.json"
 }
 case $phase in
   pre) prebuild; exit 0 ;;
