@@ -274,9 +274,14 @@ def free_port() -> int:
 
 
 def set_single_process_env() -> None:
-    """Fill in the torch.distributed env vars of a one-process world, keeping any already set."""
+    """Fill in the torch.distributed env vars of a one-process world, keeping any already set.
+
+    MASTER_PORT "0": the one rank's store binds whatever port the OS gives it at bind time (the
+    ``env://`` and ``tcp://`` rendezvous both accept it). A port chosen earlier (``free_port``)
+    can be taken by another process, a client socket's ephemeral port, before the store binds it:
+    a suite run saw ZeRO-3's child fail with EADDRINUSE that way (2026-11-29)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", "0")
     for key in ("RANK", "LOCAL_RANK"):
         os.environ.setdefault(key, "0")
     os.environ.setdefault("WORLD_SIZE", "1")

@@ -70,7 +70,7 @@ import threading
 from tqdm import tqdm
 
 from benchmarks import h2h_args, multi_gpu, report
-from benchmarks.common import PHASE_TAG, PROGRESS_TAG, peak_host_rss_bytes
+from benchmarks.common import PHASE_TAG, PROGRESS_TAG, free_port, peak_host_rss_bytes
 from benchmarks.host_check import (
     hardware,
     host_precheck,
@@ -255,7 +255,7 @@ def run_dp(
     )
     if nodes > 1:
         launches = multi_gpu.node_launches(
-            sys.executable, gpus, nodes, run_system_args, _free_port(), env
+            sys.executable, gpus, nodes, run_system_args, free_port(), env
         )
         cmd = launches[0][0]
         tail = _run_nodes(launches, desc, path)
@@ -293,14 +293,6 @@ def run_dp(
     with open(path, "w") as f:
         json.dump(result, f, indent=2, default=str)
     return result
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_nodes(launches: list[tuple[list[str], dict]], desc: str, path: str) -> list[str]:

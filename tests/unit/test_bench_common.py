@@ -1,0 +1,68 @@
+"""The harness's one-process world (benchmarks/common.py set_single_process_env): its store binds
+the port the OS gives it at bind time, so no port chosen earlier can be taken in between (the
+EADDRINUSE a suite run saw in ZeRO-3's child, 2026-11-29)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHILD = textwrap.dedent(
+    """
+    import socket, sys
+    import torch, torch.distributed as dist
+    from benchmarks.common import set_single_process_env
+
+    set_single_process_env()
+    print("port", __import__("os").environ["MASTER_PORT"])
+    init = sys.argv[1]
+    if init == "env":
+        dist.init_process_group("gloo")
+    else:  # ColossalAI's launch_from_torch builds this address from MASTER_ADDR and MASTER_PORT
+        import os
+        address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    print("sum", float(t.sum()), "world", dist.get_world_size())
+    dist.destroy_process_group()
+    """
+)
+
+
+def _run(init: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    clean.update(env, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, init],
+        env=clean,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_a_one_process_world_binds_the_port_the_os_gives_at_bind_time():
+    for init in ("env", "tcp"):
+        out = _run(init)
+        assert "port 0" in out and "sum 3.0 world 1" in out, out
+
+
+def test_a_master_port_the_caller_set_is_kept(monkeypatch):
+    from benchmarks.common import free_port, set_single_process_env
+
+    # a copy: the function also sets RANK, WORLD_SIZE, ..., which must not leak into other tests
+    monkeypatch.setattr(os, "environ", {**os.environ, "MASTER_PORT": "29123"})
+    set_single_process_env()
+    assert os.environ["MASTER_PORT"] == "29123"
+    del os.environ["MASTER_PORT"]
+    set_single_process_env()
+    assert os.environ["MASTER_PORT"] == "0"
+    assert 0 < free_port() < 65536
