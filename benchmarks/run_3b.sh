@@ -20,6 +20,7 @@
 #             with deferred_moments false;  defer26b: the same at 8K with 10 GiB of GPU free (host-only, defaults,
 #             ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests;
 #             defer26d: ZeRO-3 and host-only at clip 1e9
+#   place     MODEL=qwen2.5-1.5b: the depth figure's deepest point under explicit placements (PLACES, below)
 #   wire26    the 10 GiB row with the bf16 wire streamed (stream_fp32_master false) and the fp32 master, ZeRO-3
 #   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
 #             (ABBA: FIRST=before|after picks the first round's order); MODES="host defaults" adds the engine's
@@ -255,5 +256,16 @@ case $phase in
         h2h_call 150 defaults_clip1 --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 3 --steps 4
         h2h_call 100 defaults_clip1e9 --systems megatrain --clip 1e9 --tokens-per-step 16384 --warmup 3 --steps 4
         placed final28c ;;
+  place)  # issue 48: the depth figure's deep point (MODEL=qwen2.5-1.5b; LAYERS, default 180) under each placement of
+        # PLACES: "auto", or STATE:KEPT (gpu_optimizer_layers:keep_activations). 2026-11-30 at 180 layers "auto"
+        # placed 148 state + 3 kept layers (no host wait, 177 layers recomputed; the rule before its margin: 96 + 31,
+        # 0.18 s host wait); each layer's state 0.70 GiB, a kept layer 1.3 GiB, ~107 GiB for both
+        for p in ${PLACES:-auto 124:15 110:23 96:30}; do
+          if [ "$p" = auto ]; then opts='{}'
+          else opts="{\"gpu_optimizer_layers\": ${p%%:*}, \"keep_activations\": ${p#*:}}"; fi
+          h2h_call "${LIMIT:-120}" "L${LAYERS:-180}_${p/:/_}" --systems megatrain --layers "${LAYERS:-180}" \
+            --megatrain-options "$opts" --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
+        done
+        placed place ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
