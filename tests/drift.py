@@ -7,7 +7,8 @@ whose version differs from the tested set.
 
 The drift tests are the ones whose correctness rests on the internals of those packages: every
 script path against plain PyTorch (test_paths), every model family (test_families), kept layers
-(test_keep), the recompute self-check (test_recompute_check), the version table (test_versions),
+(test_keep), the recompute self-check (test_recompute_check), the recompute's skipped output
+projection, whose eligibility is read from the layers' source (test_recompute_skip), the version table (test_versions),
 TRL's published scripts against real DeepSpeed (test_trl: the canary upgrades TRL too; ``make
 oldest`` installs no TRL, so they skip there, docs/trl.md says why), and DeepSpeed's multi-node
 runner exporting MEGATRAIN_DS to every host (test_pdsh_exports, compat/launcher_env.py: a stand-in
@@ -24,6 +25,8 @@ DRIFT_TESTS = [
     "tests/engine/test_families.py",
     "tests/engine/test_keep.py",
     "tests/engine/test_recompute_check.py",
+    # the recompute's skipped down_proj: eligibility read from transformers' layer source
+    "tests/engine/test_recompute_skip.py",
     "tests/unit/test_versions.py",
     # DeepSpeed's checkpoint layout, which the way back writes
     "tests/integration/test_wayback.py",

@@ -28,6 +28,9 @@ from .recompute_check import (
     steps_to_check,
 )
 from .recompute_check import validate_setting as validate_check
+from .recompute_skip import install as install_recompute_skip
+from .recompute_skip import recomputing
+from .recompute_skip import validate_setting as validate_recompute_skip
 from .replay import autocast_as, autocast_state, get_rng_state, replay_rng
 from .tiling import TiledForward, apply_tiling, chunk_rows
 from .tiling import validate_setting as validate_tiling
@@ -53,6 +56,9 @@ __all__ = [
     "nonfinite_gradients_message",
     "steps_to_check",
     "validate_check",
+    "install_recompute_skip",
+    "recomputing",
+    "validate_recompute_skip",
     "autocast_as",
     "autocast_state",
     "get_rng_state",

@@ -117,6 +117,10 @@ class MegatrainSettings:
     # bytes exceed 4 GiB (tiling.AUTO_THRESHOLD_BYTES), in chunks of ~512 MiB; true: always; false:
     # never; an int: rows (tokens) per chunk
     tiled_mlp: bool | int | str = "auto"
+    # a recomputed layer skips its MLP's output projection (recompute_skip.py: nothing of the
+    # backward reads its value; ~28% of a Qwen2.5 layer's forward FLOPs) where the layer's source
+    # shows it safe (Llama, Qwen2/3, Mistral, Gemma); "auto": there; false: never
+    skip_recompute_down_proj: bool | str = "auto"
     # leading layers whose optimizer state lives on the GPU; -1 = from
     # zero_optimization.offload_optimizer.ratio when the config sets it (fraction of optimizer
     # state on the CPU), else "auto"; "auto" = after the second step, the resident parameters'
@@ -205,10 +209,12 @@ class MegatrainSettings:
             raise ConfigError(
                 f"megatrain.keep_activations must be a layer count >= 0 or \"auto\", got {k!r}"
             )
+        from ..model import validate_recompute_skip
         from ..model import validate_tiling as validate_setting
 
         try:
             validate_setting(self.tiled_mlp)
+            validate_recompute_skip(self.skip_recompute_down_proj)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         from ..host import parse_setting

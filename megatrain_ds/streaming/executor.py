@@ -42,6 +42,8 @@ from ..model import (
     autocast_as,
     autocast_state,
     get_rng_state,
+    install_recompute_skip,
+    recomputing,
     replay_rng,
     HOOK_DICTS,
     LayerLayout,
@@ -109,6 +111,7 @@ class StreamedLayers(GradientLanding):
         inference_cache_memory: float = 0.5,
         activations=None,
         open_implicit_backward=None,
+        recompute_skip: bool | str = False,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -129,6 +132,9 @@ class StreamedLayers(GradientLanding):
                 by_signature[key] = len(self.templates)
                 self.templates.append(make_template(layer, device))
             self.template_of.append(by_signature[key])
+        # "template:mlp.down_proj" of each template whose recompute skips that matmul
+        # (megatrain.skip_recompute_down_proj, recompute_skip.py)
+        self.recompute_skips = install_recompute_skip(self.templates, recompute_skip)
         # functional_call's tie search only where a template shares a tensor between two names
         # (model_map.py)
         self.tie_weights = [has_tied_tensors(t) for t in self.templates]
@@ -551,6 +557,9 @@ class StreamedLayers(GradientLanding):
             replay_rng(call.rng_state, self.device),
             _fresh_collector(call.capture_keys) as collector,
             autocast_as(call.autocast, self.device),
+            # the MLP's output projection only for its backward (recompute_skip.py), unless the
+            # recompute check compares this call's outputs
+            recomputing(call.check is None),
         ):
             out = functional_call(
                 template,

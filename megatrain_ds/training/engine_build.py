@@ -483,6 +483,7 @@ def build_executor(
         inference_cache_memory=mt.inference_cache_memory,
         activations=HostActivations(streams, device) if mt.offload_activations else None,
         open_implicit_backward=open_implicit_backward,
+        recompute_skip=mt.skip_recompute_down_proj,
     )
     tiled_modules = apply_tiling(executor.templates, mt.tiled_mlp)
     return executor, tiled_modules

@@ -1,0 +1,134 @@
+"""The recompute skips the MLP's output projection (megatrain_ds/model/recompute_skip.py): where it
+is installed, that it trains bit-identical to the full recompute, and where it stays off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import megatrain_ds
+from megatrain_ds.model import recompute_skip as rs
+from tests.engine import test_paths
+from tests.models import tiny_hf, token_batches, train_lm
+
+STEPS = 5  # the recompute check compares the first 3 ("auto"): the skip runs from the 4th
+
+
+def _train(model, skip, dtype: str = "fp32", hook=None):
+    cfg = {
+        **test_paths._config(),
+        "megatrain": {"skip_recompute_down_proj": skip, "keep_activations": 0},
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine, *_ = megatrain_ds.initialize(model=model, config=cfg)
+    if hook is not None:
+        hook(model)
+    before = rs.skipped_calls[0]
+    losses = train_lm(engine, token_batches(STEPS, shape=(2, 16)))
+    params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    installed = list(engine.executor.recompute_skips)
+    engine.destroy()
+    return losses, params, rs.skipped_calls[0] - before, installed
+
+
+@pytest.mark.parametrize(
+    "arch,dtype", [("qwen2", "fp32"), ("llama", "fp32"), ("qwen3", "fp32"), ("qwen2", "bf16")]
+)
+def test_the_skip_trains_bit_identical_to_the_full_recompute(arch, dtype):
+    """Every recomputed layer of the steps after the check skips its down_proj matmul, and the
+    losses and the final parameters equal the full recompute's bit for bit."""
+    on = _train(tiny_hf(arch), "auto", dtype)
+    off = _train(tiny_hf(arch), False, dtype)
+    assert on[3] == ["0:mlp.down_proj"] and off[3] == []
+    assert on[2] == 3 * (STEPS - 3) and off[2] == 0  # 3 layers, each step after the checked ones
+    assert on[0] == off[0]
+    for name, value in on[1].items():
+        assert torch.equal(value, off[1][name]), name
+
+
+def test_the_skip_is_installed_only_where_the_layer_source_allows_it():
+    """Llama, Qwen2/3, Mistral end their layer in ``residual + self.mlp(...)`` with an MLP that
+    returns ``self.down_proj(...)``; Gemma 2 normalizes the MLP's output first, GPT-2 has no
+    down_proj, a LoRA down_proj is not a plain nn.Linear: no skip there."""
+    import transformers as tf
+
+    for arch in ("llama", "qwen2", "qwen3", "mistral"):
+        layer = tiny_hf(arch).model.layers[0]
+        assert rs.install([layer], "auto") == ["0:mlp.down_proj"], arch
+        assert rs.install([layer], "auto") == []  # installed once
+    gemma2 = tf.Gemma2ForCausalLM(
+        tf.Gemma2Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+    )
+    assert rs.install([gemma2.model.layers[0]], "auto") == []
+    assert rs.install([tiny_hf("gpt2").transformer.h[0]], "auto") == []
+    assert rs.install([tiny_hf("llama").model.layers[0]], False) == []
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tiny_hf("llama"), LoraConfig(r=2, target_modules=["down_proj"]))
+    assert rs.install([lora.base_model.model.model.layers[0]], "auto") == []
+
+
+def test_a_hook_on_the_mlp_keeps_that_layers_recompute_whole():
+    """A forward hook on one layer's down_proj (a user's, or an output capture) sees real outputs:
+    that layer's recompute runs the matmul, the others still skip, and training is unchanged."""
+    seen = []
+
+    def hook(model):
+        down = model.model.layers[1].mlp.down_proj
+        down.register_forward_hook(lambda m, i, o: seen.append(float(o.detach().abs().sum())))
+
+    on = _train(tiny_hf("qwen2"), "auto", hook=hook)
+    assert on[2] == 2 * (STEPS - 3)  # layers 0 and 2
+    assert seen and min(seen) > 0  # every call the hook saw had the real output
+    off = _train(tiny_hf("qwen2"), False)
+    assert on[0] == off[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_grad_only_linear_backward_is_linears_own(dtype, bias):
+    """_GradOnlyLinear's gradients equal F.linear's bit for bit (3-D input, with and without a
+    bias) and its value is a zero placeholder of the output's shape."""
+    _grad_only_against_linear(torch.device("cpu"), dtype, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_the_grad_only_linear_backward_is_linears_own(dtype):
+    _grad_only_against_linear(torch.device("cuda"), dtype, False)
+
+
+def _grad_only_against_linear(device, dtype, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 24, 96, generator=g).to(device, dtype)
+    lin = nn.Linear(96, 48, bias=bias).to(device, dtype)
+    grad = torch.randn(2, 24, 48, generator=g).to(device, dtype)
+    ref = [t.detach().clone().requires_grad_() for t in (x, lin.weight)]
+    refs = ref + ([lin.bias.detach().clone().requires_grad_()] if bias else [])
+    F.linear(*refs).backward(grad)
+    got = [t.detach().clone().requires_grad_() for t in refs]
+    out = rs._GradOnlyLinear.apply(got[0], got[1], got[2] if bias else None)
+    assert out.shape == (2, 24, 48) and not out.any()
+    out.backward(grad)
+    for r, o in zip(refs, got):
+        assert torch.equal(r.grad, o.grad)
+
+
+@pytest.mark.parametrize("bad", [True, "on", 1])
+def test_skip_recompute_down_proj_rejects_bad_values(bad):
+    with pytest.raises(megatrain_ds.ConfigError, match="megatrain.skip_recompute_down_proj"):
+        megatrain_ds.initialize(
+            model=tiny_hf("llama"),
+            config={**test_paths._config(), "megatrain": {"skip_recompute_down_proj": bad}},
+        )
