@@ -246,6 +246,8 @@ def _engine_facts(engine) -> dict:
     # what "auto" placed after the second step (training/engine_auto.py)
     if engine.auto_placer.placed:
         facts["auto_placed"] = engine.auto_placer.placed
+    # the templates whose recompute skips the MLP's output projection (recompute_skip.py)
+    facts["recompute_skips"] = list(getattr(engine.executor, "recompute_skips", []))
     # data parallel: the layers this rank holds
     owned = getattr(getattr(engine, "store", None), "owned", None)
     if owned is not None:

@@ -21,6 +21,7 @@
 #             ZeRO-3);  defer26c: 16K clip 1e9 and defaults at clip 1.0, then the GPU-marked tests;
 #             defer26d: ZeRO-3 and host-only at clip 1e9
 #   place     MODEL=qwen2.5-1.5b: the depth figure's deepest point under explicit placements (PLACES, below)
+#   skip      the recompute's skipped down_proj on and off, alternating (ABBA), at MODEL and LAYERS (below)
 #   wire26    the 10 GiB row with the bf16 wire streamed (stream_fp32_master false) and the fp32 master, ZeRO-3
 #   same28    issue 28: host-only 16K clip 1.0 on the tree before the refactor (BEFORE=dir) and after, alternating
 #             (ABBA: FIRST=before|after picks the first round's order); MODES="host defaults" adds the engine's
@@ -267,5 +268,17 @@ case $phase in
             --megatrain-options "$opts" --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
         done
         placed place ;;
+  skip)  # the recompute's skipped down_proj (recompute_skip.py) on and off, alternating (ABBA, ROUNDS pairs), at MODEL
+        # and LAYERS (the depth figure's deepest: MODEL=qwen2.5-1.5b LAYERS=180), 16K clip 1.0; 3 warm-up steps: the
+        # recompute check compares (and so does not skip) the first 3
+        for k in $(seq 1 "${ROUNDS:-2}"); do
+          if [ $((k % 2)) = 1 ]; then order="auto false"; else order="false auto"; fi
+          for v in $order; do
+            if [ "$v" = auto ]; then opts='{"skip_recompute_down_proj": "auto"}'
+            else opts='{"skip_recompute_down_proj": false}'; fi
+            h2h_call "${LIMIT:-120}" "skip_${v}_r$k" --systems megatrain ${LAYERS:+--layers "$LAYERS"} \
+              --megatrain-options "$opts" --clip 1.0 --tokens-per-step 16384 --warmup 3 --steps 3
+          done
+        done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
