@@ -132,3 +132,23 @@ def test_skip_recompute_down_proj_rejects_bad_values(bad):
             model=tiny_hf("llama"),
             config={**test_paths._config(), "megatrain": {"skip_recompute_down_proj": bad}},
         )
+
+
+def test_under_autocast_the_skip_casts_as_linear_does():
+    """Under torch.autocast the skipped linear takes F.linear's casts (outside the Function, so
+    autograd takes them back): fp32 input and weight, bf16 compute, the same gradients."""
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(32, 16, bias=False)
+    x = torch.randn(2, 8, 32, generator=g)
+    grad = torch.randn(2, 8, 16, generator=g).bfloat16()
+    runs = []
+    for skip in (False, True):
+        xi = x.clone().requires_grad_()
+        lin.weight.grad = None
+        fwd = rs.SkipInRecompute(nn.Module(), lin, lin.forward)
+        with torch.autocast("cpu", dtype=torch.bfloat16), rs.recomputing(skip):
+            out = fwd(xi)
+        assert out.dtype == torch.bfloat16 and bool(out.any()) is not skip
+        out.backward(grad)
+        runs.append((xi.grad, lin.weight.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
