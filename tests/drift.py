@@ -8,11 +8,12 @@ whose version differs from the tested set.
 The drift tests are the ones whose correctness rests on the internals of those packages: every
 script path against plain PyTorch (test_paths), every model family (test_families), kept layers
 (test_keep), the recompute self-check (test_recompute_check), the recompute's skipped output
-projection, whose eligibility is read from the layers' source (test_recompute_skip), the version table (test_versions),
-TRL's published scripts against real DeepSpeed (test_trl: the canary upgrades TRL too; ``make
-oldest`` installs no TRL, so they skip there, docs/trl.md says why), and DeepSpeed's multi-node
-runner exporting MEGATRAIN_DS to every host (test_pdsh_exports, compat/launcher_env.py: a stand-in
-pdsh, no services; under tests/system, so it runs as root only, as CI runs).
+projection, whose eligibility is read from the layers' source (test_recompute_skip), the version
+table (test_versions), TRL's published scripts against real DeepSpeed (test_trl: the canary
+upgrades TRL too; ``make oldest`` installs no TRL, so they skip there, docs/trl.md says why), and
+DeepSpeed's multi-node runner exporting MEGATRAIN_DS to every host (test_pdsh_exports,
+compat/launcher_env.py: a stand-in pdsh, no services; under tests/system, so it runs as root only,
+as CI runs).
 """
 
 from __future__ import annotations
