@@ -129,12 +129,12 @@ class _GradOnlyLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = gw = gb = None
-        # as ATen's mm backward for linear's flattened mm(x2, weight.t()): grad.mm(weight) and
-        # x2.t().mm(grad), transposed back
+        # as ATen's mm backward for linear's flattened mm(x2, weight.t()) (mm_mat1_backward,
+        # mm_mat2_backward's branch for a column-major mat2): grad.mm(weight), grad.t().mm(x2)
         if ctx.needs_input_grad[0]:
             gx = g2.mm(weight).view(*x.shape)
         if ctx.needs_input_grad[1]:
-            gw = x.reshape(-1, x.shape[-1]).t().mm(g2).t()
+            gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         return gx, gw, gb
