@@ -51,8 +51,8 @@ def test_the_skip_trains_bit_identical_to_the_full_recompute(arch, dtype):
 
 def test_the_skip_is_installed_only_where_the_layer_source_allows_it():
     """Llama, Qwen2/3, Mistral end their layer in ``residual + self.mlp(...)`` with an MLP that
-    returns ``self.down_proj(...)``; Gemma 2 normalizes the MLP's output first, GPT-2 has no
-    down_proj, a LoRA down_proj is not a plain nn.Linear: no skip there."""
+    returns ``self.down_proj(...)``; Gemma 2 and OLMo 2 normalize the MLP's output first, GPT-2 has
+    no down_proj, a LoRA down_proj is not a plain nn.Linear: no skip there."""
     import transformers as tf
 
     for arch in ("llama", "qwen2", "qwen3", "mistral"):
@@ -71,6 +71,20 @@ def test_the_skip_is_installed_only_where_the_layer_source_allows_it():
         )
     )
     assert rs.install([gemma2.model.layers[0]], "auto") == []
+    olmo2 = tf.Olmo2ForCausalLM(  # a norm on the MLP's output before the residual add
+        tf.Olmo2Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
+    )
+    assert rs.install([olmo2.model.layers[0]], "auto") == []
     assert rs.install([tiny_hf("gpt2").transformer.h[0]], "auto") == []
     assert rs.install([tiny_hf("llama").model.layers[0]], False) == []
     from peft import LoraConfig, get_peft_model
