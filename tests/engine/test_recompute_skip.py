@@ -16,10 +16,10 @@ from tests.models import tiny_hf, token_batches, train_lm
 STEPS = 5  # the recompute check compares the first 3 ("auto"): the skip runs from the 4th
 
 
-def _train(model, skip, dtype: str = "fp32", hook=None):
+def _train(model, skip, dtype: str = "fp32", hook=None, **megatrain):
     cfg = {
         **test_paths._config(),
-        "megatrain": {"skip_recompute_down_proj": skip, "keep_activations": 0},
+        "megatrain": {"skip_recompute_down_proj": skip, "keep_activations": 0, **megatrain},
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -49,6 +49,16 @@ def test_the_skip_trains_bit_identical_to_the_full_recompute(arch, dtype):
         assert torch.equal(value, off[1][name]), name
 
 
+def test_with_the_mlp_tiled_the_skip_trains_as_the_full_recompute():
+    """tiled_mlp wraps the MLP's forward after the skip is installed: a tiled call runs its chunks
+    inside its own Function (no grad there: no skip), and the training equals the full recompute's
+    bit for bit."""
+    on = _train(tiny_hf("qwen2"), "auto", tiled_mlp=8)  # 32 rows a call: 4 chunks
+    off = _train(tiny_hf("qwen2"), False, tiled_mlp=8)
+    assert on[3] == ["0:mlp.down_proj"] and on[0] == off[0]
+    assert all(torch.equal(v, off[1][k]) for k, v in on[1].items())
+
+
 def test_the_skip_is_installed_only_where_the_layer_source_allows_it():
     """Llama, Qwen2/3, Mistral end their layer in ``residual + self.mlp(...)`` with an MLP that
     returns ``self.down_proj(...)``; Gemma 2 and OLMo 2 normalize the MLP's output first, GPT-2 has
@@ -59,32 +69,23 @@ def test_the_skip_is_installed_only_where_the_layer_source_allows_it():
         layer = tiny_hf(arch).model.layers[0]
         assert rs.install([layer], "auto") == ["0:mlp.down_proj"], arch
         assert rs.install([layer], "auto") == []  # installed once
-    gemma2 = tf.Gemma2ForCausalLM(
-        tf.Gemma2Config(
+    # a norm on the MLP's output before the residual add
+    for model_cls, config_cls, extra in (
+        (tf.Gemma2ForCausalLM, tf.Gemma2Config, {"head_dim": 16}),
+        (tf.Olmo2ForCausalLM, tf.Olmo2Config, {"pad_token_id": 0, "bos_token_id": 1}),
+    ):
+        config = config_cls(
             vocab_size=256,
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=1,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=16,
+            **extra,
         )
-    )
-    assert rs.install([gemma2.model.layers[0]], "auto") == []
-    olmo2 = tf.Olmo2ForCausalLM(  # a norm on the MLP's output before the residual add
-        tf.Olmo2Config(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=1,
-        )
-    )
-    assert rs.install([olmo2.model.layers[0]], "auto") == []
+        if extra.get("bos_token_id") is not None:
+            config.eos_token_id = 1
+        assert rs.install([model_cls(config).model.layers[0]], "auto") == [], model_cls.__name__
     assert rs.install([tiny_hf("gpt2").transformer.h[0]], "auto") == []
     assert rs.install([tiny_hf("llama").model.layers[0]], False) == []
     from peft import LoraConfig, get_peft_model
