@@ -222,14 +222,48 @@ def sources_md(sources: list[tuple[str, dict]]) -> str:
     )
 
 
+def recomputed(r: dict) -> tuple[int, bool] | None:
+    """(decoder layers whose forward the run's steps recompute, whether the recompute skips the
+    MLP's output projection) from its recorded settings; None where they do not say. The peers
+    checkpoint every decoder layer (their ``gradient_checkpointing`` setting says so), megatrain_ds
+    every layer but its kept ones (``kept_layers``), its skip named in ``recompute_skips``."""
+    s, layers = r.get("settings") or {}, r.get("layers")
+    if not layers:
+        return None
+    if "kept_layers" in s:
+        return layers - int(s["kept_layers"]), bool(s.get("recompute_skips"))
+    if "per decoder layer" in str(s.get("gradient_checkpointing", "")):
+        return layers, False
+    return None
+
+
+def gpu_tflops(r: dict) -> float | None:
+    """TFLOPS with the recomputed forwards counted (``recompute_flops_per_token``): what the GPU
+    ran, beside the model TFLOPS of the ANCHORS formula; None where the recompute is not known."""
+    from benchmarks.shapes import make_config, recompute_flops_per_token
+
+    rec = recomputed(r)
+    if rec is None or not r.get("tokens_per_s") or not r.get("flops_per_token"):
+        return None
+    config = make_config(r.get("model") or MODEL, layers=r["layers"])
+    extra = recompute_flops_per_token(config, int(r.get("seq") or 1024), *rec)
+    return (r["flops_per_token"] + extra) * r["tokens_per_s"] / 1e12
+
+
 def table(results: list[dict], not_run: list[dict]) -> str:
     """The runs as a markdown table; with runs from several folders (``load``), a "from" column."""
     many = len({r.get("source") for r in results}) > 1
     src = (lambda r: f" {r.get('source', '')} |") if many else (lambda r: "")
+
+    def hw(r: dict) -> str:
+        value = gpu_tflops(r)
+        return "" if value is None else f"{value:.1f}"
+
     out = [
-        "| system | layers | params | status | s/step | tokens/s | TFLOPS | peak GPU GB | peak "
-        "host RSS GB | GPU idle | host Gparam/s |" + (" from |" if many else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if many else ""),
+        "| system | layers | params | status | s/step | tokens/s | TFLOPS | TFLOPS with the "
+        "recompute | peak GPU GB | peak host RSS GB | GPU idle | host Gparam/s |"
+        + (" from |" if many else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if many else ""),
     ]
     for r in sorted(results, key=lambda r: (r["depth_system"], r.get("layers") or 0)):
         label = LABELS.get(r["depth_system"], r["depth_system"])
@@ -237,7 +271,8 @@ def table(results: list[dict], not_run: list[dict]) -> str:
             out.append(
                 f"| {label} | {r['layers']} | {r['n_params'] / 1e9:.2f} B | ok | "
                 f"{r['median_step_s']:.3f} | "
-                f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['peak_gpu_bytes'] / 1e9:.1f} | "
+                f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {hw(r)} | "
+                f"{r['peak_gpu_bytes'] / 1e9:.1f} | "
                 f"{r['peak_host_rss_bytes'] / 1e9:.1f} | {' | '.join(stall(r.get('breakdown')))} |"
                 + src(r)
             )
@@ -248,14 +283,14 @@ def table(results: list[dict], not_run: list[dict]) -> str:
                 # teardown warning printed by the interrupt)
                 why = [f"stopped in the phase after: {r['last_phase']}"]
             out.append(
-                f"| {label} | {r.get('layers')} | | **{r.get('status')}** | | | | | "
+                f"| {label} | {r.get('layers')} | | **{r.get('status')}** | | | | | | "
                 f"{(r.get('peak_host_rss_bytes') or 0) / 1e9:.1f} | | |" + src(r)
             )
-            out.append(f"|  | | | {why[0][:160]} | | | | | | | |" + (" |" if many else ""))
+            out.append(f"|  | | | {why[0][:160]} | | | | | | | | |" + (" |" if many else ""))
     for n in not_run:
         out.append(
             f"| {LABELS.get(n['system'], n['system'])} | {n['layers']} | | not run: {n['why']} | | "
-            "| | | | | |" + (" |" if many else "")
+            "| | | | | | |" + (" |" if many else "")
         )
     return "\n".join(out)
 

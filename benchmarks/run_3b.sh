@@ -35,8 +35,10 @@ source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 
 placed() {  # placed <phase>: what "auto" placed in each megatrain run of the phase (engine_auto.py)
-  python3 -c "import glob, json; [print(f, json.load(open(f))['results'][0]['settings'].get('auto_placed')) \
-      for f in sorted(glob.glob('$out/$1_*.json')) if 'megatrain' in f or 'defaults' in f]" | unplace | tee -a "$log"
+  # (by the result's system, not the file's name: the place phase's files are named by placement, 2026-11-30)
+  python3 -c "import glob, json; rs = [(f, json.load(open(f))['results'][0]) for f in sorted(glob.glob( \
+      '$out/$1_*.json'))]; [print(f, r['settings'].get('auto_placed')) for f, r in rs if r['system'] == 'megatrain']" \
+      | unplace | tee -a "$log"
 }
 
 small10g_call() {  # small10g_call <limit_s> <tag> <h2h args...>: issue 26's consumer-GPU row (10 GiB of GPU free,

@@ -174,6 +174,20 @@ def model_flops_per_token(config, seq: int, lora_params: int | None = None) -> f
     return 4.0 * active_matmul_params(config) + 6.0 * int(lora_params) + attention
 
 
+def recompute_flops_per_token(config, seq: int, recomputed: int, skip_down_proj: bool) -> float:
+    """The FLOPs per token a step spends recomputing the forwards of ``recomputed`` decoder layers,
+    which :func:`model_flops_per_token` does not count: each layer's forward share of the formula
+    (2 * its matmul weights + 2 * h * seq), less the MLP's output projection (2 * h * intermediate)
+    where the recompute skips it (megatrain_ds's ``skip_recompute_down_proj``). Dense layers
+    (an MoE's active weights averaged over its layers)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    per_layer = (active_matmul_params(config) - config.vocab_size * h) / layers
+    forward = 2.0 * per_layer + 2.0 * h * seq
+    if skip_down_proj:
+        forward -= 2.0 * h * config.intermediate_size
+    return recomputed * forward
+
+
 def tflops(config, seq: int, tokens_per_s: float, lora_params: int | None = None) -> float:
     """Model TFLOPS (1e12 FLOP/s) at ``tokens_per_s`` tokens per second."""
     return model_flops_per_token(config, seq, lora_params) * tokens_per_s / 1e12

@@ -299,7 +299,7 @@ def test_a_depth_figure_merged_from_two_leases_names_each_points_machine(tmp_pat
     md = (tmp_path / "fig" / "depth.md").read_text()
     assert "1. `" in md and "16 CPU cores, 128 GiB host" in md
     assert "2 × NVIDIA H200, 32 CPU cores, 251 GiB host" in md
-    assert "| 47.6 | 1.0 | 2.0 |  |  | 2 |" in md and "| 95.0 | 1.0 | 2.0 |  |  | 1 |" in md
+    assert "| 47.6 |  | 1.0 | 2.0 |  |  | 2 |" in md and "| 95.0 |  | 1.0 | 2.0 |  |  | 1 |" in md
     one = depth.sources_md(sources[:1])
     assert (
         one == "Hardware: 1 × NVIDIA H200 (143771 MiB, PCIe gen5 x16), 16 CPU cores, 128 GiB host"
@@ -336,7 +336,7 @@ def test_a_timed_out_depth_point_names_its_last_phase_not_the_teardown_warning()
         "peak_host_rss_bytes": 2e9,
         "breakdown": {"step_s": 1.2, "gpu_idle_s": 0.3, "cpu_optimizer_gparam_s": 5.5},
     }
-    assert "| 300.0 | 1.0 | 2.0 | 25% | 5.50 |" in depth.table([ok], [])
+    assert "| 300.0 |  | 1.0 | 2.0 | 25% | 5.50 |" in depth.table([ok], [])  # no settings: blank
 
 
 def test_the_depth_figure_marks_where_each_system_stopped_and_why():
@@ -524,3 +524,35 @@ def test_host_snapshot_reads_memory_load_and_the_huge_page_mode(monkeypatch, tmp
     monkeypatch.setattr(host_check.os, "getloadavg", unreadable)
     monkeypatch.setattr(builtins, "open", no_sys)
     assert set(host_check.host_snapshot()) == {"mem_free_bytes", "cached_bytes", "anon_huge_bytes"}
+
+
+def test_the_depth_tables_gpu_tflops_count_each_systems_recompute():
+    """depth.gpu_tflops: the model TFLOPS plus the forwards each run recomputes: every decoder layer
+    for a peer (HF / checkpoint_wrapper per layer), all but the kept layers for megatrain_ds, less
+    the MLP's output projection where its recompute skips it; blank where the settings do not
+    say. The numbers by hand from the Qwen2.5-1.5B shape at 4 layers."""
+    from benchmarks import depth
+    from benchmarks.shapes import make_config, model_flops_per_token, recompute_flops_per_token
+
+    cfg = make_config("qwen2.5-1.5b", layers=4)
+    h, inter, seq = cfg.hidden_size, cfg.intermediate_size, 1024
+    head_dim = h // cfg.num_attention_heads
+    attn = 2 * h * h + 2 * h * cfg.num_key_value_heads * head_dim  # q, o; k, v
+    forward = 2 * (attn + 3 * h * inter) + 2 * h * seq
+    assert recompute_flops_per_token(cfg, seq, 3, False) == 3 * forward
+    assert recompute_flops_per_token(cfg, seq, 3, True) == 3 * (forward - 2 * h * inter)
+    flops = model_flops_per_token(cfg, seq)
+
+    def run(settings):
+        return {"model": "qwen2.5-1.5b", "layers": 4, "seq": seq, "tokens_per_s": 1e6,
+                "flops_per_token": flops, "settings": settings}
+
+    peer = run({"gradient_checkpointing": "HF per decoder layer (non-reentrant)"})
+    assert depth.recomputed(peer) == (4, False)
+    assert depth.gpu_tflops(peer) == (flops + 4 * forward) * 1e6 / 1e12
+    ours = run({"kept_layers": 1, "recompute_skips": ["0:mlp.down_proj"]})
+    assert depth.recomputed(ours) == (3, True)
+    assert depth.gpu_tflops(ours) == (flops + 3 * (forward - 2 * h * inter)) * 1e6 / 1e12
+    all_kept = run({"kept_layers": 4, "recompute_skips": ["0:mlp.down_proj"]})
+    assert depth.gpu_tflops(all_kept) == flops * 1e6 / 1e12  # nothing recomputed
+    assert depth.gpu_tflops(run({})) is None  # the settings do not say: left blank
