@@ -66,3 +66,25 @@ def test_a_master_port_the_caller_set_is_kept(monkeypatch):
     set_single_process_env()
     assert os.environ["MASTER_PORT"] == "0"
     assert 0 < free_port() < 65536
+
+
+def test_pack_out_leaves_one_archive_holding_every_result(tmp_path):
+    """benchmarks/pack_out.sh: a device command's results beyond what the device returns (8 files,
+    2 folders down) leave as one results.tgz with every file and its path; nothing else remains."""
+    import tarfile
+
+    files = {f"call/depth_{i}/run_L{i}.json": f'{{"layers": {i}}}' for i in range(9)}
+    files["call/a/b/c/deep.log"] = "deep"
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "pack_out.sh")
+    done = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "10 files" in done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["results.tgz"]
+    with tarfile.open(tmp_path / "results.tgz") as tar:
+        got = {
+            m.name.removeprefix("./"): tar.extractfile(m).read().decode() for m in tar if m.isfile()
+        }
+    assert got == files
