@@ -8,8 +8,10 @@ box.
 
 Width: Qwen2.5-1.5B (hidden 1536, inter 8960, 12 heads, 2 KV heads, vocab 151936, tied), depth from
 ``--layers`` of the ``qwen2.5-1.5b`` shape; 16 x 1024 tokens/step, clip 1.0, bf16, liger for every
-system, 2 warm-up + 3 measured steps (median). Systems (each run is its own process,
-benchmarks.h2h.run_one, with the harness's host pre-check and OOM records): ``megatrain-host``
+system, 3 warm-up + 3 measured steps (median; megatrain_ds's recompute check compares, and so
+does not skip ``down_proj`` in, the first 3 steps: with 2, one measured step in three was a
+checked one). Systems (each run is its own process, benchmarks.h2h.run_one, with the harness's
+host pre-check and OOM records): ``megatrain-host``
 (megatrain_ds --host-only), ``megatrain`` (engine defaults), ``zero3``, ``fsdp``
 (benchmarks/fsdp_system.py), ``gemini`` (benchmarks/gemini_system.py).
 
@@ -383,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-cap-s", type=float, default=None, help="seconds one run may take at most")
     p.add_argument("--tokens-per-step", type=int, default=16384)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--liger", default="auto", choices=["auto", "on", "off"])

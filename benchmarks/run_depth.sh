@@ -19,8 +19,8 @@
 # and a few depths (SYSTEMS=megatrain DEPTHS=28,56,84 ..., then the rest).
 # Each phase is one device `run` (carry .wheels: ../shared/tools/gpu-wheels.sh + benchmarks/gemini_wheels.sh) of at
 # most DEADLINE seconds of runs (default 525; the setup takes ~20 s more). DEPTHS overrides the layer list, SYSTEMS
-# the phase's systems, WARMUP the warm-up steps of every run (default 2; 3 from 2026-11-30: megatrain_ds's
-# recompute check compares, and so does not skip down_proj in, the first 3 steps).
+# the phase's systems, WARMUP the warm-up steps of every run (default 3 since 2026-11-30, for every system:
+# megatrain_ds's recompute check compares, and so does not skip down_proj in, the first 3 steps; earlier leases 2).
 set -u
 phase=${1:?phase a|b}; out=${2:?outdir}
 mkdir -p "$out"
@@ -43,7 +43,7 @@ unplace() {  # the machine's paths out of what is kept: the device's output fold
 }
 sweep() {  # sweep SYSTEMS DEPTHS DEADLINE NAME: benchmarks.depth into OUTDIR/NAME (+ NAME.log)
   python3 -m benchmarks.depth --model "${MODEL:-qwen2.5-1.5b}" --systems "$1" --depths "$2" --order depth \
-    --deadline-s "$3" --run-cap-s "${RUN_CAP:-300}" --warmup "${WARMUP:-2}" --out "$out/$4" 2>&1 \
+    --deadline-s "$3" --run-cap-s "${RUN_CAP:-300}" --warmup "${WARMUP:-3}" --out "$out/$4" 2>&1 \
     | grep -v -e "is deprecated" -e "^\s*$" | tail -n 60 | unplace | tee "$out/$4.log"
   unplace < "$out/$4/depth.json" > "$out/$4/depth.json.tmp" && mv "$out/$4/depth.json.tmp" "$out/$4/depth.json"
 }

@@ -544,8 +544,14 @@ def test_the_depth_tables_gpu_tflops_count_each_systems_recompute():
     flops = model_flops_per_token(cfg, seq)
 
     def run(settings):
-        return {"model": "qwen2.5-1.5b", "layers": 4, "seq": seq, "tokens_per_s": 1e6,
-                "flops_per_token": flops, "settings": settings}
+        return {
+            "model": "qwen2.5-1.5b",
+            "layers": 4,
+            "seq": seq,
+            "tokens_per_s": 1e6,
+            "flops_per_token": flops,
+            "settings": settings,
+        }
 
     peer = run({"gradient_checkpointing": "HF per decoder layer (non-reentrant)"})
     assert depth.recomputed(peer) == (4, False)
