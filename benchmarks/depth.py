@@ -241,7 +241,9 @@ def recomputed(r: dict) -> tuple[int, bool] | None:
 
 def gpu_tflops(r: dict) -> float | None:
     """TFLOPS with the recomputed forwards counted (``recompute_flops_per_token``): what the GPU
-    ran, beside the model TFLOPS of the ANCHORS formula; None where the recompute is not known."""
+    ran, beside the model TFLOPS of the ANCHORS formula; None where the recompute is not known. A
+    lower bound for a megatrain_ds run whose measured steps include a checked one (fewer warm-up
+    steps than its recompute check's: that step recomputes ``down_proj`` too)."""
     from benchmarks.shapes import make_config, recompute_flops_per_token
 
     rec = recomputed(r)
