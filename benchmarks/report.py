@@ -296,6 +296,9 @@ def breakdown_line(res: dict) -> str:
     if res.get("status") != "ok" or not b:
         return ""
     keys = BREAKDOWN_KEYS
+    if b.get("recompute_s"):  # the part of compute that re-ran forwards (after compute)
+        at = keys.index("compute_s") + 1
+        keys = keys[:at] + ("recompute_s",) + keys[at:]
     # the moments passes under the step, and the landings' waits for them
     if b.get("cpu_deferred_moments_s"):
         keys += ("cpu_deferred_moments_s", "wait_for_moments_s")

@@ -5,10 +5,10 @@ writers.
 Events, under DeepSpeed's names, at each accumulation boundary, x = samples seen
 (``global_samples``): ``Train/Samples/lr`` (the first group's), ``Train/Samples/loss_scale`` (fp16),
 and with ``wall_clock_breakdown`` the previous step's breakdown in milliseconds,
-``Train/Samples/elapsed_time_ms_step`` (as DeepSpeed) plus ``..._h2d``, ``..._compute``,
-``..._d2h``, ``..._cpu_optimizer``, ``..._wait_for_optimizer`` and ``..._gpu_idle`` (a step's
-breakdown is complete once the next forward has begun, so it is written one step later, at its own
-x).
+``Train/Samples/elapsed_time_ms_step`` (as DeepSpeed) plus ``..._h2d``, ``..._compute`` (and
+``..._recompute``, the part of it that re-ran layers' forwards), ``..._d2h``,
+``..._cpu_optimizer``, ``..._wait_for_optimizer`` and ``..._gpu_idle`` (a step's breakdown is
+complete once the next forward has begun, so it is written one step later, at its own x).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ BREAKDOWN_EVENTS = (
     "step",
     "h2d",
     "compute",
+    "recompute",
     "d2h",
     "cpu_optimizer",
     "wait_for_optimizer",

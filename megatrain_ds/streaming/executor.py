@@ -488,7 +488,8 @@ class StreamedLayers(GradientLanding):
                 outputs, train_leaf, shared, x = call.graph
                 call.graph = None
             else:
-                outputs, train_leaf, shared, x = self._recompute(call, hidden, slot)
+                with self.timer.span("recompute", self.streams.compute()):
+                    outputs, train_leaf, shared, x = self._recompute(call, hidden, slot)
             # the previous layer's forward output: its recompute's reference
             self.check.give_input(call, x)
             wrt = [train_leaf] if train_leaf is not None else []

@@ -9,6 +9,8 @@ the main thread's waits for the optimizer) are wall-clock. On CPU every span is 
 streams are stand-ins.
 
     compute  = sum of per-layer forward/backward(recompute) spans + the LM-head loss span
+    recompute = the part of compute that re-ran a layer's forward in its backward (a kept layer
+               has none): work the model-FLOPs formula does not count
     idle     = wall - compute (the GPU's compute stream had nothing to run)
 """
 
@@ -65,7 +67,14 @@ class StepTimer:
     def __init__(self, streams, enabled: bool) -> None:
         self.streams, self.enabled = streams, enabled
         self.cuda = streams.kind == "cuda"
-        self.spans: dict[str, list] = {"h2d": [], "d2h": [], "compute": [], "comm": []}
+        # "recompute" spans lie inside "compute" ones (the same stream): a part of it, not added
+        self.spans: dict[str, list] = {
+            "h2d": [],
+            "d2h": [],
+            "compute": [],
+            "comm": [],
+            "recompute": [],
+        }
         # host spans: optimizer updates after the norm, speculative updates during the backward,
         # rollbacks
         self.host = {
@@ -163,6 +172,7 @@ class StepTimer:
             "step_s": wall,
             "h2d_s": h2d,
             "compute_s": compute,
+            "recompute_s": self._sum("recompute"),  # within compute_s
             "d2h_s": d2h,
             "comm_s": self._sum("comm"),
             "cpu_optimizer_s": host["optimizer_s"],
@@ -194,8 +204,13 @@ class StepTimer:
             return "(no complete step yet)"
         idle = "n/a" if b.get("gpu_idle_s") is None else f"{b['gpu_idle_s'] * 1e3:.0f}"
         return (
-            f"step {b['step_s'] * 1e3:.0f} ms | compute {b['compute_s'] * 1e3:.0f} | "
-            f"H2D {b['h2d_s'] * 1e3:.0f} | D2H {b['d2h_s'] * 1e3:.0f} | "
+            f"step {b['step_s'] * 1e3:.0f} ms | compute {b['compute_s'] * 1e3:.0f} "
+            + (
+                f"(of which recompute {b['recompute_s'] * 1e3:.0f}) "
+                if b.get("recompute_s")
+                else ""
+            )
+            + f"| H2D {b['h2d_s'] * 1e3:.0f} | D2H {b['d2h_s'] * 1e3:.0f} | "
             + (f"collectives {b['comm_s'] * 1e3:.0f} | " if b.get("comm_s") else "")
             + f"CPU optim {b['cpu_optimizer_s'] * 1e3:.0f} "
             f"(+{b.get('cpu_speculative_optimizer_s', 0) * 1e3:.0f} during backward"

@@ -234,6 +234,25 @@ def test_monitor_blocks_write_lr_and_the_step_breakdown(tmp_path):
         assert not (out / "job" / "Train_Samples_elapsed_time_ms_gpu_idle.csv").exists()
 
 
+@pytest.mark.parametrize("kept", [0, 99])
+def test_the_breakdown_names_the_recompute_within_compute(kept):
+    """wall_clock_breakdown: ``recompute_s`` is the part of compute that re-ran layers' forwards
+    in their backward (none of the tiny model's layers kept, or every one: 99 keeps them all, and
+    a kept layer recomputes nothing), and the log line names it."""
+    engine = _engine(ga=1, wall_clock_breakdown=True, megatrain={"keep_activations": kept})
+    for seed in range(3):  # a step's breakdown closes when the next forward begins
+        _micro(engine, seed)
+    b = engine.last_step_breakdown()
+    engine.destroy()
+    assert 0.0 <= b["recompute_s"] <= b["compute_s"]
+    if kept:
+        assert b["recompute_s"] == 0.0
+        assert "recompute" not in engine.timer.format(b)
+    else:
+        assert b["recompute_s"] > 0.0
+        assert "(of which recompute " in engine.timer.format(b)
+
+
 def test_a_bad_monitor_key_is_an_error_naming_it():
     with pytest.raises(megatrain_ds.ConfigError, match="csv_monitor.output_pth"):
         _engine(csv_monitor={"enabled": True, "output_pth": "x"})
