@@ -239,6 +239,18 @@ def test_the_breakdown_names_the_recompute_within_compute(kept):
     """wall_clock_breakdown: ``recompute_s`` is the part of compute that re-ran layers' forwards
     in their backward (none of the tiny model's layers kept, or every one: 99 keeps them all, and
     a kept layer recomputes nothing), and the log line names it."""
+    _recompute_in_breakdown(kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kept", [0, 99])
+def test_gpu_the_breakdown_names_the_recompute_within_compute(kept):
+    """The same with CUDA events on the compute stream (nested in the backward's compute span)."""
+    assert torch.cuda.is_available()
+    _recompute_in_breakdown(kept)
+
+
+def _recompute_in_breakdown(kept):
     engine = _engine(ga=1, wall_clock_breakdown=True, megatrain={"keep_activations": kept})
     for seed in range(3):  # a step's breakdown closes when the next forward begins
         _micro(engine, seed)
