@@ -562,3 +562,46 @@ def test_the_depth_tables_gpu_tflops_count_each_systems_recompute():
     all_kept = run({"kept_layers": 4, "recompute_skips": ["0:mlp.down_proj"]})
     assert depth.gpu_tflops(all_kept) == flops * 1e6 / 1e12  # nothing recomputed
     assert depth.gpu_tflops(run({})) is None  # the settings do not say: left blank
+
+
+def test_the_depth_figure_draws_megatrains_recompute_counted_line(tmp_path, monkeypatch):
+    """depth.plot: a megatrain_ds system whose runs say what they recomputed gets a dashed line of
+    its GPU's rate beside its model TFLOPS (labelled in the legend); a peer does not."""
+    import matplotlib.axes
+
+    from benchmarks import depth
+    from benchmarks.shapes import make_config, model_flops_per_token
+
+    def run(system, layers, kept):
+        flops = model_flops_per_token(make_config("qwen2.5-1.5b", layers=layers), 1024)
+        settings = (
+            {"kept_layers": kept, "recompute_skips": ["0:mlp.down_proj"]}
+            if system == "megatrain"
+            else {"gradient_checkpointing": "HF per decoder layer"}
+        )
+        return {
+            "depth_system": system,
+            "system": system,
+            "model": "qwen2.5-1.5b",
+            "layers": layers,
+            "seq": 1024,
+            "status": "ok",
+            "tokens_per_s": 1e4,
+            "flops_per_token": flops,
+            "tflops": flops * 1e4 / 1e12,
+            "settings": settings,
+        }
+
+    labels = []
+    real_plot = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        labels.append((kwargs.get("label"), kwargs.get("linestyle")))
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    results = [run("megatrain", 4, 4), run("megatrain", 8, 2), run("zero3", 4, 0)]
+    depth.plot(results, str(tmp_path / "d.png"))
+    assert os.path.getsize(tmp_path / "d.png") > 1000
+    assert ("megatrain_ds defaults, recompute counted", "--") in labels
+    assert not any(label and "recompute" in label and "ZeRO" in label for label, _ in labels)
