@@ -605,3 +605,17 @@ def test_the_depth_figure_draws_megatrains_recompute_counted_line(tmp_path, monk
     assert os.path.getsize(tmp_path / "d.png") > 1000
     assert ("megatrain_ds defaults, recompute counted", "--") in labels
     assert not any(label and "recompute" in label and "ZeRO" in label for label, _ in labels)
+
+
+def test_the_breakdown_line_names_the_recompute_after_compute():
+    """report.breakdown_line: a megatrain_ds step's ``recompute_s`` (part of compute) printed right
+    after compute; absent (a run with every layer kept) it is not printed."""
+    from benchmarks.report import breakdown_line
+
+    b = {"step_s": 2.4, "compute_s": 2.2, "recompute_s": 0.46, "h2d_s": 0.3, "gpu_idle_s": 0.2}
+    line = breakdown_line({"system": "megatrain", "status": "ok", "breakdown": b})
+    assert "compute 2.200, recompute 0.460, h2d 0.300" in line
+    kept = breakdown_line(
+        {"system": "megatrain", "status": "ok", "breakdown": {**b, "recompute_s": 0.0}}
+    )
+    assert "recompute" not in kept and "compute 2.200, h2d 0.300" in kept
