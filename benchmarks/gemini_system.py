@@ -87,6 +87,20 @@ FUSED_LOSS_OFF_WHY = (
 ACTIVATION_KERNELS = {"rms_norm": False, "fused_linear_cross_entropy": False, "cross_entropy": True}
 
 
+# GEMINI_PRECISION: the plugin's precision, the model's dtype, and what the settings say of it.
+# HybridAdam's CPU kernel takes fp32 and fp16 gradients only: with bf16 ones (Gemini's bf16) it runs
+# ``CPUAdam.torch_adam_update``, unfused torch ops ("cpu adam kernel does not support bf16 now",
+# colossalai/nn/optimizer/hybrid_adam.py, 0.5.0); fp16 (with the plugin's dynamic loss scale) is
+# how a Gemini user gets that kernel on the host.
+PRECISIONS = {
+    "bf16": (torch.bfloat16, "bf16 params and compute, fp32 master (Gemini bf16)"),
+    "fp16": (
+        torch.float16,
+        "fp16 params and compute, fp32 master, dynamic loss scale (Gemini fp16)",
+    ),
+}
+
+
 def colossalai_pins() -> dict:
     """The installed ColossalAI's version and its declared torch/transformers requirements ({} if
     not installed)."""
@@ -121,9 +135,12 @@ def plugin_kwargs(placement: str | None = None) -> dict:
     placement = placement or os.environ.get("GEMINI_PLACEMENT", "static")
     if placement not in ("static", "auto"):
         raise ValueError(f"GEMINI_PLACEMENT must be static or auto, got {placement!r}")
+    precision = os.environ.get("GEMINI_PRECISION", "bf16")
+    if precision not in PRECISIONS:
+        raise ValueError(f"GEMINI_PRECISION must be bf16 or fp16, got {precision!r}")
     kwargs = {
         "placement_policy": placement,
-        "precision": "bf16",
+        "precision": precision,
         # GEMINI_PIN=0: pageable host chunks (the plugin's own default), recorded in the settings
         "pin_memory": os.environ.get("GEMINI_PIN", "1") != "0",
         "max_norm": h2h_clip(),
@@ -153,7 +170,7 @@ def gemini_settings(
     kernels: tuple = LIGER_KERNELS,
 ) -> dict:
     return settings_dict(
-        precision="bf16 params and compute, fp32 master (Gemini bf16)",
+        precision=PRECISIONS[kwargs["precision"]][1],
         optimizer="colossalai HybridAdam (AdamW mode)",
         opt_params=OPTIMIZER,
         clip=kwargs["max_norm"],
@@ -286,7 +303,8 @@ def run_gemini(
         init_device = build.draw_device(config, device, init)
         settings.update(init=build.init_description(build.resolve_init(init, config)))
         settings["init_device"] = init_device
-        model = build.build_model(config, torch.bfloat16, init, seed, device=init_device)
+        dtype = PRECISIONS[kwargs["precision"]][0]
+        model = build.build_model(config, dtype, init, seed, device=init_device)
         if init_device != "cpu":
             model.to("cpu")
             torch.cuda.empty_cache()
@@ -331,6 +349,10 @@ def run_gemini(
         )
         warm, times, losses = measure(step, batches, warmup, device)
         report_phase("steps done")
+        # HybridAdam counts the steps it took: fewer than were run means the loss scale skipped
+        # some (fp16), and a skipped step is a faster one
+        settings["optimizer_steps_taken"] = optimizer_steps_taken(optimizer)
+        settings["steps_run"] = warmup + steps
     # an OOM is a result; a setup failure is the finding recorded
     except Exception as exc:  # noqa: BLE001
         if is_oom(exc):
@@ -373,6 +395,50 @@ def run_gemini(
     )
 
 
+def optimizer_steps_taken(optimizer) -> int | None:
+    """The largest per-parameter step count in the (boosted) optimizer's state, None if it keeps
+    none: a skipped step (fp16 overflow) does not count."""
+    inner = getattr(optimizer, "optim", optimizer)
+    inner = getattr(inner, "optim", inner)
+    steps = [int(st["step"]) for st in inner.state.values() if "step" in st]
+    return max(steps) if steps else None
+
+
+def adam_probe(n: int, grad_dtypes=("fp32", "fp16", "bf16"), repeats: int = 3, make=None) -> dict:
+    """HybridAdam's host step, Gparam/s, for fp32 parameters with gradients of each dtype: the
+    mechanism behind Gemini's host update (``PRECISIONS``). ``make(params)`` builds the optimizer
+    (default: ColossalAI's HybridAdam in AdamW mode with the harness's settings); torch's fused
+    AdamW on fp32 gradients is timed beside it as the yardstick (what megatrain_ds runs)."""
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if make is None:
+        from colossalai.nn.optimizer import HybridAdam
+
+        def make(params):
+            return HybridAdam(params, adamw_mode=True, **OPTIMIZER)
+
+    def rate(opt, params) -> float:
+        opt.step()  # state allocated, kernels loaded
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            opt.step()
+            best = min(best, time.perf_counter() - start)
+        return n / best / 1e9
+
+    out = {"params": n, "threads": torch.get_num_threads()}
+    for name in grad_dtypes:
+        p = torch.nn.Parameter(torch.randn(n) * 0.02)
+        if hasattr(p, "grad_dtype"):  # newer torch refuses a gradient of another dtype unless told
+            p.grad_dtype = None
+        p.grad = (torch.randn(n) * 1e-3).to(dtypes[name])  # as Gemini hands its chunks' gradients
+        out[f"grad {name}"] = round(rate(make([p]), p), 3)
+    p = torch.nn.Parameter(torch.randn(n) * 0.02)
+    p.grad = torch.randn(n) * 1e-3
+    fused = torch.optim.AdamW([p], fused=True, **OPTIMIZER)
+    out["torch fused AdamW, grad fp32"] = round(rate(fused, p), 3)
+    return out
+
+
 def prebuild_kernels() -> int:
     """Compile ColossalAI's JIT kernels that ``HybridAdam`` loads (its CPU Adam and its fused CUDA
     optimizers) into ColossalAI's cache, so a timed run does not build them inside its window: on a
@@ -392,6 +458,12 @@ def prebuild_kernels() -> int:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] != ["--prebuild"]:
-        sys.exit("usage: python -m benchmarks.gemini_system --prebuild")
-    sys.exit(prebuild_kernels())
+    args = sys.argv[1:]
+    if args == ["--prebuild"]:
+        sys.exit(prebuild_kernels())
+    if len(args) in (1, 2) and args[0] == "--adam-probe":
+        probe = adam_probe(int(float(args[1])) if len(args) == 2 else 100_000_000)
+        print("[gemini] HybridAdam host step, Gparam/s: " + ", ".join(
+            f"{k} {v}" for k, v in probe.items()), flush=True)
+        sys.exit(0)
+    sys.exit("usage: python -m benchmarks.gemini_system --prebuild | --adam-probe [N]")

@@ -2,7 +2,7 @@
 # The paper's 14B comparison (issue 7): qwen2.5-14b shape, seq 1024, megatrain_ds vs DeepSpeed ZeRO-3 CPU offload,
 # on a box with >= 512 GiB host memory (the lent nvidia-h200-x4; one of its GPUs is used).
 #
-#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | paperC | paperD | big40 | paper7a | paper7b | paper7c | paper7d | paper7e | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
+#   bash benchmarks/run_14b.sh PHASE OUTDIR      PHASE: paperA | paperB | paperC | paperD | big40 | paper7a | paper7b | paper7c | paper7d | paper7e | paper7g | 16k | 32k | 64k | 96k | auto | adam | sweepA | sweepB | sweepC | 7b | 7bhost | 7bstate
 #
 # Each phase fits one 10-minute device command (benchmarks/phase_lib.sh: each system its own h2h call and time
 # limit); results: OUTDIR/<phase>_<tag>.json (that call's results.json) and OUTDIR/<phase>.log.
@@ -134,6 +134,14 @@ case $phase in
   paper7e) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b; export GEMINI_LIGER=${GEMINI_LIGER:-0}
           GEMINI_PLACEMENT=auto h2h_call 280 gemini_auto --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
           GEMINI_OFFLOAD_PARAM=0 h2h_call 280 gemini_gpuparams --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
+  # Gemini's host AdamW: HybridAdam's CPU kernel skips bf16 gradients (gemini_system.PRECISIONS); after the build,
+  # the probe (fp32 / fp16 / bf16 gradients, torch's fused AdamW beside), Gemini fp16 in "auto", megatrain_ds defaults
+  paper7g) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b; export GEMINI_LIGER=${GEMINI_LIGER:-0}
+          timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
+          timeout 90 python3 -m benchmarks.gemini_system --adam-probe 2e8 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
+          GEMINI_PRECISION=fp16 GEMINI_PLACEMENT=${GEMINI_PLACEMENT:-auto} h2h_call 230 gemini_fp16 --systems gemini \
+              --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
+          h2h_call 110 defaults --systems megatrain --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
   paper7c) export HOME=$PWD/.site/home; mkdir -p "$HOME"; model=qwen2.5-7b
           GEMINI_LIGER=${GEMINI_LIGER:-0} h2h_call 370 gemini --systems gemini --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3
           h2h_call 200 fsdp --systems fsdp --clip 1.0 --tokens-per-step 16384 --warmup 2 --steps 3 ;;
