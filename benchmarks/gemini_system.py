@@ -463,7 +463,10 @@ if __name__ == "__main__":
         sys.exit(prebuild_kernels())
     if len(args) in (1, 2) and args[0] == "--adam-probe":
         probe = adam_probe(int(float(args[1])) if len(args) == 2 else 100_000_000)
-        print("[gemini] HybridAdam host step, Gparam/s: " + ", ".join(
-            f"{k} {v}" for k, v in probe.items()), flush=True)
+        print(
+            "[gemini] HybridAdam host step, Gparam/s: "
+            + ", ".join(f"{k} {v}" for k, v in probe.items()),
+            flush=True,
+        )
         sys.exit(0)
     sys.exit("usage: python -m benchmarks.gemini_system --prebuild | --adam-probe [N]")

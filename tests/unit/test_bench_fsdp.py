@@ -619,3 +619,66 @@ def test_the_breakdown_line_names_the_recompute_after_compute():
         {"system": "megatrain", "status": "ok", "breakdown": {**b, "recompute_s": 0.0}}
     )
     assert "recompute" not in kept and "compute 2.200, h2d 0.300" in kept
+
+
+def test_gemini_precision_is_a_setting_of_the_plugin_and_the_record(monkeypatch):
+    """GEMINI_PRECISION=fp16 gives HybridAdam fp16 gradients (its compiled host kernel; bf16 ones
+    take its unfused torch path): the plugin, the model's dtype and the recorded precision follow
+    it; anything else is refused by name."""
+    from benchmarks import gemini_system
+
+    monkeypatch.setenv("H2H_CLIP", "1.0")
+    monkeypatch.delenv("GEMINI_PRECISION", raising=False)
+    assert gemini_system.plugin_kwargs("auto")["precision"] == "bf16"
+    monkeypatch.setenv("GEMINI_PRECISION", "fp16")
+    assert gemini_system.plugin_kwargs("auto")["precision"] == "fp16"
+    res = gemini_system.run_gemini(
+        make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu"
+    )
+    assert res["settings"]["gemini_plugin"]["precision"] == "fp16"
+    assert res["settings"]["precision"].startswith("fp16 params and compute")
+    assert "loss scale" in res["settings"]["precision"]
+    assert gemini_system.PRECISIONS["fp16"][0] is torch.float16
+    monkeypatch.setenv("GEMINI_PRECISION", "fp8")
+    with pytest.raises(ValueError, match="GEMINI_PRECISION"):
+        gemini_system.plugin_kwargs("auto")
+
+
+def test_gemini_counts_the_optimizer_steps_it_took():
+    """A step the fp16 loss scale skips is a faster one: the record says how many steps the
+    optimizer took, through the booster's wrappers, so a skipped one cannot pass as measured."""
+    from benchmarks import gemini_system
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    inner = torch.optim.AdamW(params, lr=0.1)
+    wrapped = type("Wrapper", (), {"optim": type("Mixin", (), {"optim": inner})()})()
+    assert gemini_system.optimizer_steps_taken(wrapped) is None  # no state yet
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for _ in range(3):
+        inner.step()
+    assert gemini_system.optimizer_steps_taken(wrapped) == 3
+    assert gemini_system.optimizer_steps_taken(inner) == 3
+
+
+def test_gemini_adam_probe_times_each_gradient_dtype():
+    """The probe hands the optimizer fp32 parameters with fp32, fp16 and bf16 gradients (as Gemini
+    does), steps it, and times torch's fused AdamW beside it; each optimizer really steps."""
+    from benchmarks import gemini_system
+
+    made, start = [], []
+
+    def make(params):
+        made.append(params[0])
+        start.append(params[0].detach().clone())
+        return torch.optim.SGD(params, lr=1.0)
+
+    out = gemini_system.adam_probe(4096, repeats=2, make=make)
+    assert [p.grad.dtype for p in made] == [torch.float32, torch.float16, torch.bfloat16]
+    assert all(p.dtype == torch.float32 for p in made)
+    # SGD took 1 + 2 steps of lr 1.0: each parameter moved by 3 of its gradients
+    for p, p0 in zip(made, start):
+        torch.testing.assert_close(p.detach(), p0 - 3 * p.grad.float())
+    keys = ["grad fp32", "grad fp16", "grad bf16", "torch fused AdamW, grad fp32"]
+    assert all(out[k] > 0 for k in keys) and out["params"] == 4096
+    assert out["threads"] == torch.get_num_threads()
