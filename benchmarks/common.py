@@ -247,6 +247,74 @@ def peak_gpu_bytes(device: str) -> int:
     return 0
 
 
+def expandable_segments() -> bool:
+    """Whether the CUDA caching allocator was told to grow its segments
+    (``expandable_segments:True`` in PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, as the
+    process's environment says)."""
+    conf = ",".join(
+        os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def summarize_allocator(stats: dict, segments: list[dict], names: dict | None = None) -> dict:
+    """The allocator's record (``allocator_record``) from ``torch.cuda.memory_stats()`` and
+    ``torch.cuda.memory_snapshot()``: its peaks, its retries (an allocation that found the GPU full,
+    freed the cache, synchronising the device, and tried again) and out-of-memory errors, and what
+    it reserves now by stream (``names``: stream handle -> name; others by handle) and pool, in
+    bytes: where a gap between the reserved and the allocated peak sits."""
+    names = names or {}
+    by_stream: dict[str, dict] = {}
+    for seg in segments:
+        handle = int(seg.get("stream", 0))
+        key = f"{names.get(handle, 'default' if handle == 0 else hex(handle))} " + (
+            seg.get("segment_type") or "?"
+        )
+        row = by_stream.setdefault(key, {"segments": 0, "reserved": 0, "allocated": 0})
+        row["segments"] += 1
+        row["reserved"] += int(seg.get("total_size", 0))
+        row["allocated"] += int(seg.get("allocated_size", 0))
+    return {
+        "allocated_peak": int(stats.get("allocated_bytes.all.peak", 0)),
+        "reserved_peak": int(stats.get("reserved_bytes.all.peak", 0)),
+        "inactive_split_peak": int(stats.get("inactive_split_bytes.all.peak", 0)),
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "ooms": int(stats.get("num_ooms", 0)),
+        "expandable_segments": expandable_segments(),
+        "reserved_now_by_stream": by_stream,
+    }
+
+
+def allocator_record(device: str, names: dict | None = None) -> dict:
+    """``summarize_allocator`` of this process's CUDA allocator now (the peaks since the last
+    ``reset_memory_stats``); {} off CUDA."""
+    if not (device.startswith("cuda") and torch.cuda.is_available()):
+        return {}
+    return summarize_allocator(torch.cuda.memory_stats(), torch.cuda.memory_snapshot(), names)
+
+
+def allocator_line(res: dict) -> str:
+    """One line of a run's allocator record (``settings.allocator``), "" without one: the peaks,
+    the retries, and the reserved memory not allocated now, by stream."""
+    rec = (res.get("settings") or {}).get("allocator") or res.get("allocator") or {}
+    if not rec:
+        return ""
+    gib = 2**30
+    idle = ", ".join(
+        f"{k} {(v['reserved'] - v['allocated']) / gib:.2f}"
+        for k, v in sorted(rec.get("reserved_now_by_stream", {}).items())
+        if v["reserved"] > v["allocated"]
+    )
+    return (
+        f"    [{res.get('system', '?')}] allocator: allocated peak "
+        f"{rec['allocated_peak'] / gib:.2f} GiB, "
+        f"reserved peak {rec['reserved_peak'] / gib:.2f} GiB, "
+        f"retries {rec['alloc_retries']}, expandable segments "
+        f"{'on' if rec['expandable_segments'] else 'off'}; reserved, not allocated, now (GiB): "
+        f"{idle or 'none'}"
+    )
+
+
 def sync(device: str) -> None:
     """Wait for queued device work (no-op on CPU)."""
     if device.startswith("cuda"):
@@ -455,6 +523,8 @@ def result_dict(
         "status": status,
         "error": error,
         "phases": list(PHASES),
+        # every system's allocator at its end (megatrain_ds's, by stream, is in its settings)
+        "allocator": allocator_record(device),
     }
     out.update(extra)
     return out

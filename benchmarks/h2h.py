@@ -70,7 +70,13 @@ import threading
 from tqdm import tqdm
 
 from benchmarks import h2h_args, multi_gpu, report
-from benchmarks.common import PHASE_TAG, PROGRESS_TAG, free_port, peak_host_rss_bytes
+from benchmarks.common import (
+    PHASE_TAG,
+    PROGRESS_TAG,
+    allocator_line,
+    free_port,
+    peak_host_rss_bytes,
+)
 from benchmarks.host_check import (
     hardware,
     host_precheck,
@@ -520,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                 tqdm.write(report_line(res))
                 if breakdown_line(res):
                     tqdm.write(breakdown_line(res))
+                if allocator_line(res):
+                    tqdm.write(allocator_line(res))
                 results.append(res)
                 write_results()
                 # recorded; the rest is not run

@@ -29,6 +29,7 @@ from benchmarks import build
 from benchmarks.common import (
     LIGER_KERNELS,
     OPTIMIZER,
+    allocator_record,
     cleanup,
     count_params,
     data_rank,
@@ -287,6 +288,19 @@ def _init_device(config, device: str, lora: int) -> str:
     return device if need <= 0.9 * torch.cuda.mem_get_info()[0] else "cpu"
 
 
+def _stream_names(engine) -> dict:
+    """The engine's CUDA streams by handle (for ``allocator_record``): the compute stream (the
+    current one), weight prefetch (h2d), gradient evacuation (d2h) and the GPU-held optimizer
+    (opt); {} off CUDA."""
+    streams = getattr(getattr(engine, "executor", None), "streams", None)
+    if getattr(streams, "kind", "") != "cuda":
+        return {}
+    names = {streams.compute().cuda_stream: "compute"}
+    for name in ("h2d", "d2h", "opt"):
+        names[getattr(streams, name).cuda_stream] = name
+    return names
+
+
 def engine_host_state_bytes(engine) -> int:
     """The engine's host state (bytes): its layer store (``store.nbytes()``) + the resident
     parameters' host tensors (masters, moments, gradients, wire copies). A tensor on the device is
@@ -404,6 +418,7 @@ def run_megatrain(
         breakdown = _median_breakdown(breakdowns[warmup:]) if len(breakdowns) > warmup else {}
         host_state = engine_host_state_bytes(engine)
         settings.update(_engine_facts(engine))
+        settings["allocator"] = allocator_record(device, _stream_names(engine))
         engine.destroy()
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed
         if not is_oom(exc):

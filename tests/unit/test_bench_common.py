@@ -88,3 +88,43 @@ def test_pack_out_leaves_one_archive_holding_every_result(tmp_path):
             m.name.removeprefix("./"): tar.extractfile(m).read().decode() for m in tar if m.isfile()
         }
     assert got == files
+
+
+def test_the_allocator_record_says_where_reserved_memory_is_not_allocated(monkeypatch):
+    """The 24 GiB runs budget from the reserved peak, 3.5 GiB over the allocated one at 7B: the
+    record sums torch's snapshot segments by stream and pool, keeps the peaks and the retries, and
+    the line names the streams whose reserved memory is not allocated."""
+    from benchmarks import common
+
+    gib = 2**30
+    stats = {
+        "allocated_bytes.all.peak": 16 * gib,
+        "reserved_bytes.all.peak": 20 * gib,
+        "inactive_split_bytes.all.peak": gib,
+        "num_alloc_retries": 3,
+        "num_ooms": 0,
+    }
+    segments = [  # the fields of torch.cuda.memory_snapshot()'s segments the record reads
+        {"stream": 0, "segment_type": "large", "total_size": 4 * gib, "allocated_size": 4 * gib},
+        {"stream": 77, "segment_type": "large", "total_size": 3 * gib, "allocated_size": gib},
+        {"stream": 77, "segment_type": "large", "total_size": 2 * gib, "allocated_size": 0},
+        {"stream": 99, "segment_type": "small", "total_size": 2 * 2**20, "allocated_size": 0},
+    ]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
+    rec = common.summarize_allocator(stats, segments, {77: "compute"})
+    assert rec["allocated_peak"] == 16 * gib and rec["reserved_peak"] == 20 * gib
+    assert rec["alloc_retries"] == 3 and rec["ooms"] == 0 and rec["expandable_segments"]
+    by = rec["reserved_now_by_stream"]
+    assert by["compute large"] == {"segments": 2, "reserved": 5 * gib, "allocated": gib}
+    assert by["default large"]["reserved"] == 4 * gib and "0x63 small" in by
+    line = common.allocator_line({"system": "megatrain", "settings": {"allocator": rec}})
+    assert "allocated peak 16.00 GiB, reserved peak 20.00 GiB, retries 3" in line
+    assert "expandable segments on" in line and "compute large 4.00" in line
+    assert "default large" not in line  # all of it allocated
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert not common.expandable_segments()
+    # off CUDA there is nothing to record, and nothing is printed
+    assert common.allocator_record("cpu") == {}
+    assert common.allocator_line({"system": "x", "settings": {"allocator": {}}}) == ""
+    assert common.allocator_line({"system": "x", "allocator": rec}).startswith("    [x] allocator")
