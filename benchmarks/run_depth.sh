@@ -12,6 +12,8 @@
 #                                             where its build and boost (161 s at 1.5B, over 7 min at 7B) go
 #   bash benchmarks/run_depth.sh lease1|lease2|lease3 OUTDIR   the whole figure (megatrain_ds defaults and the three
 #                                             peers) in three calls of one lease: below, at the phases
+#   SYSTEMS=gemini-fp16 bash benchmarks/run_depth.sh b OUTDIR   Gemini fp16: HybridAdam's compiled host kernel (its
+#                                             bf16 path is unfused: gemini_system.py), labelled as not the others' dtype
 #   python3 -m benchmarks.depth --plot OUT_A/depth_a OUT_B/depth_b --out DIR      (here: depth.png, depth.md)
 #
 # The paper's own width on the 4-GPU box (512 GiB host; `megatrain-ds plan qwen2.5-7b --layers 165 --host-budget 480`

@@ -682,3 +682,45 @@ def test_gemini_adam_probe_times_each_gradient_dtype():
     keys = ["grad fp32", "grad fp16", "grad bf16", "torch fused AdamW, grad fp32"]
     assert all(out[k] > 0 for k in keys) and out["params"] == 4096
     assert out["threads"] == torch.get_num_threads()
+
+
+def test_the_depth_figures_gemini_fp16_runs_with_its_precision_and_its_label(tmp_path, monkeypatch):
+    """``gemini-fp16`` is Gemini's run with GEMINI_PRECISION=fp16 in its child's environment (and
+    only its: the bf16 Gemini beside it runs without), drawn and tabled under a label that says its
+    dtype is not the others'."""
+    from benchmarks import depth, h2h
+
+    seen = []
+
+    def fake_run_one(system, args, layers, tokens, path):
+        seen.append((system, layers, os.environ.get("GEMINI_PRECISION")))
+        return {
+            "system": system,
+            "layers": layers,
+            "tokens_per_step": tokens,
+            "status": "ok",
+            "n_params": layers * 1e8,
+            "median_step_s": 1.0,
+            "tokens_per_s": 16384.0,
+            "tflops": 40.0 + layers + (100 if os.environ.get("GEMINI_PRECISION") else 0),
+            "peak_gpu_bytes": 1e9,
+            "peak_host_rss_bytes": 2e9,
+            "error": "",
+        }
+
+    monkeypatch.setattr(h2h, "run_one", fake_run_one)
+    monkeypatch.setattr(h2h, "hardware", lambda: {"gpu": None})
+    monkeypatch.setenv("GEMINI_PRECISION", "bf16")  # the caller's own is restored after
+    out = tmp_path / "g"
+    argv = ["--systems", "gemini,gemini-fp16", "--depths", "28", "--out", str(out)]
+    assert depth.main(argv) == 0
+    assert seen == [("gemini", 28, "bf16"), ("gemini", 28, "fp16")]
+    assert os.environ["GEMINI_PRECISION"] == "bf16"
+    monkeypatch.delenv("GEMINI_PRECISION")
+    with depth.run_env({"GEMINI_PRECISION": "fp16"}):
+        assert os.environ["GEMINI_PRECISION"] == "fp16"
+    assert "GEMINI_PRECISION" not in os.environ
+    assert depth.main(["--plot", str(out), "--out", str(tmp_path / "fig")]) == 0
+    md = (tmp_path / "fig" / "depth.md").read_text()
+    assert "| ColossalAI Gemini fp16 (not the others' dtype) | 28 |" in md
+    assert "| ColossalAI Gemini | 28 |" in md
