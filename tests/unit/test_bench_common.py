@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHILD = textwrap.dedent(
@@ -128,3 +130,22 @@ def test_the_allocator_record_says_where_reserved_memory_is_not_allocated(monkey
     assert common.allocator_record("cpu") == {}
     assert common.allocator_line({"system": "x", "settings": {"allocator": {}}}) == ""
     assert common.allocator_line({"system": "x", "allocator": rec}).startswith("    [x] allocator")
+
+
+@pytest.mark.gpu
+def test_gpu_the_allocator_record_names_a_side_streams_cached_memory():
+    """On CUDA: memory freed on a named side stream stays reserved there, not allocated, and the
+    record says so under that stream's name (torch's snapshot reports streams by handle)."""
+    import torch
+
+    from benchmarks import common
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    del x  # freed: cached in a segment of the side stream's pool
+    rec = common.allocator_record("cuda", {side.cuda_stream: "side"})
+    row = rec["reserved_now_by_stream"]["side large"]
+    assert row["reserved"] >= 64 * 2**20 and row["allocated"] < row["reserved"]
+    assert rec["reserved_peak"] >= rec["allocated_peak"] >= 64 * 2**20
+    assert "side large" in common.allocator_line({"system": "t", "allocator": rec})
