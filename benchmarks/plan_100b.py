@@ -107,14 +107,14 @@ def ds_config(mode: str, micro_batch: int = TOKENS_PER_GPU // SEQ) -> dict:
 def disk_of(size_bytes: int):
     """The planner reads the NVMe path's free bytes on this machine: the target machine's disk
     instead."""
-    from megatrain_ds.planning import capacity
+    from megatrain_ds.planning import capacity_count
 
-    original = capacity.disk_free_bytes
-    capacity.disk_free_bytes = lambda path: int(size_bytes)
+    original = capacity_count.disk_free_bytes
+    capacity_count.disk_free_bytes = lambda path: int(size_bytes)
     try:
         yield
     finally:
-        capacity.disk_free_bytes = original
+        capacity_count.disk_free_bytes = original
 
 
 def plan(

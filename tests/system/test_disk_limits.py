@@ -31,7 +31,7 @@ import megatrain_ds
 from megatrain_ds.checkpoints import checkpoint_folder
 from megatrain_ds.host import nvme
 from megatrain_ds.host.disk_space import DiskSpaceError
-from megatrain_ds.planning import capacity
+from megatrain_ds.planning import capacity, capacity_count
 from tests.models import tiny_hf
 
 CFG = {
@@ -240,7 +240,7 @@ def test_the_nvme_tier_too_large_for_its_tmpfs_is_refused_at_initialize(tmp_path
         # the planner's and the tier's statvfs checks fooled: the file system refuses the swap
         # file's blocks
         monkeypatch.setattr(nvme, "free_bytes", lambda path: 1 << 50)
-        monkeypatch.setattr(capacity, "disk_free_bytes", lambda path: 1 << 50)
+        monkeypatch.setattr(capacity_count, "disk_free_bytes", lambda path: 1 << 50)
         with pytest.raises(nvme.NvmeError) as err:
             megatrain_ds.initialize(model=tiny_hf("llama", layers=2), config=cfg)
         message = str(err.value)

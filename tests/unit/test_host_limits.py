@@ -24,7 +24,7 @@ import pytest
 from megatrain_ds.host import host_limits
 from megatrain_ds.host.host_limits import CgroupMemory, cgroup_memory, pinning_limits
 from megatrain_ds.host.host_memory import pin_failure_message
-from megatrain_ds.planning import capacity, host_bytes, plan
+from megatrain_ds.planning import capacity_count, host_bytes, plan
 from megatrain_ds.planning.host_bytes import HostBudget, HostLimits, host_budget
 from tests.models import tiny_hf
 
@@ -228,12 +228,12 @@ def test_cuda_plan_notes_memlock(monkeypatch):
     monkeypatch.setattr(
         host_bytes, "read_host_limits", lambda *a, **k: HostLimits(20 * GiB, 24 * GiB, None)
     )
-    monkeypatch.setattr(capacity, "memlock_limit", lambda: 1024)
+    monkeypatch.setattr(capacity_count, "memlock_limit", lambda: 1024)
     pred = plan.check_capacity(layouts, resident, config, "cuda", gpu_memory=80 * GiB)
     notes = [n for n in pred.notes if "RLIMIT_MEMLOCK" in n]
     assert len(notes) == 1 and notes[0].startswith("page-locked host buffers about ")
     assert "exceeds it by" in notes[0] and "not charged to it" in notes[0]
-    monkeypatch.setattr(capacity, "memlock_limit", lambda: None)
+    monkeypatch.setattr(capacity_count, "memlock_limit", lambda: None)
     assert not any(
         "RLIMIT_MEMLOCK" in n
         for n in plan.check_capacity(layouts, resident, config, "cuda", gpu_memory=80 * GiB).notes

@@ -706,7 +706,7 @@ DECLARED_IN_INIT = {
     ("optim/optimizer.py", "HostAdamW"),
     ("optim/resident.py", "ResidentParams"),
     # the plan's counting: inputs only, results returned
-    ("planning/capacity.py", "_Counting"),
+    ("planning/capacity_count.py", "Counting"),
 }
 
 
