@@ -17,8 +17,13 @@
 #                                             (the 7B row's reserved peak was 5.9 GB above its allocated one, memory
 #                                             "auto" could not place into)
 #   bash benchmarks/run_24gib.sh 7b-expandable OUTDIR  that last run alone (LIMIT s, default 260)
+# On the 2-GPU box (256 GiB host: ZeRO-3 needs ~191 GB and FSDP2 ~179 GB at 7B, Gemini ~145 GB), the 7B row's peers:
+#   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      ZeRO-3 and FSDP2 at 24 GiB
+#   bash benchmarks/run_24gib.sh 7b-gemini OUTDIR     ColossalAI's kernels, Gemini fp16 "auto" (its fastest: HybridAdam's
+#                                             compiled host kernel, gemini_system.py; not the others' dtype), then
+#                                             megatrain_ds defaults with expandable segments beside it
 set -u
-phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole|7b-expandable}; out=${2:?outdir}
+phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole|7b-expandable|7b-peers|7b-gemini}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 g24() {  # g24 <limit_s> <tag> <h2h args...>
@@ -45,5 +50,12 @@ case $phase in
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 260 expandable --systems megatrain ;;
   7b-expandable) model=qwen2.5-7b  # the last of 7b-whole alone (the 7B build alone took 78-110 s on these boxes)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 ${LIMIT:-260} expandable --systems megatrain ;;
+  7b-peers) model=qwen2.5-7b
+      g24 270 zero3 --systems zero3
+      g24 270 fsdp --systems fsdp ;;
+  7b-gemini) model=qwen2.5-7b; export HOME=$PWD/.site/home; mkdir -p "$HOME"
+      timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
+      GEMINI_PRECISION=fp16 GEMINI_PLACEMENT=auto GEMINI_LIGER=${GEMINI_LIGER:-0} g24 220 gemini_fp16 --systems gemini
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 180 expandable --systems megatrain ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
