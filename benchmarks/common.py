@@ -98,7 +98,9 @@ def settings_dict(
 
     ``opt_params`` are the AdamW hyperparameters actually used (lr, weight_decay, betas, eps);
     ``kernels`` the liger kernels applied ([] = the model's own); ``offload_optimizer_ratio`` the
-    fraction of optimizer state on the CPU (None: no offload, everything on the GPU).
+    fraction of optimizer state on the CPU (None: no offload, everything on the GPU). A peer that
+    checkpoints every decoder layer passes ``recomputes_every_layer=True`` (benchmarks.depth's
+    recompute-counted TFLOPS read it).
     """
     out = {
         "precision": precision,

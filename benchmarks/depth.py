@@ -253,13 +253,17 @@ def sources_md(sources: list[tuple[str, dict]]) -> str:
 def recomputed(r: dict) -> tuple[int, bool] | None:
     """(decoder layers whose forward the run's steps recompute, whether the recompute skips the
     MLP's output projection) from its recorded settings; None where they do not say. The peers
-    checkpoint every decoder layer (their ``gradient_checkpointing`` setting says so), megatrain_ds
+    checkpoint every decoder layer (``recomputes_every_layer``; in older records, their
+    ``gradient_checkpointing`` text), megatrain_ds
     every layer but its kept ones (``kept_layers``), its skip named in ``recompute_skips``."""
     s, layers = r.get("settings") or {}, r.get("layers")
     if not layers:
         return None
     if "kept_layers" in s:
         return layers - int(s["kept_layers"]), bool(s.get("recompute_skips"))
+    if s.get("recomputes_every_layer"):
+        return layers, False
+    # runs recorded before 2026-11-30 say it only in their gradient_checkpointing text
     if "per decoder layer" in str(s.get("gradient_checkpointing", "")):
         return layers, False
     return None

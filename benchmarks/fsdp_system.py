@@ -146,6 +146,7 @@ def fsdp_settings(
         kernels=list(LIGER_KERNELS) if liger else [],
         loss_kernel=LIGER_LOSS if liger else HF_LOSS,
         gradient_checkpointing=FSDP_CHECKPOINTING,
+        recomputes_every_layer=True,
         offload_optimizer_ratio=1.0,
         fsdp="FSDP2 fully_shard per decoder layer + root, CPUOffloadPolicy(pin_memory=True), "
         "reshard_after_forward=True",

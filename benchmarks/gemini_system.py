@@ -181,6 +181,7 @@ def gemini_settings(
         kernels=list(kernels) if liger else [],
         loss_kernel=LIGER_LOSS if liger else HF_LOSS,
         gradient_checkpointing=HF_CHECKPOINTING,
+        recomputes_every_layer=True,
         offload_optimizer_ratio=kwargs.get("offload_optim_frac")
         if kwargs["placement_policy"] == "static"
         else None,

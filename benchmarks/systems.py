@@ -87,6 +87,7 @@ def resident_settings(
         kernels=list(LIGER_KERNELS) if liger else [],
         loss_kernel=LIGER_LOSS if liger else HF_LOSS,
         gradient_checkpointing=HF_CHECKPOINTING,
+        recomputes_every_layer=True,
         offload_optimizer_ratio=None,
     )
 
@@ -306,6 +307,7 @@ def zero3_settings(
         kernels=list(LIGER_KERNELS) if liger else [],
         loss_kernel=loss,
         gradient_checkpointing=HF_CHECKPOINTING,
+        recomputes_every_layer=True,
         offload_optimizer_ratio=ratio,
         ds_config=ds_config,
     )

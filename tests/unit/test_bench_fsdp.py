@@ -553,8 +553,11 @@ def test_the_depth_tables_gpu_tflops_count_each_systems_recompute():
             "settings": settings,
         }
 
-    peer = run({"gradient_checkpointing": "HF per decoder layer (non-reentrant)"})
+    peer = run({"recomputes_every_layer": True})
     assert depth.recomputed(peer) == (4, False)
+    # a run recorded before the field: its gradient_checkpointing text says so
+    older = run({"gradient_checkpointing": "HF per decoder layer (non-reentrant)"})
+    assert depth.recomputed(older) == (4, False)
     assert depth.gpu_tflops(peer) == (flops + 4 * forward) * 1e6 / 1e12
     ours = run({"kept_layers": 1, "recompute_skips": ["0:mlp.down_proj"]})
     assert depth.recomputed(ours) == (3, True)
@@ -562,6 +565,42 @@ def test_the_depth_tables_gpu_tflops_count_each_systems_recompute():
     all_kept = run({"kept_layers": 4, "recompute_skips": ["0:mlp.down_proj"]})
     assert depth.gpu_tflops(all_kept) == flops * 1e6 / 1e12  # nothing recomputed
     assert depth.gpu_tflops(run({})) is None  # the settings do not say: left blank
+
+
+def test_every_peer_records_that_it_recomputes_every_layer(monkeypatch):
+    """ZeRO-3, FSDP2, Gemini and the whole-on-GPU run checkpoint every decoder layer, and their
+    settings say so as a field (not only as text), which depth.recomputed reads."""
+    import inspect
+
+    from benchmarks import common, depth, fsdp_system, gemini_system, systems
+
+    monkeypatch.setenv("H2H_CLIP", "1.0")
+    res = gemini_system.run_gemini(
+        make_config("tiny"), 128, seq=64, steps=1, warmup=1, device="cpu"
+    )
+    assert res["settings"]["recomputes_every_layer"] is True
+    for module in (fsdp_system, systems):
+        source = inspect.getsource(module)
+        assert source.count("gradient_checkpointing=") == source.count(
+            "recomputes_every_layer=True"
+        ), module.__name__
+    kw = dict(
+        precision="p",
+        optimizer="o",
+        opt_params=common.OPTIMIZER,
+        clip=1.0,
+        warmup=1,
+        steps=1,
+        seq=8,
+        micro_batch=1,
+        kernels=[],
+        loss_kernel="l",
+        gradient_checkpointing="g",
+        offload_optimizer_ratio=None,
+    )
+    assert "recomputes_every_layer" not in common.settings_dict(**kw)
+    rec = {"layers": 3, "settings": common.settings_dict(**kw, recomputes_every_layer=True)}
+    assert depth.recomputed(rec) == (3, False)
 
 
 def test_the_depth_figure_draws_megatrains_recompute_counted_line(tmp_path, monkeypatch):
