@@ -13,8 +13,13 @@ What it runs when ColossalAI imports (recorded under "settings"):
   ``GEMINI_PLACEMENT=auto`` runs ``placement_policy="auto"`` (Gemini's runtime memory tracer moves
   chunks between the GPU and the host) instead; ``GEMINI_OFFLOAD_PARAM=0`` keeps the static
   placement's bf16 parameters on the GPU (optimizer state still on the host);
-  ``GEMINI_MAX_PREFETCH=N`` fetches N chunks ahead (the plugin's default: 0). Clipping is the
-  plugin's ``max_norm``.
+  ``GEMINI_MAX_PREFETCH=N`` fetches N chunks ahead (the plugin's default: 0);
+  ``GEMINI_PRECISION=fp16`` runs the plugin (and builds the model) in fp16 with its dynamic loss
+  scale instead of bf16: HybridAdam's compiled host kernel takes fp16 gradients but not bf16 ones
+  (``PRECISIONS``), so it is Gemini's fastest host update, in another dtype than the other
+  systems'; ``optimizer_steps_taken`` records whether the loss scale skipped a step. Clipping is
+  the plugin's ``max_norm``. ``python -m benchmarks.gemini_system --adam-probe [N]`` times
+  HybridAdam's host step for fp32, fp16 and bf16 gradients beside torch's fused AdamW.
 - ``HybridAdam`` (AdamW mode, benchmarks.common.OPTIMIZER) through ``Booster(plugin=...)``; HF
   activation checkpointing; liger-kernel as HF Trainer applies it (``liger=True``), before
   boosting; ``GEMINI_LIGER=0`` leaves liger off and records why (``LIGER_OFF_WHY``);
