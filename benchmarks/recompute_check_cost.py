@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks.shapes import SHAPES
-from megatrain_ds.streaming.executor import LayerCall
+from megatrain_ds.streaming.layer_call import LayerCall
 from megatrain_ds.model.recompute_check import RecomputeCheck, _CallCheck
 
 

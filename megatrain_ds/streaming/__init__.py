@@ -1,11 +1,12 @@
 """The streaming core: the pipelined, double-buffered executor over three streams (``executor``,
-``streams``), the per-layer schedule, the gradient landing, the step timer, pinned activations and
-the no-grad forwards of generation (``inference``). Uses ``host`` (the state it streams),
-``parallel`` and ``model``.
+``layer_call``: a layer call as one autograd node, ``streams``), the per-layer schedule, the
+gradient landing, the step timer, pinned activations and the no-grad forwards of generation
+(``inference``). Uses ``host`` (the state it streams), ``parallel`` and ``model``.
 """
 
 from .activations import HostActivations
-from .executor import StreamedLayers, positional_names
+from .executor import StreamedLayers
+from .layer_call import positional_names
 from .landing import LandingListener
 from .schedule import LayerSchedule
 from .streams import make_streams

@@ -34,9 +34,9 @@ class HostActivations:
     def __init__(self, streams, device: torch.device) -> None:
         self.streams, self.device = streams, device
         self.pin = device.type == "cuda"
-        # keyed by the layer call (executor.LayerCall), not the layer index: two forwards before one
-        # backward (a policy and a reference pass, gradient accumulation in one graph) each keep
-        # their own inputs call -> (copy, buffer, saved event)
+        # keyed by the layer call (layer_call.LayerCall), not the layer index: two forwards before
+        # one backward (a policy and a reference pass, gradient accumulation in one graph) each
+        # keep their own inputs call -> (copy, buffer, saved event)
         self.on_host: dict[object, tuple[torch.Tensor, tuple, object]] = {}
         # call -> (device copy, ready event)
         self.on_device: dict[object, tuple[torch.Tensor, object]] = {}
