@@ -72,10 +72,13 @@ def collective_failure(exc: BaseException) -> bool:
     )
 
 
-def explain_failure(par, exc: BaseException, collective: str, waited: float) -> CollectiveError:
+def explain_failure(
+    par, exc: BaseException, collective: str, waited: float, reports: dict | None
+) -> CollectiveError:
     """The error for ``exc`` in ``collective`` on ``par``, the ``DataParallel`` whose collective
-    failed (its rank, world, timeout, backend, position and board): who did not arrive, where they
-    are, what to do."""
+    failed (its rank, world, timeout, backend and position), from ``reports``, every rank's board
+    entry with this rank's own current one (None: the board could not be read): who did not
+    arrive, where they are, what to do."""
     text = str(exc)
     gone = any(marker in text for marker in _PEER_GONE)
     timed_out = not gone and (
@@ -84,12 +87,8 @@ def explain_failure(par, exc: BaseException, collective: str, waited: float) -> 
         or "Timeout" in text
         or waited >= 0.9 * par.timeout_s
     )
-    reports = par._board.read() if par._board is not None else None
     me, seq = par.rank, par.position["seq"]
     where = _PHASES.get(par.position["phase"], par.position["phase"]).format(**par.position)
-    if reports is not None:
-        # this rank's own, current (its last write may still be queued)
-        reports[me] = par._entry()
     lines = []
     exits: dict = {}
     if reports is None:

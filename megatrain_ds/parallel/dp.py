@@ -417,7 +417,11 @@ class DataParallel:
     def explain(self, exc: BaseException, collective: str, waited: float) -> CollectiveError:
         """The error for ``exc`` in ``collective``: who did not arrive, where they are, what to
         do (collective_watch.py)."""
-        return explain_failure(self, exc, collective, waited)
+        reports = self._board.read() if self._board is not None else None
+        if reports is not None:
+            # this rank's own, current (its last write may still be queued)
+            reports[self.rank] = self._entry()
+        return explain_failure(self, exc, collective, waited, reports)
 
     # --- device collectives (main thread) ---------------------------------------------------------
     def broadcast_layer(self, buf: torch.Tensor, i: int) -> None:
