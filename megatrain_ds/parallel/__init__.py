@@ -1,6 +1,7 @@
-"""Data parallelism: ``dp`` (who owns which layer, the process groups, the gradient exchange) and
-``comm`` (``deepspeed.comm`` as scripts use it). Below the streaming core, which reduces each
-layer's gradient through it.
+"""Data parallelism: ``dp`` (who owns which layer, the process groups, the gradient exchange),
+``collective_watch`` (what a failed collective's error says: which ranks did not arrive, where they
+were) and ``comm`` (``deepspeed.comm`` as scripts use it). Below the streaming core, which reduces
+each layer's gradient through it.
 """
 
 from . import comm
