@@ -163,30 +163,19 @@ def _gpu_at(
         )
     norm = acts.norm_graph(b)
     loss_fwd, _, loss_bwd = acts.loss_bytes(b)
-    phases.append(
-        (
-            saved(n - 1) + kept_graphs + norm + loss_fwd,
-            {
-                "saved layer inputs": saved(n - 1),
-                "kept layers' graphs": kept_graphs,
-                "final norm graph": norm,
-                f"LM head + loss forward ({acts.loss})": loss_fwd,
-            },
-            "the loss forward",
+    for way, loss in (("forward", loss_fwd), ("backward", loss_bwd)):
+        phases.append(
+            (
+                saved(n - 1) + kept_graphs + norm + loss,
+                {
+                    "saved layer inputs": saved(n - 1),
+                    "kept layers' graphs": kept_graphs,
+                    "final norm graph": norm,
+                    f"LM head + loss {way} ({acts.loss})": loss,
+                },
+                f"the loss {way}",
+            )
         )
-    )
-    phases.append(
-        (
-            saved(n - 1) + kept_graphs + norm + loss_bwd,
-            {
-                "saved layer inputs": saved(n - 1),
-                "kept layers' graphs": kept_graphs,
-                "final norm graph": norm,
-                f"LM head + loss backward ({acts.loss})": loss_bwd,
-            },
-            "the loss backward",
-        )
-    )
     for j in range(n - 1, -1, -1):
         inflight = (
             land * layouts[j + 1].n_train if (j + 1 < n and j + 1 >= device_state_layers) else 0
