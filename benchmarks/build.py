@@ -4,10 +4,11 @@ shapes (``fast``), and LoRA adapters (peft) on top.
     model = build_model(config, dtype=torch.bfloat16, init="fast", seed=0)
     model = apply_lora(model, r=16)                      # only the adapters train
 
-``hf``: ``AutoModelForCausalLM.from_config`` on ``device`` with the model's own init, then cast: the
-path every earlier result used (bit-identical for full fine-tuning: built in fp32 there). Every
-weight gets its own storage and its own random values; at 72B that is 145 GB in bf16 and minutes of
-single-threaded ``normal_``.
+``hf``: ``AutoModelForCausalLM.from_config`` on ``device`` with the model's own init, then cast.
+Every weight gets its own storage and its own random values; on the CPU a weight of >= 32M
+elements draws them in chunks on all cores (:func:`_parallel_normal_`: the same distribution,
+other values than one ``normal_`` before 2026-11-30), the rest as before; at 72B that is still
+145 GB in bf16.
 
 ``fast`` (default for shapes of >= 14 B parameters): the model is constructed with its parameters on
 the meta device (buffers such as the rotary ``inv_freq`` are computed for real on the CPU by the
@@ -77,7 +78,12 @@ def build_model(config, dtype: torch.dtype, init: str, seed: int, device: str = 
     init = resolve_init(init, config)
     torch.manual_seed(seed)
     if init == "hf":
-        with torch.device(device):
+        # on the CPU the big weights' normal draws are spread over the cores (one core's draws
+        # took 78 s of a 7B build, 129 s of FSDP2's, on the 2-GPU box: 2026-11-30)
+        draws = (
+            _parallel_normal() if torch.device(device).type == "cpu" else contextlib.nullcontext()
+        )
+        with torch.device(device), draws:
             if dtype == torch.float32:
                 model = AutoModelForCausalLM.from_config(config).float()
             else:

@@ -18,7 +18,11 @@
 #                                             "auto" could not place into)
 #   bash benchmarks/run_24gib.sh 7b-expandable OUTDIR  that last run alone (LIMIT s, default 260)
 # On the 2-GPU box (256 GiB host: ZeRO-3 needs ~191 GB and FSDP2 ~179 GB at 7B, Gemini ~145 GB), the 7B row's peers:
-#   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      ZeRO-3 and FSDP2 at 24 GiB
+#   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      megatrain_ds defaults, then ZeRO-3 and FSDP2, at 24 GiB, in one
+#                                             call (the x2 box has 32 cores: its host update is not the 16-core box's,
+#                                             so the row's ratios come from one call on one machine); RUNS="defaults
+#                                             fsdp" runs those of them only (expandable: defaults with expandable
+#                                             segments)
 #   bash benchmarks/run_24gib.sh 7b-gemini OUTDIR     ColossalAI's kernels, Gemini fp16 "auto" (its fastest: HybridAdam's
 #                                             compiled host kernel, gemini_system.py; not the others' dtype), then
 #                                             megatrain_ds defaults with expandable segments beside it
@@ -51,8 +55,15 @@ case $phase in
   7b-expandable) model=qwen2.5-7b  # the last of 7b-whole alone (the 7B build alone took 78-110 s on these boxes)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 ${LIMIT:-260} expandable --systems megatrain ;;
   7b-peers) model=qwen2.5-7b
-      g24 270 zero3 --systems zero3
-      g24 270 fsdp --systems fsdp ;;
+      for run in ${RUNS:-defaults zero3 fsdp}; do
+        case $run in
+          defaults) g24 150 defaults --systems megatrain ;;
+          expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 150 expandable --systems megatrain ;;
+          zero3) g24 215 zero3 --systems zero3 ;;
+          fsdp) g24 215 fsdp --systems fsdp ;;
+          *) echo "unknown run $run (defaults expandable zero3 fsdp)"; exit 2 ;;
+        esac
+      done ;;
   7b-gemini) model=qwen2.5-7b; export HOME=$PWD/.site/home; mkdir -p "$HOME"
       timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
       GEMINI_PRECISION=fp16 GEMINI_PLACEMENT=auto GEMINI_LIGER=${GEMINI_LIGER:-0} g24 220 gemini_fp16 --systems gemini
