@@ -46,7 +46,7 @@ FAST_INIT = (
     "layers; the other layers share its storage until the engine copies them)"
 )
 HF_INIT = "hf (the model's own init, every weight drawn)"
-_CHUNK = 1 << 24  # elements per parallel normal draw (64 MB in fp32)
+_CHUNK = 1 << 22  # elements per parallel normal draw (16 MB in fp32)
 
 
 def resolve_init(init: str, config) -> str:
@@ -78,16 +78,22 @@ def build_model(config, dtype: torch.dtype, init: str, seed: int, device: str = 
     init = resolve_init(init, config)
     torch.manual_seed(seed)
     if init == "hf":
-        # on the CPU the big weights' normal draws are spread over the cores (one core's draws
-        # took 78 s of a 7B build, 129 s of FSDP2's, on the 2-GPU box: 2026-11-30)
-        draws = (
-            _parallel_normal() if torch.device(device).type == "cpu" else contextlib.nullcontext()
-        )
-        with torch.device(device), draws:
+        on_cpu = torch.device(device).type == "cpu"
+        # on the CPU (2026-11-30, a 7B layer on 2 cores: 13 s of torch's own uniform draws that the
+        # model's init overwrites, 8 s of one-core normal draws; the 7B build 58-78 s on 32 cores):
+        # torch's default init of Linear and Embedding is skipped and the model's normal draws are
+        # spread over the cores; every such weight must then be one the model's init drew
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.device(device))
+            drawn = stack.enter_context(_parallel_normal()) if on_cpu else None
+            if drawn is not None:  # the draws are seen: torch's own can be skipped
+                stack.enter_context(_no_torch_default_init())
             if dtype == torch.float32:
                 model = AutoModelForCausalLM.from_config(config).float()
             else:
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if drawn is not None:
+            _check_drawn(model, drawn)
         return model.train()
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -188,11 +194,20 @@ def _share(layer: nn.Module, first: nn.Module, replaced: dict) -> None:
 
 
 def _parallel_normal_(
-    tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator=None, *, original
+    tensor: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    generator=None,
+    *,
+    original,
+    drawn: set | None = None,
 ):
-    """``normal_`` drawn in 16M-element chunks on all cores, each chunk from its own generator
+    """``normal_`` drawn in 4M-element chunks on all cores, each chunk from its own generator
     seeded from the global one (reproducible for a given seed, whatever the core count). Small,
-    strided or non-CPU tensors, or a given generator: ``original``."""
+    strided or non-CPU tensors, or a given generator: ``original``. ``drawn`` collects the data
+    pointers of the tensors drawn."""
+    if drawn is not None:
+        drawn.add(tensor.data_ptr())
     if (
         generator is not None
         or tensor.device.type != "cpu"
@@ -215,24 +230,54 @@ def _parallel_normal_(
 
 @contextlib.contextmanager
 def _parallel_normal():
-    """Inside: transformers' init helpers draw normal values with :func:`_parallel_normal_` (best
-    effort: a transformers without ``initialization.TORCH_INIT_FUNCTIONS`` keeps its own
-    single-threaded draws)."""
+    """Inside: transformers' init helpers draw normal values with :func:`_parallel_normal_`;
+    yields the set of data pointers they drew (best effort: a transformers without
+    ``initialization.TORCH_INIT_FUNCTIONS`` keeps its own single-threaded draws: None)."""
     try:
         from transformers import initialization
 
         table = initialization.TORCH_INIT_FUNCTIONS
         original = table["normal_"]
     except (ImportError, AttributeError, KeyError):
-        yield
+        yield None
         return
+    drawn: set[int] = set()
     table["normal_"] = lambda tensor, mean=0.0, std=1.0, generator=None: _parallel_normal_(
-        tensor, mean, std, generator, original=original
+        tensor, mean, std, generator, original=original, drawn=drawn
     )
+    try:
+        yield drawn
+    finally:
+        table["normal_"] = original
+
+
+@contextlib.contextmanager
+def _no_torch_default_init():
+    """Inside: ``nn.Linear`` and ``nn.Embedding`` skip torch's own init (their weights stay as
+    allocated until the model's init draws them; :func:`_check_drawn` then makes sure it did)."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = lambda self: None
     try:
         yield
     finally:
-        table["normal_"] = original
+        for cls, method in saved.items():
+            cls.reset_parameters = method
+
+
+def _check_drawn(model: nn.Module, drawn: set) -> None:
+    """Every Linear and Embedding weight of ``model`` was drawn by the model's init (else torch's
+    skipped init left it as allocated: refused by name)."""
+    missed = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.data_ptr() not in drawn
+    ]
+    if missed:
+        raise RuntimeError(
+            f"hf init on the CPU: {len(missed)} weight(s) the model's init did not draw, e.g. "
+            f"{missed[:3]} (torch's own init was skipped for them)"
+        )
 
 
 # --------------------------------------------------------------------------------------------- LoRA

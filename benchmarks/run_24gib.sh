@@ -22,7 +22,7 @@
 #                                             call (the x2 box has 32 cores: its host update is not the 16-core box's,
 #                                             so the row's ratios come from one call on one machine); RUNS="defaults
 #                                             fsdp" runs those of them only (expandable: defaults with expandable
-#                                             segments)
+#                                             segments); LIMIT_DEFAULTS, LIMIT_PEERS: their limits (s)
 #   bash benchmarks/run_24gib.sh 7b-gemini OUTDIR     ColossalAI's kernels, Gemini fp16 "auto" (its fastest: HybridAdam's
 #                                             compiled host kernel, gemini_system.py; not the others' dtype), then
 #                                             megatrain_ds defaults with expandable segments beside it
@@ -57,10 +57,10 @@ case $phase in
   7b-peers) model=qwen2.5-7b
       for run in ${RUNS:-defaults zero3 fsdp}; do
         case $run in
-          defaults) g24 150 defaults --systems megatrain ;;
+          defaults) g24 ${LIMIT_DEFAULTS:-150} defaults --systems megatrain ;;
           expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 150 expandable --systems megatrain ;;
-          zero3) g24 215 zero3 --systems zero3 ;;
-          fsdp) g24 215 fsdp --systems fsdp ;;
+          zero3) g24 ${LIMIT_PEERS:-215} zero3 --systems zero3 ;;
+          fsdp) g24 ${LIMIT_PEERS:-215} fsdp --systems fsdp ;;
           *) echo "unknown run $run (defaults expandable zero3 fsdp)"; exit 2 ;;
         esac
       done ;;

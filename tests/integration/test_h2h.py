@@ -478,6 +478,30 @@ def test_shapes_flops_formulas_and_moe_configs():
     assert qmoe.router_aux_loss_coef == 0.001 and qmoe.output_router_logits
 
 
+def test_hf_init_on_cpu_draws_every_weight_with_the_models_init():
+    """On the CPU, hf init skips torch's own Linear/Embedding init (the model's init redraws them):
+    every such weight must hold the model's normal(0, 0.02), not torch's kaiming uniform (std
+    0.072 at fan-in 64), the build is reproducible, and a weight the model's init did not draw is
+    refused by name."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from benchmarks.build import _check_drawn, build_model
+    from benchmarks.shapes import make_config
+
+    config = make_config("tiny", layers=2)
+    model = build_model(config, torch.float32, "hf", seed=0)
+    again = build_model(config, torch.float32, "hf", seed=0)
+    for (name, module), other in zip(model.named_modules(), again.modules()):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            assert 0.015 < module.weight.std() < 0.025, name
+            assert torch.equal(module.weight, other.weight), name
+    assert nn.Linear.reset_parameters is not None and nn.Linear(4, 4).weight.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="lm_head|embed_tokens"):
+        _check_drawn(model, {p.data_ptr() for p in model.model.layers.parameters()})
+
+
 def test_fast_init_shares_layer_0_and_keeps_buffers_and_ties():
     import torch
 
