@@ -445,12 +445,14 @@ def _run_with_progress(
                 tail.append(line)
     # h2h's time limit (phase_lib's timeout --signal=INT) or Ctrl-C: the child got it too
     except KeyboardInterrupt:
-        watch["interrupted"] = True
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    watch["returncode"] = proc.wait()
+        _interrupted(proc, watch)
+    try:
+        watch["returncode"] = proc.wait()
+    # the same after the child's output ended: its teardown (ZeRO-3 freeing ~190 GB of pinned host
+    # memory took 8-19 s at 7B, 2026-11-30), when it may have written its result already
+    except KeyboardInterrupt:
+        _interrupted(proc, watch)
+        watch["returncode"] = proc.wait()
     if timer is not None:
         timer.cancel()
     sampler.join()
@@ -460,6 +462,16 @@ def _run_with_progress(
     )
     bar.close()
     return list(tail)
+
+
+def _interrupted(proc: subprocess.Popen, watch: dict) -> None:
+    """The driver was interrupted: the child (same process group) was too; 10 s to exit, then
+    killed."""
+    watch["interrupted"] = True
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def best_batch(system: str, args, layers: int | None, out: str, on_probe=lambda res: None) -> dict:
