@@ -56,13 +56,10 @@ LIGER_LOSS = "liger fused linear cross-entropy (no logits)"
 
 
 def _build_resident(config, device: str, seed: int, liger: bool = False):
-    """Random-init fp32 model built directly on ``device`` (liger-kernel patched in when ``liger``,
-    as HF Trainer does) with HF checkpointing, plus its fused AdamW
-    (benchmarks.common.OPTIMIZER)."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
-    model = model.float().train()
+    """Random-init fp32 model built directly on ``device`` (``build.build_model``'s hf init, the
+    other systems' own: the same values for one seed), liger-kernel patched in when ``liger``, as HF
+    Trainer does, with HF checkpointing, plus its fused AdamW (benchmarks.common.OPTIMIZER)."""
+    model = build.build_model(config, torch.float32, "hf", seed, device=device)
     if liger:
         apply_hf_liger(model)
     enable_hf_checkpointing(model)
