@@ -21,8 +21,9 @@
 #                                             its own process (~65 s each since the fast CPU init): the allocator's
 #                                             own (the 7B row's 5 GiB reserved over allocated sat in the compute
 #                                             stream's large pool, 36 segments: 2026-11-30_h200x2_7b_24gib_peers),
-#                                             expandable segments, max_split_size_mb 256, that with a GC threshold
-#                                             of 0.8: which lets "auto" place more (ALLOC_LIMIT s each, default 110)
+#                                             expandable segments, max_split_size_mb 512 and 128 (a GC threshold
+#                                             acts only under a per-process memory fraction, which the limit is not):
+#                                             which lets "auto" place more (ALLOC_LIMIT s each, default 110)
 # On the 2-GPU box (256 GiB host: ZeRO-3 needs ~191 GB and FSDP2 ~179 GB at 7B, Gemini ~145 GB), the 7B row's peers:
 #   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      megatrain_ds defaults, then ZeRO-3 and FSDP2, at 24 GiB, in one
 #                                             call (the x2 box has 32 cores: its host update is not the 16-core box's,
@@ -61,7 +62,7 @@ case $phase in
   7b-expandable) model=qwen2.5-7b  # the last of 7b-whole alone (the 7B build alone took 78-110 s on these boxes)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 ${LIMIT:-260} expandable --systems megatrain ;;
   7b-alloc) model=qwen2.5-7b
-      for conf in none expandable_segments:True max_split_size_mb:256 garbage_collection_threshold:0.8,max_split_size_mb:256
+      for conf in none expandable_segments:True max_split_size_mb:512 max_split_size_mb:128
       do
         tag=$(echo "$conf" | tr ':,' '__')
         if [ "$conf" = none ]; then g24 "${ALLOC_LIMIT:-110}" "$tag" --systems megatrain
