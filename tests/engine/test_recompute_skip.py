@@ -110,6 +110,28 @@ def test_a_hook_on_the_mlp_keeps_that_layers_recompute_whole():
     assert on[0] == off[0]
 
 
+def test_a_global_hook_or_a_torch_without_its_registry_keeps_the_recompute_whole(monkeypatch):
+    """A hook on every module (``register_module_forward_hook``) sees real outputs too; a torch
+    whose global hook registries are gone (private names) cannot say, so nothing is skipped."""
+    from torch.nn.modules import module as torch_module
+
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: seen.append(1) if isinstance(m, nn.Linear) else None
+    )
+    try:
+        hooked = _train(tiny_hf("qwen2"), "auto")
+    finally:
+        handle.remove()
+    assert hooked[2] == 0 and seen
+    # a torch that renamed them (deleting torch's own would break every module call)
+    assert all(hasattr(torch_module, name) for name in rs.GLOBAL_HOOK_REGISTRIES)
+    monkeypatch.setattr(rs, "GLOBAL_HOOK_REGISTRIES", ("_global_forward_hooks_renamed",))
+    assert _train(tiny_hf("qwen2"), "auto")[2] == 0
+    monkeypatch.undo()
+    assert _train(tiny_hf("qwen2"), "auto")[2] == 3 * (STEPS - 3)  # the skip itself still works
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_grad_only_linear_backward_is_linears_own(dtype, bias):
