@@ -17,13 +17,16 @@
 #                                             (the 7B row's reserved peak was 5.9 GB above its allocated one, memory
 #                                             "auto" could not place into)
 #   bash benchmarks/run_24gib.sh 7b-expandable OUTDIR  that last run alone (LIMIT s, default 260)
-#   bash benchmarks/run_24gib.sh 7b-alloc OUTDIR      megatrain defaults under four caching-allocator settings, each
-#                                             its own process (~65 s each since the fast CPU init): the allocator's
-#                                             own (the 7B row's 5 GiB reserved over allocated sat in the compute
-#                                             stream's large pool, 36 segments: 2026-11-30_h200x2_7b_24gib_peers),
-#                                             expandable segments, max_split_size_mb 512 and 128 (a GC threshold
-#                                             acts only under a per-process memory fraction, which the limit is not):
-#                                             which lets "auto" place more (ALLOC_LIMIT s each, default 110)
+#   bash benchmarks/run_24gib.sh 7b-alloc OUTDIR      megatrain defaults under caching-allocator settings and update
+#                                             modes, each its own process (~65 s each since the fast CPU init):
+#                                             VARIANTS (default "none expandable split512 whole whole-expandable"):
+#                                             none (the allocator's own: the 7B row's 5 GiB reserved over allocated
+#                                             sat in the compute stream's large pool, 36 segments:
+#                                             2026-11-30_h200x2_7b_24gib_peers), expandable (expandable segments),
+#                                             split512 / split128 (max_split_size_mb; a GC threshold acts only under
+#                                             a per-process memory fraction, which the limit is not), whole
+#                                             (deferred_moments false: one host pass, 26 B/param moved, not two, 36:
+#                                             the step is the host's), whole-expandable; ALLOC_LIMIT s each (110)
 # On the 2-GPU box (256 GiB host: ZeRO-3 needs ~191 GB and FSDP2 ~179 GB at 7B, Gemini ~145 GB), the 7B row's peers:
 #   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      megatrain_ds defaults, then ZeRO-3 and FSDP2, at 24 GiB, in one
 #                                             call (the x2 box has 32 cores: its host update is not the 16-core box's,
@@ -62,11 +65,20 @@ case $phase in
   7b-expandable) model=qwen2.5-7b  # the last of 7b-whole alone (the 7B build alone took 78-110 s on these boxes)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 ${LIMIT:-260} expandable --systems megatrain ;;
   7b-alloc) model=qwen2.5-7b
-      for conf in none expandable_segments:True max_split_size_mb:512 max_split_size_mb:128
-      do
-        tag=$(echo "$conf" | tr ':,' '__')
-        if [ "$conf" = none ]; then g24 "${ALLOC_LIMIT:-110}" "$tag" --systems megatrain
-        else PYTORCH_CUDA_ALLOC_CONF=$conf g24 "${ALLOC_LIMIT:-110}" "$tag" --systems megatrain; fi
+      whole='{"deferred_moments": false}'
+      for variant in ${VARIANTS:-none expandable split512 whole whole-expandable}; do
+        lim=${ALLOC_LIMIT:-110}
+        case $variant in
+          none) g24 "$lim" none --systems megatrain ;;
+          expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 "$lim" expandable --systems megatrain ;;
+          split512) PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 g24 "$lim" split512 --systems megatrain ;;
+          split128) PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 g24 "$lim" split128 --systems megatrain ;;
+          whole) g24 "$lim" whole --systems megatrain --megatrain-options "$whole" ;;
+          whole-expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+              g24 "$lim" whole_expandable --systems megatrain --megatrain-options "$whole" ;;
+          *) echo "unknown variant $variant (none expandable split512 split128 whole whole-expandable)"
+             exit 2 ;;
+        esac
       done ;;
   7b-peers) model=qwen2.5-7b
       for run in ${RUNS:-defaults zero3 fsdp}; do
