@@ -297,3 +297,19 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(
     engine.step()
     assert torch.isfinite(loss)
     engine.destroy()
+
+
+def test_the_placement_line_names_the_allocators_gap_when_it_is_large(monkeypatch):
+    """The log line of "auto"'s placement says how far the allocator's reserved peak ran over its
+    allocated peak (what the budget went around) from 1 GiB on; nothing under it or off CUDA."""
+    import torch
+
+    from megatrain_ds.training import engine_auto
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 16 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 21 * 2**30)
+    assert "reserved peak was 5.0 GiB over its allocated peak" in engine_auto._allocator_gap(cuda)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 16.5 * 2**30)
+    assert engine_auto._allocator_gap(cuda) == ""
+    assert engine_auto._allocator_gap(torch.device("cpu")) == ""
