@@ -62,7 +62,8 @@ def draw_device(config, device: str, init: str, share: float = 0.5) -> str:
     """Where a peer that trains from host memory (FSDP2, Gemini) has its model built: ``device``
     (the init drawn on the GPU, fast) when the init is ``hf`` and the fp32 weights take at most
     ``share`` of the GPU's free memory; else the CPU (``fast`` builds the layers there anyway).
-    Drawn on the CPU, ``hf`` is one core's ``normal_`` per weight: minutes at 7B."""
+    Drawn on the CPU, ``hf`` is slower (all cores' draws since 2026-11-30: 13.4 s at 7B on 32
+    cores, 58-78 s before)."""
     if not device.startswith("cuda") or resolve_init(init, config) != "hf":
         return "cpu"
     return device if 4 * n_params(config) <= share * torch.cuda.mem_get_info()[0] else "cpu"
