@@ -655,21 +655,18 @@ def test_lora_is_refused_for_the_whole_on_gpu_system(tmp_path):
         )
 
 
-def test_a_time_limit_records_the_run_so_far():
-    """phase_lib's `timeout --signal=INT` interrupts the driver and the system's process (one
-    process group): the driver records the phases and step times the process printed before it
-    stopped."""
+def _interrupted_driver(child: str, then: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """Runs the driver's ``_run_with_progress`` on the Python program ``child`` in a session of its
+    own, with a SIGINT to the whole group 1.5 s in (phase_lib's ``timeout --signal=INT``); ``then``
+    is an expression of ``watch`` and ``tail`` whose JSON the script prints last."""
     script = (
         "import json, os, signal, sys, threading\n"
         "from benchmarks import h2h\n"
-        "child = ('import json, time; print(\"@@h2h-phase \" + json.dumps({\"phase\": \"model "
-        "built\", \"t_s\": 1, '\n"
-        "         '\"phase_s\": 1, \"rss_bytes\": 1, \"peak_rss_bytes\": 1}), flush=True); '\n"
-        "         'print(\"@@h2h-step 1 4 0.5\", flush=True); time.sleep(60)')\n"
+        f"child = {child!r}\n"
         "threading.Timer(1.5, lambda: os.killpg(0, signal.SIGINT)).start()\n"
         "watch = {}\n"
         "tail = h2h._run_with_progress([sys.executable, '-c', child], 'slow', watch=watch)\n"
-        "print(json.dumps(h2h.failed_run('zero3', 'tiny', 2, 128, tail, watch, 1 << 40)))\n"
+        f"print(json.dumps({then}))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script],
@@ -680,7 +677,19 @@ def test_a_time_limit_records_the_run_so_far():
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         start_new_session=True,
     )
-    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc
+
+
+def test_a_time_limit_records_the_run_so_far():
+    """phase_lib's `timeout --signal=INT` interrupts the driver and the system's process (one
+    process group): the driver records the phases and step times the process printed before it
+    stopped."""
+    phase = {"phase": "model built", "t_s": 1, "phase_s": 1, "rss_bytes": 1, "peak_rss_bytes": 1}
+    rec, proc = _interrupted_driver(
+        f"import time; print('@@h2h-phase ' + {json.dumps(phase)!r}, flush=True); "
+        "print('@@h2h-step 1 4 0.5', flush=True); time.sleep(60)",
+        "h2h.failed_run('zero3', 'tiny', 2, 128, tail, watch, 1 << 40)",
+    )
     assert rec["status"] == "interrupted (time limit or Ctrl-C)", proc.stderr[-2000:]
     assert rec["step_times_s_seen"] == [0.5] and rec["last_phase"] == "model built"
 
@@ -689,27 +698,12 @@ def test_a_time_limit_in_the_childs_teardown_is_recorded_not_raised():
     """The limit can come after the child's output ended (its teardown, 2026-11-30: ZeRO-3 at 7B):
     the driver records the interruption and the child's exit instead of dying in its wait, so a
     result the child wrote before its teardown is still read."""
-    script = (
-        "import json, os, signal, sys, threading\n"
-        "from benchmarks import h2h\n"
-        "child = ('import os, time; print(\"@@h2h-step 1 1 0.5\", flush=True); '\n"
-        "         'os.close(1); os.close(2); time.sleep(60)')\n"
-        "threading.Timer(1.5, lambda: os.killpg(0, signal.SIGINT)).start()\n"
-        "watch = {}\n"
-        "h2h._run_with_progress([sys.executable, '-c', child], 'teardown', watch=watch)\n"
-        "print(json.dumps({k: watch[k] for k in ('interrupted', 'returncode', 'step_times')}))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        start_new_session=True,
+    rec, proc = _interrupted_driver(
+        "import os, time; print('@@h2h-step 1 1 0.5', flush=True); "
+        "os.close(1); os.close(2); time.sleep(60)",
+        "{k: watch[k] for k in ('interrupted', 'returncode', 'step_times')}",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rec["interrupted"] is True and rec["step_times"] == [0.5]
     assert rec["returncode"] != 0  # the child was stopped by the interrupt, not left running
 
