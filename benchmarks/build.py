@@ -5,10 +5,10 @@ shapes (``fast``), and LoRA adapters (peft) on top.
     model = apply_lora(model, r=16)                      # only the adapters train
 
 ``hf``: ``AutoModelForCausalLM.from_config`` on ``device`` with the model's own init, then cast.
-Every weight gets its own storage and its own random values; on the CPU a weight of >= 32M
-elements draws them in chunks on all cores (:func:`_parallel_normal_`: the same distribution,
-other values than one ``normal_`` before 2026-11-30), the rest as before; at 72B that is still
-145 GB in bf16.
+Every weight gets its own storage and its own random values; on the CPU torch's own init of
+Linear and Embedding (which the model's init overwrites) is skipped, and a weight of >= 8M
+elements draws its values in chunks on all cores (:func:`_parallel_normal_`: the same
+distribution, other values than before 2026-11-30); at 72B that is still 145 GB in bf16.
 
 ``fast`` (default for shapes of >= 14 B parameters): the model is constructed with its parameters on
 the meta device (buffers such as the rotary ``inv_freq`` are computed for real on the CPU by the

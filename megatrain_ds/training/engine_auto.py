@@ -234,8 +234,8 @@ def _place(
 def _allocator_gap(device: torch.device) -> str:
     """For the placement's log line: how far the caching allocator's reserved peak ran over its
     allocated peak (memory the placement budgets around: split and cached blocks), when that is
-    at least 1 GiB; "" otherwise or off CUDA. (2026-11-30, 7B on 24 GiB: 5 GiB, all in the compute
-    stream's pool.)"""
+    at least 1 GiB; "" otherwise or off CUDA. (2026-11-30, 7B on 24 GiB, at the run's end: 5 GiB,
+    all in the compute stream's pool.)"""
     if device.type != "cuda":
         return ""
     gap = torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
