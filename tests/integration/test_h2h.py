@@ -7,17 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.test_h2h_dp import rank_result
+from tests.integration.test_h2h_dp import rank_result, run_h2h
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_h2h_cpu_smoke(tmp_path):
     out = tmp_path / "h2h"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.h2h",
+    data, proc = run_h2h(
+        out,
         "--model",
         "tiny",
         "--device",
@@ -34,19 +32,7 @@ def test_h2h_cpu_smoke(tmp_path):
         "1",
         "--megatrain-options",
         '{"num_slots": 3}',
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((out / "results.json").read_text())
     assert data["hardware"]["cpu_cores"] >= 1
     by_system = {r["system"]: r for r in data["results"]}
     assert set(by_system) == {"megatrain", "resident"}
@@ -128,10 +114,8 @@ def test_host_adam_probe_prints_a_row_per_thread_count(capsys):
 
 def test_h2h_best_batch_records_every_probe_and_marks_the_fastest(tmp_path):
     out = tmp_path / "best"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.h2h",
+    data, _ = run_h2h(
+        out,
         "--model",
         "tiny",
         "--device",
@@ -149,19 +133,8 @@ def test_h2h_best_batch_records_every_probe_and_marks_the_fastest(tmp_path):
         "1",
         "--warmup",
         "1",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads((out / "results.json").read_text())["results"]
+    runs = data["results"]
     for system in ("megatrain",):  # one system keeps the file fast; the search is the same for each
         probes = [r for r in runs if r["system"] == system]
         assert [r["tokens_per_step"] for r in probes] == [64, 128]
@@ -207,10 +180,8 @@ def test_report_compares_rows_of_the_same_depth_and_names_duplicate_runs_by_file
 
 def test_h2h_depth_sweep_runs_each_depth_and_plots_tflops_against_layers(tmp_path):
     out = tmp_path / "depth"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.h2h",
+    data, _ = run_h2h(
+        out,
         "--model",
         "tiny",
         "--device",
@@ -229,19 +200,8 @@ def test_h2h_depth_sweep_runs_each_depth_and_plots_tflops_against_layers(tmp_pat
         "1",
         "--liger",
         "off",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads((out / "results.json").read_text())["results"]
+    runs = data["results"]
     assert [(r["system"], r["layers"], r["status"]) for r in runs] == [
         ("megatrain", 1, "ok"),
         ("megatrain", 3, "ok"),
@@ -327,10 +287,8 @@ def test_h2h_rejects_host_only_with_a_gpu_optimizer_fraction(tmp_path):
 
 def _h2h(tmp_path, name, *args):
     out = tmp_path / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.h2h",
+    data, proc = run_h2h(
+        out,
         "--device",
         "cpu",
         "--seq",
@@ -341,20 +299,8 @@ def _h2h(tmp_path, name, *args):
         "1",
         "--warmup",
         "1",
-        "--out",
-        str(out),
         *args,
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((out / "results.json").read_text())
     return {r["system"]: r for r in data["results"]}, out, proc
 
 

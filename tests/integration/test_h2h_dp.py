@@ -1,7 +1,8 @@
 """The head-to-head harness on several ranks (h2h --gpus N, benchmarks/multi_gpu.py): the
 arguments it checks, the per-rank results it sums, the scaling and bound rows, the cores each rank
 is given, the launches that stand for hosts, each rank's data, and a 2-rank CPU run. Moved out of
-test_h2h.py, which imports ``rank_result`` (one rank's record) from here."""
+test_h2h.py, which imports ``rank_result`` (one rank's record) and ``run_h2h`` (one harness run)
+from here."""
 
 import json
 import os
@@ -12,6 +13,21 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def run_h2h(out: Path, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """``python -m benchmarks.h2h ARGS --out OUT`` in a process of its own, which must exit 0:
+    (its results.json, the finished process)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.h2h", *args, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), proc
 
 
 # --- data parallel (h2h --gpus N, benchmarks/multi_gpu.py) ----------------------------------------
@@ -234,10 +250,8 @@ def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
     exactly as torch DDP does (the whole-on-GPU system on 2 ranks: plain PyTorch data parallel),
     rank by rank: the same losses, so the same averaged, clipped updates."""
     out = tmp_path / "dp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.h2h",
+    data, _ = run_h2h(
+        out,
         "--model",
         "tiny",
         "--device",
@@ -255,19 +269,7 @@ def test_h2h_two_ranks_on_cpu_megatrain_scaling(tmp_path):
         "--gpus",
         "2",
         "--scaling",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((out / "results.json").read_text())
     runs = {(r["system"], r["gpus"]): r for r in data["results"]}
     assert set(runs) == {("megatrain", 1), ("megatrain", 2), ("fsdp", 2), ("resident", 2)}
     for (system, gpus), r in runs.items():
