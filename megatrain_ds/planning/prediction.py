@@ -94,42 +94,53 @@ class Prediction:
                 f"per {'GPU' if self.device == 'cuda' else 'process'}"
             )
         lines.append("")
-        lines.append(f"{'tier':<10}{'needed':>14}{'available':>14}  ")
-        host_have = f"{fmt_bytes(self.host_budget_bytes)}"
+        lines.append(_tier("tier", "needed", "available", ""))
         lines.append(
-            f"{'host RAM':<10}{fmt_bytes(self.host_need_bytes):>14}{host_have:>14}  "
-            f"budget: {self.host_budget_source}"
+            _tier(
+                "host RAM",
+                fmt_bytes(self.host_need_bytes),
+                fmt_bytes(self.host_budget_bytes),
+                f"budget: {self.host_budget_source}",
+            )
         )
-        for name, n in self.host_parts.items():
-            if n:
-                lines.append(f"  {name:<44}{fmt_bytes(n):>12}")
+        lines += _part_lines(self.host_parts)
         if self.nvme:
             free = "?" if self.disk_free_bytes is None else fmt_bytes(self.disk_free_bytes)
             what = "fp32 masters and Adam moments" if self.nvme_masters else "Adam moments"
             lines.append(
-                f"{'disk':<10}{fmt_bytes(self.disk_bytes):>14}{free:>14}  {what} of the last "
-                f"{self.disk_layers} layer(s) on {self.nvme_path or '(no nvme_path)'}"
+                _tier(
+                    "disk",
+                    fmt_bytes(self.disk_bytes),
+                    free,
+                    f"{what} of the last {self.disk_layers} layer(s) on "
+                    f"{self.nvme_path or '(no nvme_path)'}",
+                )
             )
         else:
             free = "" if self.disk_free_bytes is None else f"{fmt_bytes(self.disk_free_bytes)}"
             lines.append(
-                f"{'disk':<10}{fmt_bytes(0):>14}{free:>14}  no NVMe tier "
-                "(zero_optimization.offload_optimizer.device is not nvme)"
+                _tier(
+                    "disk",
+                    fmt_bytes(0),
+                    free,
+                    "no NVMe tier (zero_optimization.offload_optimizer.device is not nvme)",
+                )
             )
         if self.device == "cuda":
             need = "?" if self.gpu_need_bytes is None else fmt_bytes(self.gpu_need_bytes)
             have = fmt_bytes(self.gpu_total_bytes) if self.gpu_total_bytes else "-"
             lines.append(
-                f"{'GPU':<10}{need:>14}{have:>14}  {self.gpu_source}; per GPU, peak in "
-                f"{self.gpu_phase}"
+                _tier("GPU", need, have, f"{self.gpu_source}; per GPU, peak in {self.gpu_phase}")
             )
-            for name, n in self.gpu_parts.items():
-                if n:
-                    lines.append(f"  {name:<44}{fmt_bytes(n):>12}")
+            lines += _part_lines(self.gpu_parts)
         else:
             lines.append(
-                f"{'GPU':<10}{'-':>14}{'-':>14}  the engine computes on the CPU: its working set "
-                "is counted in host RAM"
+                _tier(
+                    "GPU",
+                    "-",
+                    "-",
+                    "the engine computes on the CPU: its working set is counted in host RAM",
+                )
             )
         lines.append("")
         if self.max_micro_batch is not None:
@@ -163,3 +174,13 @@ def fmt_count(n: int) -> str:
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return str(n)
+
+
+def _tier(name: str, need: str, have: str, text: str) -> str:
+    """One row of the plan's tier table: the tier, what it needs, what it has, and why."""
+    return f"{name:<10}{need:>14}{have:>14}  {text}"
+
+
+def _part_lines(parts: dict[str, int]) -> list[str]:
+    """The indented rows under a tier: each non-zero part's bytes."""
+    return [f"  {name:<44}{fmt_bytes(n):>12}" for name, n in parts.items() if n]
