@@ -448,8 +448,8 @@ def _run_with_progress(
         _interrupted(proc, watch)
     try:
         watch["returncode"] = proc.wait()
-    # the same after the child's output ended: its teardown (ZeRO-3 freeing ~190 GB of pinned host
-    # memory took 8-19 s at 7B, 2026-11-30), when it may have written its result already
+    # the same after the child's output ended: its teardown (ZeRO-3 at 7B, holding 191 GB of host
+    # memory: 8-19 s after its steps, 2026-11-30), when it may have written its result already
     except KeyboardInterrupt:
         _interrupted(proc, watch)
         watch["returncode"] = proc.wait()
