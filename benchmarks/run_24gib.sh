@@ -32,7 +32,10 @@
 #                                             call (the x2 box has 32 cores: its host update is not the 16-core box's,
 #                                             so the row's ratios come from one call on one machine); RUNS="defaults
 #                                             fsdp" runs those of them only (expandable: defaults with expandable
-#                                             segments); LIMIT_DEFAULTS, LIMIT_PEERS: their limits (s)
+#                                             segments; tight: those and gpu_memory_reserve 0.03, 3% of the 24
+#                                             GiB kept free, not 10%: 2026-11-30 7b-alloc left 4.1 GiB never
+#                                             reserved, a layer's state is 3.45); LIMIT_DEFAULTS, LIMIT_PEERS:
+#                                             their limits (s)
 #   bash benchmarks/run_24gib.sh 7b-gemini OUTDIR     ColossalAI's kernels, Gemini fp16 "auto" (its fastest: HybridAdam's
 #                                             compiled host kernel, gemini_system.py; not the others' dtype), then
 #                                             megatrain_ds defaults with expandable segments beside it
@@ -85,9 +88,11 @@ case $phase in
         case $run in
           defaults) g24 ${LIMIT_DEFAULTS:-150} defaults --systems megatrain ;;
           expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 150 expandable --systems megatrain ;;
+          tight) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 ${LIMIT_DEFAULTS:-150} tight \
+              --systems megatrain --megatrain-options '{"gpu_memory_reserve": 0.03}' ;;
           zero3) g24 ${LIMIT_PEERS:-215} zero3 --systems zero3 ;;
           fsdp) g24 ${LIMIT_PEERS:-215} fsdp --systems fsdp ;;
-          *) echo "unknown run $run (defaults expandable zero3 fsdp)"; exit 2 ;;
+          *) echo "unknown run $run (defaults expandable tight zero3 fsdp)"; exit 2 ;;
         esac
       done ;;
   7b-gemini) model=qwen2.5-7b; export HOME=$PWD/.site/home; mkdir -p "$HOME"
