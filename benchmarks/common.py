@@ -197,6 +197,36 @@ def report_phase(name: str, **extra) -> dict:
     return entry
 
 
+# A run's teardown, left until its result is written (``benchmarks.run_system`` sets
+# DEFER_TEARDOWN, writes the JSON, then calls ``release_after_result``): freeing a 7B run's host
+# memory took 5-22 s after its steps (115-191 GB; 2026-11-30), time in which a phase's limit landed
+# before the result was on disk (one megatrain_ds run lost so: call 2 of
+# benchmarks/results/2026-11-30_h200x2_7b_24gib_alloc_row). Elsewhere (tests calling a system in
+# their own process) the teardown runs where the system asks for it, as before.
+DEFER_TEARDOWN = False
+_AFTER_RESULT: list[Callable[[], object]] = []
+
+
+def after_result(teardown: Callable[[], object]) -> None:
+    """Run ``teardown`` (an engine's stop, or a list's ``clear`` that lets go of the run's objects)
+    after the result is written when DEFER_TEARDOWN is set; at once otherwise."""
+    if DEFER_TEARDOWN:
+        _AFTER_RESULT.append(teardown)
+    else:
+        teardown()
+
+
+def release_after_result() -> int:
+    """The teardowns ``after_result`` kept, last first, then a collection (DeepSpeed's engine holds
+    reference cycles); returns how many ran."""
+    n = 0
+    while _AFTER_RESULT:
+        _AFTER_RESULT.pop()()
+        n += 1
+    gc.collect()
+    return n
+
+
 _GPU_BLOCKER = None  # --gpu-memory-limit: the process that holds the rest of the GPU
 
 

@@ -39,6 +39,7 @@ from benchmarks import build
 from benchmarks.common import (
     LIGER_KERNELS,
     OPTIMIZER,
+    after_result,
     apply_hf_liger,
     data_rank,
     h2h_clip,
@@ -204,6 +205,7 @@ def run_fsdp(
         )
         warm, times, losses = measure(step, batches, warmup, device)
         report_phase("steps done")
+        after_result([model, optimizer].clear)  # the offloaded state is freed after the result
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
         if not is_oom(exc):
             raise

@@ -55,6 +55,7 @@ from benchmarks.common import (
     HF_CHECKPOINTING,
     LIGER_KERNELS,
     OPTIMIZER,
+    after_result,
     apply_hf_liger,
     data_rank,
     enable_hf_checkpointing,
@@ -359,6 +360,7 @@ def run_gemini(
         # some (fp16), and a skipped step is a faster one
         settings["optimizer_steps_taken"] = optimizer_steps_taken(optimizer)
         settings["steps_run"] = warmup + steps
+        after_result([model, optimizer, booster].clear)  # Gemini's chunks freed after the result
     # an OOM is a result; a setup failure is the finding recorded
     except Exception as exc:  # noqa: BLE001
         if is_oom(exc):

@@ -29,6 +29,7 @@ from benchmarks import build
 from benchmarks.common import (
     LIGER_KERNELS,
     OPTIMIZER,
+    after_result,
     allocator_record,
     cleanup,
     count_params,
@@ -419,7 +420,7 @@ def run_megatrain(
         host_state = engine_host_state_bytes(engine)
         settings.update(_engine_facts(engine))
         settings["allocator"] = allocator_record(device, _stream_names(engine))
-        engine.destroy()
+        after_result(engine.destroy)  # its host memory is freed after the result is written
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed
         if not is_oom(exc):
             raise

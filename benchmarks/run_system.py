@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(local_rank)
     if args.progress and rank == 0:
         common.STEP_PROGRESS = common.print_step_progress
+    common.DEFER_TEARDOWN = True  # a run's teardown after its JSON (common.after_result)
     held = 0
     if args.gpu_memory_limit is not None and args.device == "cuda":
         held = common.hold_gpu_memory(args.gpu_memory_limit)
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ds_config" in res and rank == 0:
         write_json(os.path.splitext(args.json)[0] + ".ds_config.json", res["ds_config"])
     print(("" if world == 1 else f"[rank {rank}/{world}] ") + summary_line(res), flush=True)
+    common.release_after_result()  # the run's teardown, now that its result is on disk
     if world > 1:
         _leave_process_group(res.get("status") == "ok")
         return 0 if res.get("status") == "ok" else 1

@@ -4,6 +4,7 @@ EADDRINUSE a suite run saw in ZeRO-3's child, 2026-11-29)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -149,3 +150,57 @@ def test_gpu_the_allocator_record_names_a_side_streams_cached_memory():
     assert row["reserved"] >= 64 * 2**20 and row["allocated"] < row["reserved"]
     assert rec["reserved_peak"] >= rec["allocated_peak"] >= 64 * 2**20
     assert "side large" in common.allocator_line({"system": "t", "allocator": rec})
+
+
+def test_a_runs_teardown_comes_after_its_result_is_written(tmp_path, monkeypatch):
+    """run_system writes the JSON before the engine's teardown (common.after_result): a 7B run's
+    teardown took 5-22 s after its steps, and a phase's limit landing there lost a finished run
+    (2026-11-30). The real megatrain_ds system on the CPU: its engine's destroy runs once, after
+    the result file exists."""
+    from benchmarks import common, run_system
+    from megatrain_ds.engine import MegaTrainEngine
+
+    path = tmp_path / "r.json"
+    seen = []
+    destroy = MegaTrainEngine.destroy
+
+    def recording_destroy(engine):
+        seen.append(path.exists())
+        destroy(engine)
+
+    monkeypatch.setattr(MegaTrainEngine, "destroy", recording_destroy)
+    monkeypatch.setattr(common, "DEFER_TEARDOWN", common.DEFER_TEARDOWN)  # main sets it
+    monkeypatch.delenv("MEGATRAIN_OPTIONS", raising=False)
+    args = ["--system", "megatrain", "--model", "tiny", "--device", "cpu", "--seq", "64"]
+    args += ["--tokens-per-step", "128", "--steps", "1", "--warmup", "1", "--json", str(path)]
+    assert run_system.main(args) == 0
+    assert seen == [True]  # destroyed once, with the result already on disk
+    assert json.loads(path.read_text())["status"] == "ok"
+    assert common.release_after_result() == 0  # nothing left behind
+
+
+def test_without_deferral_a_teardown_runs_at_once_and_with_it_holds_the_objects(monkeypatch):
+    """Outside run_system (a test calling a system in its own process) after_result runs the
+    teardown where the system asks; deferred, the objects a list holds live until the release."""
+    import gc
+    import weakref
+
+    from benchmarks import common
+
+    class Big:
+        pass
+
+    ran = []
+    monkeypatch.setattr(common, "DEFER_TEARDOWN", False)
+    common.after_result(lambda: ran.append(1))
+    assert ran == [1]
+    monkeypatch.setattr(common, "DEFER_TEARDOWN", True)
+    obj = Big()
+    ref = weakref.ref(obj)
+    common.after_result([obj].clear)
+    common.after_result(lambda: ran.append(2))
+    del obj
+    gc.collect()
+    assert ref() is not None and ran == [1]
+    assert common.release_after_result() == 2
+    assert ref() is None and ran == [1, 2]

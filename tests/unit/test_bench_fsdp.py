@@ -51,6 +51,33 @@ def test_fsdp_losses_match_plain_adamw(one_process_world, monkeypatch):
     assert fsdp["tflops"] > 0 and fsdp["peak_host_rss_bytes"] > 0
 
 
+def test_fsdp_keeps_its_model_until_the_result_is_written(one_process_world, monkeypatch):
+    """Under run_system (common.DEFER_TEARDOWN) FSDP2's model and optimizer, whose offloaded state
+    took 178 GB of host at 7B, live until the release after the result is written; the run's
+    numbers are unchanged."""
+    import gc
+    import weakref
+
+    from benchmarks import common, fsdp_system
+
+    built = []
+    build = fsdp_system.build_fsdp
+
+    def recording_build(*args, **kwargs):
+        model, optimizer, facts = build(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model, optimizer, facts
+
+    monkeypatch.setattr(fsdp_system, "build_fsdp", recording_build)
+    monkeypatch.setattr(common, "DEFER_TEARDOWN", True)
+    res = fsdp_system.run_fsdp(make_config("tiny"), 256, seq=64, steps=1, warmup=1, device="cpu")
+    assert res["status"] == "ok", res.get("error")
+    gc.collect()
+    assert built[0]() is not None  # held for the teardown after the result
+    assert common.release_after_result() == 1
+    assert built[0]() is None
+
+
 def test_fsdp_wraps_each_layer_with_checkpointing_and_offload(one_process_world):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
