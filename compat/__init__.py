@@ -11,12 +11,18 @@ yaml.
 Any number of processes: each rank reaches megatrain_ds's engine, which trains data-parallel over
 accelerate's (or the Trainer's) process group (megatrain_ds/parallel/dp.py).
 
-switch.py the opt-in, run at interpreter start by the ``megatrain_ds_switch.pth`` the package
-installs import_hook.py runs a function on a module right after its first import
-deepspeed_redirect.py what changes in the real ``deepspeed`` package once it is imported, and why
-accelerate_world.py what changes in accelerate (its process count for DeepSpeed on a CPU-only
-machine), and why launcher_env.py what changes in DeepSpeed's multi-node runner (it exports
-MEGATRAIN_DS to every host), and why
+The modules:
+
+- switch.py: the opt-in, run at interpreter start by the ``megatrain_ds_switch.pth`` the package
+  installs;
+- env.py: the switch's environment variable;
+- import_hook.py: runs a function on a module right after its first import;
+- deepspeed_redirect.py: what changes in the real ``deepspeed`` package once it is imported, and
+  why;
+- accelerate_world.py: what changes in accelerate (its process count for DeepSpeed on a CPU-only
+  machine), and why;
+- launcher_env.py: what changes in DeepSpeed's multi-node runner (it exports MEGATRAIN_DS to every
+  host), and why.
 
 Off by default: without ``MEGATRAIN_DS=1`` nothing here is imported and DeepSpeed is untouched.
 """

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 
-from .switch import ENV
+from .env import ENV
 
 _announced = False
 

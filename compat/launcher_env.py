@@ -29,7 +29,7 @@ canary installs.
 
 from __future__ import annotations
 
-from .switch import ENV
+from .env import ENV
 
 RUNNER = "deepspeed.launcher.runner"
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-ENV = "MEGATRAIN_DS"
+from .env import ENV
 
 
 def requested() -> bool:
