@@ -15,7 +15,8 @@ import socket
 import statistics
 import sys
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -475,41 +476,28 @@ def measure(
     return warm_times, times, losses
 
 
-def oom_result(
-    system: str,
-    config,
-    layers: int,
-    micro_batch: int,
-    seq: int,
-    device: str,
-    n_params: int,
-    exc: BaseException,
-    **extra,
-) -> dict:
+@dataclass(frozen=True)
+class Run:
+    """What every result of one system's run names: the system, the model's config and its layer
+    count, the batch (``micro_batch`` sequences of ``seq`` tokens) and the device."""
+
+    system: str
+    config: Any
+    layers: int
+    micro_batch: int
+    seq: int
+    device: str
+
+
+def oom_result(run: Run, n_params: int, exc: BaseException, **extra) -> dict:
     """The result of a run that ran out of memory (status "oom", the error's first 4000
     characters), after freeing what it held on the device."""
     cleanup()
-    return result_dict(
-        system,
-        config,
-        layers,
-        micro_batch,
-        seq,
-        device,
-        n_params,
-        status="oom",
-        error=str(exc)[:4000],
-        **extra,
-    )
+    return result_dict(run, n_params, status="oom", error=str(exc)[:4000], **extra)
 
 
 def result_dict(
-    system: str,
-    config,
-    layers: int,
-    micro_batch: int,
-    seq: int,
-    device: str,
+    run: Run,
     n_params: int = 0,
     warm_times: list[float] | None = None,
     times: list[float] | None = None,
@@ -528,15 +516,16 @@ def result_dict(
     host_bytes_per_param (bytes/param), device, status ("ok" | "oom" | "error"), error, phases (see
     report_phase), plus ``extra``.
     """
+    config, seq, micro_batch, device = run.config, run.seq, run.micro_batch, run.device
     tokens = micro_batch * seq
     median = statistics.median(times) if times else None
     tok_s = tokens / median if times else 0.0
     flops = model_flops_per_token(config, seq, lora_params)
     rss = peak_host_rss_bytes()
     out = {
-        "system": system,
+        "system": run.system,
         "model": getattr(config, "name_or_path", "") or "?",
-        "layers": int(layers),
+        "layers": int(run.layers),
         "seq": int(seq),
         "micro_batch": int(micro_batch),
         "tokens_per_step": int(tokens),

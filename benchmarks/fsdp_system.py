@@ -39,6 +39,7 @@ from benchmarks import build
 from benchmarks.common import (
     LIGER_KERNELS,
     OPTIMIZER,
+    Run,
     after_result,
     apply_hf_liger,
     data_rank,
@@ -171,6 +172,7 @@ def run_fsdp(
     "oom"."""
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
+    run = Run("fsdp", config, layers, micro_batch, seq, device)  # each result names it
     settings = fsdp_settings(micro_batch, seq, steps, warmup, device, liger)
     reset_memory_stats(device)
     n_params = 0
@@ -209,28 +211,7 @@ def run_fsdp(
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
         if not is_oom(exc):
             raise
-        return oom_result(
-            "fsdp",
-            config,
-            layers,
-            micro_batch,
-            seq,
-            device,
-            n_params,
-            exc,
-            settings=settings,
-        )
+        return oom_result(run, n_params, exc, settings=settings)
     return result_dict(
-        "fsdp",
-        config,
-        layers,
-        micro_batch,
-        seq,
-        device,
-        n_params,
-        warm,
-        times,
-        losses,
-        precision=settings["precision"],
-        settings=settings,
+        run, n_params, warm, times, losses, precision=settings["precision"], settings=settings
     )

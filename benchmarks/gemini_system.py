@@ -55,6 +55,7 @@ from benchmarks.common import (
     HF_CHECKPOINTING,
     LIGER_KERNELS,
     OPTIMIZER,
+    Run,
     after_result,
     apply_hf_liger,
     data_rank,
@@ -263,6 +264,7 @@ def run_gemini(
     cannot run here."""
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
+    run = Run("gemini", config, layers, micro_batch, seq, device)  # each result names it
     kwargs = plugin_kwargs()
     mode = os.environ.get("GEMINI_LIGER", "1")
     if mode not in ("0", "1", "activations"):
@@ -286,17 +288,7 @@ def run_gemini(
     if error is None and not device.startswith("cuda"):
         error = "Gemini needs CUDA (its chunks and HybridAdam's GPU path); this run's device is cpu"
     if error is not None:
-        return result_dict(
-            "gemini",
-            config,
-            layers,
-            micro_batch,
-            seq,
-            device,
-            status=DID_NOT_RUN,
-            error=error,
-            settings=settings,
-        )
+        return result_dict(run, status=DID_NOT_RUN, error=error, settings=settings)
     set_single_process_env()
     reset_memory_stats(device)
     n_params = 0
@@ -364,42 +356,16 @@ def run_gemini(
     # an OOM is a result; a setup failure is the finding recorded
     except Exception as exc:  # noqa: BLE001
         if is_oom(exc):
-            return oom_result(
-                "gemini",
-                config,
-                layers,
-                micro_batch,
-                seq,
-                device,
-                n_params,
-                exc,
-                settings=settings,
-            )
+            return oom_result(run, n_params, exc, settings=settings)
         return result_dict(
-            "gemini",
-            config,
-            layers,
-            micro_batch,
-            seq,
-            device,
+            run,
             n_params,
             status=DID_NOT_RUN,
             error=traceback.format_exc()[-4000:],
             settings=settings,
         )
     return result_dict(
-        "gemini",
-        config,
-        layers,
-        micro_batch,
-        seq,
-        device,
-        n_params,
-        warm,
-        times,
-        losses,
-        precision=settings["precision"],
-        settings=settings,
+        run, n_params, warm, times, losses, precision=settings["precision"], settings=settings
     )
 
 

@@ -29,6 +29,7 @@ from benchmarks import build
 from benchmarks.common import (
     LIGER_KERNELS,
     OPTIMIZER,
+    Run,
     after_result,
     allocator_record,
     cleanup,
@@ -359,6 +360,7 @@ def run_megatrain(
         raise ValueError(f"closing_step must be 'full' or 'tiny', got {closing_step!r}")
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
+    run = Run("megatrain", config, layers, micro_batch, seq, device)  # each result names it
     init_device = init_device or _init_device(config, device, lora)
     ds_config = megatrain_ds_config(micro_batch, device, liger, gpu_optimizer_fraction, host_only)
     settings = megatrain_settings(ds_config, seq, steps, warmup, device, config, lora)
@@ -425,12 +427,7 @@ def run_megatrain(
         if not is_oom(exc):
             raise
         return oom_result(
-            "megatrain",
-            config,
-            layers,
-            micro_batch,
-            seq,
-            device,
+            run,
             n_params,
             exc,
             ds_config=ds_config,
@@ -440,12 +437,7 @@ def run_megatrain(
         )
     # the last batch only served to close the last measured step's breakdown
     res = result_dict(
-        "megatrain",
-        config,
-        layers,
-        micro_batch,
-        seq,
-        device,
+        run,
         n_params,
         warm,
         times[:-1],

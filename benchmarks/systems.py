@@ -32,6 +32,7 @@ from benchmarks.common import (
     HF_CHECKPOINTING,
     LIGER_KERNELS,
     OPTIMIZER,
+    Run,
     after_result,
     apply_hf_liger,
     count_params,
@@ -111,6 +112,7 @@ def run_resident(
     """
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
+    run = Run("resident", config, layers, micro_batch, seq, device)  # each result names it
     use_amp = device.startswith("cuda")
     device_type = "cuda" if use_amp else "cpu"
     settings = resident_settings(micro_batch, seq, steps, warmup, device, liger)
@@ -149,30 +151,9 @@ def run_resident(
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, everything else re-raised
         if not is_oom(exc):
             raise
-        return oom_result(
-            "resident",
-            config,
-            layers,
-            micro_batch,
-            seq,
-            device,
-            n_params,
-            exc,
-            settings=settings,
-        )
+        return oom_result(run, n_params, exc, settings=settings)
     return result_dict(
-        "resident",
-        config,
-        layers,
-        micro_batch,
-        seq,
-        device,
-        n_params,
-        warm,
-        times,
-        losses,
-        precision=settings["precision"],
-        settings=settings,
+        run, n_params, warm, times, losses, precision=settings["precision"], settings=settings
     )
 
 
@@ -415,6 +396,7 @@ def run_zero3(
     """
     micro_batch = micro_batch_for(tokens_per_step, seq)
     layers = config.num_hidden_layers
+    run = Run("zero3", config, layers, micro_batch, seq, device)  # each result names it
     ds_config = zero3_ds_config(config, micro_batch, device, gpu_optimizer_fraction)
     _merge(ds_config, json.loads(os.environ.get("ZERO3_DS_CONFIG", "{}")))  # h2h --zero3-ds-config
     settings = zero3_settings(ds_config, seq, steps, warmup, liger, lora, config)
@@ -455,12 +437,7 @@ def run_zero3(
         if not is_oom(exc):
             raise
         return oom_result(
-            "zero3",
-            config,
-            layers,
-            micro_batch,
-            seq,
-            device,
+            run,
             n_params,
             exc,
             ds_config=ds_config,
@@ -469,12 +446,7 @@ def run_zero3(
             **counts,
         )
     res = result_dict(
-        "zero3",
-        config,
-        layers,
-        micro_batch,
-        seq,
-        device,
+        run,
         n_params,
         warm,
         times,

@@ -401,10 +401,11 @@ def test_the_depth_figure_marks_where_each_system_stopped_and_why():
 def test_an_out_of_memory_run_is_a_result_of_its_own():
     """benchmarks.common.oom_result, the record every system returns for an OOM: status "oom", no
     tokens/s, the error cut to 4000 characters, the system's own keys kept."""
-    from benchmarks.common import oom_result
+    from benchmarks.common import Run, oom_result
 
     exc = torch.OutOfMemoryError("CUDA out of memory. " + "x" * 5000)
-    rec = oom_result("fsdp", make_config("tiny"), 2, 2, 64, "cpu", 1234, exc, settings={"a": 1})
+    run = Run("fsdp", make_config("tiny"), 2, 2, 64, "cpu")
+    rec = oom_result(run, 1234, exc, settings={"a": 1})
     assert (rec["system"], rec["status"], rec["tokens_per_s"]) == ("fsdp", "oom", 0.0)
     assert rec["error"].startswith("CUDA out of memory.") and len(rec["error"]) == 4000
     assert rec["settings"] == {"a": 1} and rec["n_params"] == 1234 and rec["layers"] == 2
