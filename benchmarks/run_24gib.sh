@@ -38,7 +38,7 @@
 #                                             their limits (s)
 #   bash benchmarks/run_24gib.sh 7b-gemini OUTDIR     ColossalAI's kernels, Gemini fp16 "auto" (its fastest: HybridAdam's
 #                                             compiled host kernel, gemini_system.py; not the others' dtype), then
-#                                             megatrain_ds defaults with expandable segments beside it
+#                                             megatrain_ds defaults beside it (one call: ~7 min on a fresh x2 box)
 set -u
 phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole|7b-expandable|7b-alloc|7b-peers|7b-gemini}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
@@ -98,6 +98,6 @@ case $phase in
   7b-gemini) model=qwen2.5-7b; export HOME=$PWD/.site/home; mkdir -p "$HOME"
       timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
       GEMINI_PRECISION=fp16 GEMINI_PLACEMENT=auto GEMINI_LIGER=${GEMINI_LIGER:-0} g24 220 gemini_fp16 --systems gemini
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 180 expandable --systems megatrain ;;
+      g24 150 defaults --systems megatrain ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
