@@ -26,7 +26,11 @@
 #                                             split512 / split128 (max_split_size_mb; a GC threshold acts only under
 #                                             a per-process memory fraction, which the limit is not), whole
 #                                             (deferred_moments false: one host pass, 26 B/param moved, not two, 36:
-#                                             the step is the host's), whole-expandable; ALLOC_LIMIT s each (110)
+#                                             the step is the host's), whole-expandable, bf16wire (a bf16 wire
+#                                             copy streams, not the fp32 master: the host writes 2 B/param more
+#                                             and the two H2D reads move 4 less, 44 B/param of host memory
+#                                             traffic a step against 46 at 7B/8K, where the step is the host's
+#                                             bandwidth: a prediction, ~4% at most); ALLOC_LIMIT s each (110)
 # On the 2-GPU box (256 GiB host: ZeRO-3 needs ~191 GB and FSDP2 ~179 GB at 7B, Gemini ~145 GB), the 7B row's peers:
 #   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      megatrain_ds defaults, then ZeRO-3 and FSDP2, at 24 GiB, in one
 #                                             call (the x2 box has 32 cores: its host update is not the 16-core box's,
@@ -79,7 +83,10 @@ case $phase in
           whole) g24 "$lim" whole --systems megatrain --megatrain-options "$whole" ;;
           whole-expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
               g24 "$lim" whole_expandable --systems megatrain --megatrain-options "$whole" ;;
-          *) echo "unknown variant $variant (none expandable split512 split128 whole whole-expandable)"
+          bf16wire) g24 "$lim" bf16wire --systems megatrain \
+              --megatrain-options '{"stream_fp32_master": false}' ;;
+          *) echo "unknown variant $variant (none expandable split512 split128 whole whole-expandable" \
+                  "bf16wire)"
              exit 2 ;;
         esac
       done ;;
