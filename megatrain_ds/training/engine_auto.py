@@ -214,10 +214,20 @@ def _place(
         budget -= _move_state(parts, n_state, placed)
         budget -= _set_keep(parts, n_keep, per_keep, placed)
     else:
+        n_keep, per_keep = _keep_count(parts, budget) if auto_keep else (0, 0)
         if auto_keep:
-            budget -= _set_keep(parts, *_keep_count(parts, budget), placed)
+            budget -= _set_keep(parts, n_keep, per_keep, placed)
+        n_state = _state_count(store, budget, n_layers) if state_ok else 0
         if state_ok:
-            budget -= _move_state(parts, _state_count(store, budget, n_layers), placed)
+            budget -= _move_state(parts, n_state, placed)
+    placed += _unplaced(
+        store,
+        budget,
+        n_state if state_ok else None,
+        n_layers,
+        n_keep if auto_keep else None,
+        per_keep,
+    )
     log(
         f"placed from the first steps' peak ({max(start, 0) / 2**30:.1f} GiB free above it "
         f"and the reserve{_allocator_gap(parts.device)}): {'; '.join(placed) or 'nothing'}",
@@ -229,6 +239,38 @@ def _place(
         if done
         else ""
     )
+
+
+def _unplaced(
+    store: HostLayerStore,
+    left: int,
+    n_state: int | None,
+    n_layers: int,
+    n_keep: int | None,
+    per_keep: int,
+) -> list[str]:
+    """For the placement's line: the memory it left free (above the reserve) and why, the next unit
+    of each placement being larger: one more layer's optimizer state, one more kept layer (None:
+    that placement was not "auto"). [] when nothing is left or nothing more could be placed. (7B
+    on 24 GiB: a layer's state is 3.45 GiB, a kept layer at 8K tokens 1.7 GiB, 14% and 7% of the
+    card; 2026-11-30.)"""
+    units = []
+    if n_state is not None and n_state < n_layers:
+        nxt = _state_bytes(store, n_state + 1) - _state_bytes(store, n_state)
+        units.append(f"one more layer's optimizer state takes {_size(nxt)}")
+    if n_keep is not None and per_keep and n_keep < len(store.layouts):
+        units.append(f"one more kept layer {_size(per_keep)}")
+    if left <= 0 or not units:
+        return []
+    return [f"{_size(left)} left unplaced ({', '.join(units)})"]
+
+
+def _size(n: int) -> str:
+    """Bytes as the placement's line prints them: GiB, or MiB/KiB/B below a tenth of a GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= 0.1 * scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _allocator_gap(device: torch.device) -> str:

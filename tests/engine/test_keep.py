@@ -299,6 +299,46 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(
     engine.destroy()
 
 
+def test_the_placement_says_what_it_left_unplaced_and_why(monkeypatch):
+    """What "auto" leaves free above the reserve is named with the next unit of each placement,
+    larger than it (7B on 24 GiB: a layer's state 3.45 GiB, a kept layer 1.7 GiB): a host-bound
+    step's budget holding the resident state, two layers' state, a kept layer and half a layer's
+    state more leaves that half, and the line says one more layer's state and kept layer need
+    more."""
+    from megatrain_ds.host.device_state import DeviceOptimizerState
+    from megatrain_ds.training.engine_auto import _keep_bytes_per_layer, _place, _size
+
+    cfg = {
+        **test_paths._config(),
+        "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": "auto"},
+    }
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=4), config=cfg)
+    state = DeviceOptimizerState.nbytes(engine.store, 1)
+    engine.executor.graph_bytes = int(state / 1.1)
+    keep = _keep_bytes_per_layer(engine.placement_parts())
+    half = state // 2
+    budget = engine.resident.device_bytes() + 2 * state + keep + half
+    params = [lay.n_train for lay in engine.store.layouts]
+    delta = {
+        "wait_for_optimizer_s": 0.10,  # exposed: the cap is 2 layers' state
+        "optimizer_s": 0.1 * sum(params) / max(params),
+        "updated_params": float(sum(params)),
+    }
+    placed = _place(engine.placement_parts(), True, True, budget, 1.0, delta)
+    assert engine.layer_states.device_state.hi == 2 and engine.executor.keep == frozenset({3})
+    assert (
+        f"{_size(half)} left unplaced (one more layer's optimizer state takes {_size(state)}, "
+        f"one more kept layer {_size(keep)})" in placed
+    ), placed
+    engine.destroy()
+    assert (_size(3 * 2**30 + 2**29), _size(2**26), _size(1536), _size(12)) == (
+        "3.5 GiB",
+        "64.0 MiB",
+        "1.5 KiB",
+        "12 B",
+    )
+
+
 def test_the_placement_line_names_the_allocators_gap_when_it_is_large(monkeypatch):
     """The log line of "auto"'s placement says how far the allocator's reserved peak ran over its
     allocated peak (what the budget went around) from 1 GiB on; nothing under it or off CUDA."""
