@@ -42,7 +42,8 @@
 #                                             their limits (s)
 #   bash benchmarks/run_24gib.sh 7b-gemini OUTDIR     ColossalAI's kernels, Gemini fp16 "auto" (its fastest: HybridAdam's
 #                                             compiled host kernel, gemini_system.py; not the others' dtype), then
-#                                             megatrain_ds defaults beside it (one call: ~7 min on a fresh x2 box)
+#                                             megatrain_ds defaults beside it (one call; a prediction: ~7 min on a
+#                                             fresh x2 box, kernels ~2, Gemini ~3.5, megatrain_ds ~1.5)
 set -u
 phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole|7b-expandable|7b-alloc|7b-peers|7b-gemini}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
