@@ -38,8 +38,10 @@
 #                                             fsdp" runs those of them only (expandable: defaults with expandable
 #                                             segments; tight: those and gpu_memory_reserve 0.03, 3% of the 24
 #                                             GiB kept free, not 10%: 2026-11-30 7b-alloc left 4.1 GiB never
-#                                             reserved, a layer's state is 3.45); LIMIT_DEFAULTS, LIMIT_PEERS:
-#                                             their limits (s)
+#                                             reserved, a layer's state is 3.45; 16k: defaults at 16K tokens a
+#                                             step, whose compute doubles while the host update stays: a
+#                                             prediction, ~6,000-7,000 tokens/s against 8K's 3,600-4,400);
+#                                             LIMIT_DEFAULTS, LIMIT_PEERS: their limits (s)
 #   bash benchmarks/run_24gib.sh 7b-gemini OUTDIR     ColossalAI's kernels, Gemini fp16 "auto" (its fastest: HybridAdam's
 #                                             compiled host kernel, gemini_system.py; not the others' dtype), then
 #                                             megatrain_ds defaults beside it (one call; a prediction: ~7 min on a
@@ -98,9 +100,11 @@ case $phase in
           expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 150 expandable --systems megatrain ;;
           tight) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 ${LIMIT_DEFAULTS:-150} tight \
               --systems megatrain --megatrain-options '{"gpu_memory_reserve": 0.03}' ;;
+          16k) h2h_call ${LIMIT_DEFAULTS:-150} defaults16k --systems megatrain --gpu-memory-limit 24 --clip 1.0 \
+              --tokens-per-step 16384 --warmup 2 --steps 4 ;;
           zero3) g24 ${LIMIT_PEERS:-215} zero3 --systems zero3 ;;
           fsdp) g24 ${LIMIT_PEERS:-215} fsdp --systems fsdp ;;
-          *) echo "unknown run $run (defaults expandable tight zero3 fsdp)"; exit 2 ;;
+          *) echo "unknown run $run (defaults expandable tight 16k zero3 fsdp)"; exit 2 ;;
         esac
       done ;;
   7b-gemini) model=qwen2.5-7b; export HOME=$PWD/.site/home; mkdir -p "$HOME"
