@@ -353,6 +353,7 @@ def test_h2h_lora_megatrain_and_zero3(tmp_path):
             "steps done",
         ]
         assert all(p["peak_rss_bytes"] > 0 for p in r["phases"])
+        assert all(0 <= p["anon_huge_bytes"] <= p["rss_bytes"] for p in r["phases"])
     mega = runs["megatrain"]
     assert mega["engine_host_bytes_per_base_param"] == mega["engine_host_state_bytes"] / n_base > 0
     assert mega["settings"]["init"].startswith("layer 0 values repeated")
