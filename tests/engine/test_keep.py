@@ -299,7 +299,7 @@ def test_auto_places_optimizer_state_first_when_the_host_update_was_exposed(
     engine.destroy()
 
 
-def test_the_placement_says_what_it_left_unplaced_and_why(monkeypatch):
+def test_the_placement_says_what_it_left_unplaced_and_why():
     """What "auto" leaves free above the reserve is named with the next unit of each placement,
     larger than it (7B on 24 GiB: a layer's state 3.45 GiB, a kept layer 1.7 GiB): a host-bound
     step's budget holding the resident state, two layers' state, a kept layer and half a layer's

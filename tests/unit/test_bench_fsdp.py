@@ -53,8 +53,7 @@ def test_fsdp_losses_match_plain_adamw(one_process_world, monkeypatch):
 
 def test_fsdp_keeps_its_model_until_the_result_is_written(one_process_world, monkeypatch):
     """Under run_system (common.DEFER_TEARDOWN) FSDP2's model and optimizer, whose offloaded state
-    took 178 GB of host at 7B, live until the release after the result is written; the run's
-    numbers are unchanged."""
+    took 178 GB of host at 7B, live until the release after the result is written."""
     import gc
     import weakref
 
