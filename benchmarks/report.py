@@ -268,6 +268,9 @@ def report_line(res: dict) -> str:
         f"peak GPU {res['peak_gpu_bytes'] / 1e9:.1f} GB host {res['peak_host_rss_bytes'] / 1e9:.1f}"
         " GB"
     )
+    huge = (res.get("phases") or [{}])[-1].get("anon_huge_bytes")
+    if huge is not None:  # (common.report_phase: the process's memory in transparent huge pages)
+        line += f" ({huge / 1e9:.1f} in huge pages)"
     settings = res.get("settings") or {}
     if settings.get("build_s") is not None:
         line += f" build {settings['build_s']:.1f} s"

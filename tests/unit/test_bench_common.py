@@ -204,3 +204,25 @@ def test_without_deferral_a_teardown_runs_at_once_and_with_it_holds_the_objects(
     assert ref() is not None and ran == [1]
     assert common.release_after_result() == 2
     assert ref() is None and ran == [1, 2]
+
+
+def test_the_run_line_says_how_much_host_memory_was_in_huge_pages():
+    """The harness's line for a run reads the last phase's transparent huge pages (a host update
+    1.34x slower on one machine after two large peers had no recorded cause, 2026-11-30); a
+    record from before the field prints as before."""
+    from benchmarks.report import report_line
+
+    res = {
+        "system": "megatrain",
+        "layers": 28,
+        "tokens_per_step": 8192,
+        "tokens_per_s": 4404.0,
+        "tflops": 189.5,
+        "peak_gpu_bytes": 19.3e9,
+        "peak_host_rss_bytes": 114.8e9,
+        "status": "ok",
+        "phases": [{"phase": "steps done", "anon_huge_bytes": 96.5e9}],
+    }
+    assert "host 114.8 GB (96.5 in huge pages)" in report_line(res)
+    res["phases"] = [{"phase": "steps done"}]
+    assert "huge pages" not in report_line(res) and "host 114.8 GB" in report_line(res)
