@@ -412,7 +412,49 @@ class Counting:
             if self.acts is not None
             else ("no sequence length: the GPU's activations are not counted",)
         )
+        if total is not None and need is not None:
+            notes += self._auto_room(total, need)
         return GpuCount(total, source, usable, allocated, parts, phase, need, notes)
+
+    def _auto_room(self, total: int, need: int) -> tuple[str, ...]:
+        """What "auto" may place after the second step, predicted from this plan's peak: the room
+        above it and ``gpu_memory_reserve`` of the device (engine_auto.placement_budget, with the
+        whole device for this process), and how many units of each placement fit it: the resident
+        parameters' state first, then a layer's optimizer state or a kept layer (its graph + 10%
+        and its weight buffer, as engine_auto counts it). The order between the last two is the
+        second step's measurement. The caching allocator's own overhead (2-5.5 GiB at 7B on 24 GiB,
+        2026-11-30) is not in the plan's peak: the engine's budget is that much smaller."""
+        dec = self.dec
+        if not (dec.auto_device_state or dec.auto_keep) or not self.layouts:
+            return ()
+        room = int(total - need - self.config.megatrain.gpu_memory_reserve * total)
+        head = (
+            f'"auto" (predicted from this plan): {_fmt(max(room, 0))} above the peak and the '
+            f"{self.config.megatrain.gpu_memory_reserve:.0%} reserve, before the caching "
+            "allocator's own overhead"
+        )
+        if room <= 0:
+            return (head + ": nothing to place",)
+        units, first = [], ""
+        if dec.auto_device_state:
+            resident = 16 * sum(m for m, t in self.resident if t)
+            if 0 < resident <= room:
+                first = f"the resident parameters' state first ({_fmt(resident)}), then "
+                room -= resident
+            big = max(self.layouts, key=lambda lay: lay.n_train)
+            state = 4 * (big.numel if dec.wire == "fp32" else big.n_train) + 12 * big.n_train
+            if state and not self.config.bf16_masters:  # bf16 masters: the resident state only
+                units.append(f"{room // state} layers' optimizer state ({_fmt(state)} each)")
+        if dec.auto_keep:
+            costs = self.acts.layer_costs(self.mb)
+            graph = max(c.graph for c in costs)
+            keep = int(graph * 1.1) + max(lay.numel for lay in self.layouts) * dtype_size(
+                dec.compute
+            )
+            units.append(f"{min(room // keep, self.n)} kept layers ({_fmt(keep)} each)")
+        if not units:  # bf16 masters without kept layers: the resident state only
+            return (head + ": " + first.removesuffix(", then "),) if first else ()
+        return (head + ": " + first + " or ".join(units),)
 
     def largest_micro_batch(self, host: HostCount, gpu: GpuCount) -> tuple[int | None, str]:
         """(the largest b with host(b) <= budget and GPU(b) <= usable, what stops b + 1). When host

@@ -532,3 +532,40 @@ def test_gpu_prediction_matches_max_memory_allocated(over, request):
         assert pred.host_state_bytes == engine.host_memory()["total_bytes"]
     finally:
         engine.destroy()
+
+
+def test_plan_says_what_auto_may_place_above_the_predicted_peak():
+    """With "auto" placements the plan names the room above its predicted peak and the 10% reserve,
+    and how many of each unit fit it, in the units the engine places (the resident state first,
+    then a layer's optimizer state: DeviceOptimizerState.nbytes, ``resident.device_bytes()``). A
+    device whose room holds the resident state and 2.5 layers' state: the resident state, then 2
+    layers; one whose room is under the resident state: no resident line, and as many layers as
+    the room holds."""
+    from megatrain_ds.host.device_state import DeviceOptimizerState
+
+    cfg = _config(
+        bf16={"enabled": True},
+        megatrain={"gpu_optimizer_layers": "auto", "keep_activations": "auto"},
+    )
+    config = plan.load_train_config(cfg)
+    engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
+    state = DeviceOptimizerState.nbytes(engine.store, 1)
+    resident = engine.resident.device_bytes()
+    engine.destroy()
+
+    def note_at(total: int) -> tuple[str, int]:
+        pred = plan.plan_model(tiny_hf("llama"), config, seq=64, device="cuda", gpu_memory=total)
+        notes = [n for n in pred.notes if "predicted from this plan" in n]
+        assert len(notes) == 1, pred.notes
+        return notes[0], int(total - pred.gpu_need_bytes - 0.1 * total)
+
+    need = plan.plan_model(tiny_hf("llama"), config, seq=64, device="cuda", gpu_memory=2**30)
+    total = int((need.gpu_need_bytes + resident + 2.5 * state) / 0.9)
+    note, room = note_at(total)
+    assert resident <= room and (room - resident) // state == 2, (room, resident, state)
+    assert "the resident parameters' state first" in note and ", then 2 layers' optimizer" in note
+    assert "kept layers" in note, note
+    total = int((need.gpu_need_bytes + resident // 2) / 0.9)
+    note, room = note_at(total)
+    assert room < resident and "resident" not in note, note
+    assert f"{room // state} layers' optimizer state" in note, note
