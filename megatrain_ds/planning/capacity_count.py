@@ -444,7 +444,8 @@ class Counting:
             big = max(self.layouts, key=lambda lay: lay.n_train)
             state = 4 * (big.numel if dec.wire == "fp32" else big.n_train) + 12 * big.n_train
             if state and not self.config.bf16_masters:  # bf16 masters: the resident state only
-                units.append(f"{room // state} layers' optimizer state ({_fmt(state)} each)")
+                n_state = min(room // state, self.n - dec.disk_layers)  # not the NVMe tier's
+                units.append(f"{n_state} layers' optimizer state ({_fmt(state)} each)")
         if dec.auto_keep:
             costs = self.acts.layer_costs(self.mb)
             graph = max(c.graph for c in costs)
