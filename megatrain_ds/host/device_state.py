@@ -65,7 +65,14 @@ class DeviceOptimizerState:
         gradient (trainable elements); of the layers this rank owns."""
         full = store.offsets[hi].master if hi < len(store.layouts) else store.n_master
         train = store.offsets[hi].train if hi < len(store.layouts) else store.n_train
-        return 4 * full + 12 * train
+        return DeviceOptimizerState.state_bytes(full, train)
+
+    @staticmethod
+    def state_bytes(master: int, train: int) -> int:
+        """Device bytes of the state of ``master`` fp32 master elements, ``train`` of them trained:
+        the master (4 bytes each), the two moments and the fp32 gradient (12 per trained one); the
+        planner counts a GPU-held layer with it too (planning/capacity_count.py)."""
+        return 4 * master + 12 * train
 
     def owns(self, i: int) -> bool:
         """Layer i's state is here (data parallel: only the layers this rank owns, see dp.py)."""

@@ -8,6 +8,7 @@ byte counts; builds nothing.
 import importlib
 
 from .capacity import Prediction, check_capacity
+from .capacity_count import kept_layer_bytes
 from .config import (
     collective_timeout_of,
     load_config_source,
@@ -18,6 +19,7 @@ from .config import (
 from .config_values import MONITOR_BLOCKS, monitor_config
 from .decisions import Decisions, HostShare, resolve
 from .host_bytes import host_budget_bytes
+from .prediction import fmt_bytes
 from .settings import OptimizerSettings, TrainConfig
 
 # imported on first use: ``python -m megatrain_ds.planning.plan_cli`` runs plan_cli as __main__,
@@ -37,6 +39,7 @@ def __getattr__(name: str):
 __all__ = [
     "Prediction",
     "check_capacity",
+    "kept_layer_bytes",
     "OptimizerSettings",
     "TrainConfig",
     "collective_timeout_of",
@@ -50,5 +53,6 @@ __all__ = [
     "HostShare",
     "resolve",
     "host_budget_bytes",
+    "fmt_bytes",
     *_LAZY,
 ]

@@ -20,7 +20,7 @@ import torch
 
 from .settings import TrainConfig
 from .decisions import Decisions
-from ..host import memlock_limit, pinning_limits
+from ..host import DeviceOptimizerState, memlock_limit, pinning_limits
 from .host_bytes import (
     NVME_BUFFER_COUNT,
     MiB,
@@ -44,6 +44,15 @@ NCCL_BYTES = 512 * MiB  # NCCL's own buffers per rank with several ranks (an est
 # torch's cuBLAS workspace on the compute stream, Hopper (torch's allocator)
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 CUBLAS_WORKSPACE_BYTES_PRE_HOPPER = 4096 * 1024 * 2 + 16 * 1024 * 8  # torch's default before sm90
+
+
+def kept_layer_bytes(graph: int, numel: int, itemsize: int) -> int:
+    """What keeping one more layer without recompute takes: its largest graph + 10% and its own
+    weight buffer (``numel`` elements of ``itemsize`` bytes). engine_auto places kept layers by it
+    from the measured graph; the plan's "auto" note counts them by it from the predicted one."""
+    return int(graph * 1.1) + numel * itemsize
+
+
 GPU_HEADROOM = 0.05  # of the memory left after the context: the caching allocator's fragmentation
 
 
@@ -283,8 +292,7 @@ class Counting:
             )
         # DeviceOptimizerState.nbytes, rank 0's
         persistent["GPU-held layers' master, moments, gradient"] = sum(
-            4 * (layouts[i].numel if dec.wire == "fp32" else layouts[i].n_train)
-            + 12 * layouts[i].n_train
+            self._layer_state_bytes(layouts[i])
             for i in range(dec.n_device_layers)
             if self.owned[0][i]
         )
@@ -296,6 +304,12 @@ class Counting:
         if self.dev == "cuda":
             persistent["cuBLAS workspace"] = _cublas_workspace_bytes(device, gpu_memory)
         return persistent
+
+    def _layer_state_bytes(self, layout: LayerLayout) -> int:
+        """A GPU-held layer's state (DeviceOptimizerState): its fp32 master covers every element
+        when the master is the wire, the trained ones otherwise."""
+        master = layout.numel if self.dec.wire == "fp32" else layout.n_train
+        return DeviceOptimizerState.state_bytes(master, layout.n_train)
 
     def gpu(self, b: int) -> tuple[int, dict[str, int], str]:
         return _gpu_at(
@@ -441,16 +455,15 @@ class Counting:
             if 0 < resident <= room:
                 first = f"the resident parameters' state first ({_fmt(resident)}), then "
                 room -= resident
-            big = max(self.layouts, key=lambda lay: lay.n_train)
-            state = 4 * (big.numel if dec.wire == "fp32" else big.n_train) + 12 * big.n_train
+            state = max(self._layer_state_bytes(lay) for lay in self.layouts)
             if state and not self.config.bf16_masters:  # bf16 masters: the resident state only
                 n_state = min(room // state, self.n - dec.disk_layers)  # not the NVMe tier's
                 units.append(f"{n_state} layers' optimizer state ({_fmt(state)} each)")
         if dec.auto_keep:
-            costs = self.acts.layer_costs(self.mb)
-            graph = max(c.graph for c in costs)
-            keep = int(graph * 1.1) + max(lay.numel for lay in self.layouts) * dtype_size(
-                dec.compute
+            keep = kept_layer_bytes(
+                max(c.graph for c in self.acts.layer_costs(self.mb)),
+                max(lay.numel for lay in self.layouts),
+                dtype_size(dec.compute),
             )
             units.append(f"{min(room // keep, self.n)} kept layers ({_fmt(keep)} each)")
         if not units:  # bf16 masters without kept layers: the resident state only

@@ -45,6 +45,7 @@ import torch
 
 from ..host import DeviceOptimizerState
 from ..log import ALL_RANKS, log
+from ..planning import fmt_bytes, kept_layer_bytes
 
 if TYPE_CHECKING:
     from ..host import HostLayerStore, LayerStates
@@ -257,20 +258,12 @@ def _unplaced(
     units = []
     if n_state is not None and n_state < n_layers:
         nxt = _state_bytes(store, n_state + 1) - _state_bytes(store, n_state)
-        units.append(f"one more layer's optimizer state takes {_size(nxt)}")
+        units.append(f"one more layer's optimizer state takes {fmt_bytes(nxt)}")
     if n_keep is not None and per_keep and n_keep < len(store.layouts):
-        units.append(f"one more kept layer {_size(per_keep)}")
+        units.append(f"one more kept layer {fmt_bytes(per_keep)}")
     if left <= 0 or not units:
         return []
-    return [f"{_size(left)} left unplaced ({', '.join(units)})"]
-
-
-def _size(n: int) -> str:
-    """Bytes as the placement's line prints them: GiB, or MiB/KiB/B below a tenth of a GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= 0.1 * scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return [f"{fmt_bytes(left)} left unplaced ({', '.join(units)})"]
 
 
 def _allocator_gap(device: torch.device) -> str:
@@ -319,8 +312,8 @@ def _keep_bytes_per_layer(parts: PlacementParts) -> int:
     when the recompute's graph was not measured)."""
     if not parts.graph_bytes:
         return 0
-    weights = max(lay.numel for lay in parts.store.layouts) * parts.weight_itemsize
-    return int(parts.graph_bytes * 1.1) + weights
+    numel = max(lay.numel for lay in parts.store.layouts)
+    return kept_layer_bytes(parts.graph_bytes, numel, parts.weight_itemsize)
 
 
 def _keep_count(parts: PlacementParts, budget: int) -> tuple[int, int]:

@@ -306,7 +306,8 @@ def test_the_placement_says_what_it_left_unplaced_and_why():
     state more leaves that half, and the line says one more layer's state and kept layer need
     more."""
     from megatrain_ds.host.device_state import DeviceOptimizerState
-    from megatrain_ds.training.engine_auto import _keep_bytes_per_layer, _place, _size
+    from megatrain_ds.planning import fmt_bytes
+    from megatrain_ds.training.engine_auto import _keep_bytes_per_layer, _place
 
     cfg = {
         **test_paths._config(),
@@ -327,16 +328,10 @@ def test_the_placement_says_what_it_left_unplaced_and_why():
     placed = _place(engine.placement_parts(), True, True, budget, 1.0, delta)
     assert engine.layer_states.device_state.hi == 2 and engine.executor.keep == frozenset({3})
     assert (
-        f"{_size(half)} left unplaced (one more layer's optimizer state takes {_size(state)}, "
-        f"one more kept layer {_size(keep)})" in placed
+        f"{fmt_bytes(half)} left unplaced (one more layer's optimizer state takes "
+        f"{fmt_bytes(state)}, one more kept layer {fmt_bytes(keep)})" in placed
     ), placed
     engine.destroy()
-    assert (_size(3 * 2**30 + 2**29), _size(2**26), _size(1536), _size(12)) == (
-        "3.5 GiB",
-        "64.0 MiB",
-        "1.5 KiB",
-        "12 B",
-    )
 
 
 def test_the_placement_line_names_the_allocators_gap_when_it_is_large(monkeypatch):
