@@ -47,7 +47,7 @@
 #                                             megatrain_ds defaults beside it (one call; a prediction: ~7 min on a
 #                                             fresh x2 box, kernels ~2, Gemini ~3.5, megatrain_ds ~1.5)
 set -u
-phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole|7b-expandable|7b-alloc|7b-peers|7b-gemini}; out=${2:?outdir}
+phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole|7b-expandable|7b-alloc|7b-peers|7b-gemini|7b-gemini-static}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
 free -g | tee -a "$log"
 g24() {  # g24 <limit_s> <tag> <h2h args...>
@@ -88,6 +88,10 @@ case $phase in
               g24 "$lim" whole_expandable --systems megatrain --megatrain-options "$whole" ;;
           bf16wire) g24 "$lim" bf16wire --systems megatrain \
               --megatrain-options '{"stream_fp32_master": false}' ;;
+          tight) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 "$lim" tight --systems megatrain \
+              --megatrain-options '{"gpu_memory_reserve": 0.03}' ;;
+          tight-bf16wire) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 "$lim" tight_bf16wire \
+              --systems megatrain --megatrain-options '{"gpu_memory_reserve": 0.03, "stream_fp32_master": false}' ;;
           *) echo "unknown variant $variant (none expandable split512 split128 whole whole-expandable" \
                   "bf16wire)"
              exit 2 ;;
@@ -111,5 +115,11 @@ case $phase in
       timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
       GEMINI_PRECISION=fp16 GEMINI_PLACEMENT=auto GEMINI_LIGER=${GEMINI_LIGER:-0} g24 220 gemini_fp16 --systems gemini
       g24 150 defaults --systems megatrain ;;
+  7b-gemini-static) model=qwen2.5-7b; export HOME=$PWD/.site/home; mkdir -p "$HOME"
+      # auto placement OOMs at 24 GiB (2026-11-30: 15.9 GiB allocated + 7.0 fragmented; with expandable
+      # segments 19.2 allocated + the 4.64 GiB fp32 logits); static keeps every chunk on the host
+      timeout 300 python3 -m benchmarks.gemini_system --prebuild 2>&1 | grep -v -i warn | tail -n 4 | tee -a "$log"
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True GEMINI_PRECISION=fp16 GEMINI_PLACEMENT=static \
+        GEMINI_LIGER=${GEMINI_LIGER:-0} g24 ${LIMIT:-240} gemini_fp16_static --systems gemini ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
