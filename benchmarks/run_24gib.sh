@@ -30,7 +30,10 @@
 #                                             copy streams, not the fp32 master: the host writes 2 B/param more
 #                                             and the two H2D reads move 4 less, 44 B/param of host memory
 #                                             traffic a step against 46 at 7B/8K, where the step is the host's
-#                                             bandwidth: a prediction, ~4% at most); ALLOC_LIMIT s each (110)
+#                                             bandwidth: a prediction, ~4% at most; measured +8.4% and +6.3%, the
+#                                             PCIe side the prediction left out: 2026-11-30_h200x2_7b_24gib_every_peer),
+#                                             tight (expandable segments, gpu_memory_reserve 0.03), tight-bf16wire
+#                                             (those and the bf16 wire); ALLOC_LIMIT s each (110)
 # On the 2-GPU box (256 GiB host: ZeRO-3 needs ~191 GB and FSDP2 ~179 GB at 7B, Gemini ~145 GB), the 7B row's peers:
 #   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      megatrain_ds defaults, then ZeRO-3 and FSDP2, at 24 GiB, in one
 #                                             call (the x2 box has 32 cores: its host update is not the 16-core box's,
@@ -45,7 +48,11 @@
 #   bash benchmarks/run_24gib.sh 7b-gemini OUTDIR     ColossalAI's kernels, Gemini fp16 "auto" (its fastest: HybridAdam's
 #                                             compiled host kernel, gemini_system.py; not the others' dtype), then
 #                                             megatrain_ds defaults beside it (one call; a prediction: ~7 min on a
-#                                             fresh x2 box, kernels ~2, Gemini ~3.5, megatrain_ds ~1.5)
+#                                             fresh x2 box, kernels ~2, Gemini ~3.5, megatrain_ds ~1.5; measured
+#                                             2026-11-30: "auto" placement out of memory at 24 GiB, with or without
+#                                             expandable segments)
+#   bash benchmarks/run_24gib.sh 7b-gemini-static OUTDIR   Gemini fp16, static placement (every chunk on the host),
+#                                             expandable segments: the Gemini setting that fits 24 GiB at 7B (LIMIT s)
 set -u
 phase=${1:?phase 3b|3b-gemini|7b|7b-defaults|7b-whole|7b-expandable|7b-alloc|7b-peers|7b-gemini|7b-gemini-static}; out=${2:?outdir}
 source benchmarks/phase_lib.sh
@@ -93,7 +100,7 @@ case $phase in
           tight-bf16wire) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 "$lim" tight_bf16wire \
               --systems megatrain --megatrain-options '{"gpu_memory_reserve": 0.03, "stream_fp32_master": false}' ;;
           *) echo "unknown variant $variant (none expandable split512 split128 whole whole-expandable" \
-                  "bf16wire)"
+                  "bf16wire tight tight-bf16wire)"
              exit 2 ;;
         esac
       done ;;
