@@ -81,7 +81,7 @@ case $phase in
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 260 expandable --systems megatrain ;;
   7b-expandable) model=qwen2.5-7b  # the last of 7b-whole alone (the 7B build alone took 78-110 s on these boxes)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 ${LIMIT:-260} expandable --systems megatrain ;;
-  7b-alloc) model=qwen2.5-7b
+  7b-alloc) model=${MODEL:-qwen2.5-7b}  # MODEL=qwen2.5-3b: the same variants at 3B
       whole='{"deferred_moments": false}'
       for variant in ${VARIANTS:-none expandable split512 whole whole-expandable}; do
         lim=${ALLOC_LIMIT:-110}
