@@ -233,6 +233,9 @@ def release_after_result() -> int:
 
 
 _GPU_BLOCKER = None  # --gpu-memory-limit: the process that holds the rest of the GPU
+# --gpu-memory-limit in bytes once held, for a peer that plans from the device's total memory
+# rather than what is free (Gemini's "auto" placement: gemini_system.cap_gemini_capacity)
+GPU_LIMIT_BYTES: int | None = None
 
 
 def hold_gpu_memory(limit_gib: float) -> int:
@@ -241,7 +244,7 @@ def hold_gpu_memory(limit_gib: float) -> int:
     this process ends (its stdin closes). Held outside this process, the bytes are not in its
     caching allocator: the engine's "auto" placements and the peers' allocators see only the limit,
     as on a card of that size. Returns the bytes held."""
-    global _GPU_BLOCKER
+    global _GPU_BLOCKER, GPU_LIMIT_BYTES
     import subprocess
 
     free, _ = torch.cuda.mem_get_info()
@@ -265,6 +268,7 @@ def hold_gpu_memory(limit_gib: float) -> int:
             f"--gpu-memory-limit: the process holding the GPU memory failed (exit {child.poll()})"
         )
     _GPU_BLOCKER = child
+    GPU_LIMIT_BYTES = int(limit_gib * 2**30)
     now_free, _ = torch.cuda.mem_get_info()
     print(
         f"[gpu-memory-limit] another process holds {int(line) / 2**30:.1f} GiB; "

@@ -37,6 +37,13 @@ HybridAdam's CPU kernel gets.
 
 ColossalAI's newest release (0.5.0) pins ``torch>=2.2.0,<=2.5.1`` and ``transformers==4.51.3``;
 the lent GPU box has torch 2.11 and transformers 5.x, and it is installed there without its pins.
+Under ``--gpu-memory-limit`` (``common.GPU_LIMIT_BYTES``) Gemini is told the limit the way its own
+examples cap a GPU, ``colo_set_process_memory_fraction(limit / total)`` (``cap_gemini_capacity``,
+recorded as ``gemini_capacity``): its ``auto`` placement plans from ``colo_device_memory_capacity``,
+the device's *total* memory times that fraction, not from what is free, so without it the placement
+planned for the whole H200 while another process held all but 24 GiB (2026-11-30: out of memory on
+the first step, both allocator settings).
+
 When the import (or the plugin's setup) fails, the run is not attempted: the result has status
 "did not run" with the exact error and the installed release's pins (``requirements``), so the
 depth figure and the tables show why the peer is missing rather than leaving it out.
@@ -50,7 +57,7 @@ import traceback
 
 import torch
 
-from benchmarks import build
+from benchmarks import build, common
 from benchmarks.common import (
     HF_CHECKPOINTING,
     LIGER_KERNELS,
@@ -134,6 +141,23 @@ def import_gemini():
     except Exception:  # noqa: BLE001 - any import failure is the finding recorded
         return None, None, None, traceback.format_exc()
     return Booster, GeminiPlugin, HybridAdam, None
+
+
+def cap_gemini_capacity(limit_bytes: int | None, total_bytes: int, set_fraction) -> str | None:
+    """Tell Gemini a ``limit_bytes`` GPU of ``total_bytes`` (module docstring): ``set_fraction`` is
+    ColossalAI's ``colo_set_process_memory_fraction``, called with ``limit / total`` (at most 1). It
+    sets the capacity Gemini's ``auto`` placement plans from, and torch's per-process fraction to
+    the same bytes. Returns what the settings record, or None (no limit: nothing is called)."""
+    if limit_bytes is None:
+        return None
+    if total_bytes <= 0:
+        raise ValueError(f"the device's total memory must be positive, got {total_bytes}")
+    fraction = min(1.0, limit_bytes / total_bytes)
+    set_fraction(fraction)
+    return (
+        f"colo_set_process_memory_fraction({fraction:.4f}): {limit_bytes / 2**30:.1f} GiB of "
+        f"{total_bytes / 2**30:.1f}"
+    )
 
 
 def plugin_kwargs(placement: str | None = None) -> dict:
@@ -297,6 +321,13 @@ def run_gemini(
 
         if not torch.distributed.is_initialized():
             colossalai.launch_from_torch(seed=seed, verbose=False)
+        if common.GPU_LIMIT_BYTES is not None:
+            from colossalai.legacy.utils.memory import colo_set_process_memory_fraction
+
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            settings["gemini_capacity"] = cap_gemini_capacity(
+                common.GPU_LIMIT_BYTES, total, colo_set_process_memory_fraction
+            )
         build_start = time.perf_counter()
         # drawn on the GPU when it fits (as FSDP2's), then handed to the plugin from host memory
         init_device = build.draw_device(config, device, init)
