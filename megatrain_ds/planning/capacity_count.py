@@ -547,7 +547,29 @@ class Counting:
                     0, pinned, memlock=memlock_limit(), cgroup=None, available=None
                 )
             )
+            notes += self._wire_note(host)
         return Verdicts(refuse, problems, advice, max(use, key=use.get), notes)
+
+    def _wire_note(self, host: HostCount) -> tuple[str, ...]:
+        """The bf16 wire as an option, where the fp32 master streams (the default) on one GPU: the
+        host bytes its copy takes against the budget left, and the PCIe bytes of one pass over the
+        layers with and without it. Measured both ways (2026-11-30_h200x2_7b_24gib_every_peer):
+        +6-8% where the step waited on PCIe, -2% where the host update was the step."""
+        dec = self.dec
+        if not dec.stream_fp32_master or self.world != 1 or not self.layouts:
+            return ()
+        numel = sum(lay.numel for lay in self.layouts)
+        copy = numel * dtype_size(dec.compute)
+        left = host.budget - host.need_now
+        fits = "fits" if copy <= left else "does not fit"
+        return (
+            f"megatrain.stream_fp32_master false: a {dec.compute} wire copy on the host "
+            f"({_fmt(copy)} more; {_fmt(max(left, 0))} of the host budget left: {fits}) halves "
+            f"what a pass over the layers moves across PCIe ({_fmt(4 * numel)} -> "
+            f"{_fmt(copy)}); measured +6-8% where the step waited on PCIe (7B, 8K tokens a step, "
+            "24 GiB of GPU) and -2% where the host update was the step (3B, every layer's "
+            "optimizer state on the host): the breakdown's h2d against its compute says which",
+        )
 
     def pinned_bytes(self, host: HostCount) -> int:
         """The host parts page-locked on CUDA (host_memory.HostRegion): the wire copy (the master

@@ -569,3 +569,37 @@ def test_plan_says_what_auto_may_place_above_the_predicted_peak():
     note, room = note_at(total)
     assert room < resident and "resident" not in note, note
     assert f"{room // state} layers' optimizer state" in note, note
+
+
+def test_plan_names_the_bf16_wire_with_the_host_bytes_its_copy_takes():
+    """Where the fp32 master streams (bf16's default), the plan offers the bf16 wire with what its
+    host copy costs: the bytes the engine's host state grows by when it is set (measured here on
+    the engine both ways), against the host budget left; a budget too small says it does not fit;
+    with the bf16 wire already set, no note."""
+    from megatrain_ds.planning import fmt_bytes
+
+    def host_total(stream: bool) -> int:
+        cfg = _config(bf16={"enabled": True}, megatrain={"stream_fp32_master": stream})
+        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama"), config=cfg)
+        try:
+            return engine.host_memory()["total_bytes"]
+        finally:
+            engine.destroy()
+
+    copy_bytes = host_total(False) - host_total(True)
+    assert copy_bytes > 0
+
+    def wire_notes(**megatrain) -> list[str]:
+        cfg = _config(bf16={"enabled": True}, megatrain=megatrain)
+        pred = plan.plan_model(
+            tiny_hf("llama"), plan.load_train_config(cfg), seq=64, device="cuda", gpu_memory=2**30
+        )
+        return [n for n in pred.notes if n.startswith("megatrain.stream_fp32_master false")]
+
+    (note,) = wire_notes()
+    assert f"({fmt_bytes(copy_bytes)} more;" in note and ": fits)" in note, note
+    assert f"({fmt_bytes(2 * copy_bytes)} -> {fmt_bytes(copy_bytes)})" in note, note
+    # a budget the state alone overfills: the copy does not fit either
+    (note,) = wire_notes(host_memory_budget=1e-6)
+    assert "0 B of the host budget left: does not fit" in note, note
+    assert wire_notes(stream_fp32_master=False) == []
