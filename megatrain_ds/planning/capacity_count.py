@@ -556,7 +556,9 @@ class Counting:
         layers with and without it. Measured both ways (2026-11-30_h200x2_7b_24gib_every_peer):
         +6-8% where the step waited on PCIe, -2% where the host update was the step."""
         dec = self.dec
-        if not dec.stream_fp32_master or self.world != 1 or not self.layouts:
+        if not dec.stream_fp32_master or dec.compute == "fp32" or self.world != 1:
+            return ()  # fp32 compute: the master is the compute dtype's wire already
+        if not self.layouts:
             return ()
         numel = sum(lay.numel for lay in self.layouts)
         copy = numel * dtype_size(dec.compute)

@@ -603,3 +603,8 @@ def test_plan_names_the_bf16_wire_with_the_host_bytes_its_copy_takes():
     (note,) = wire_notes(host_memory_budget=1e-6)
     assert "0 B of the host budget left: does not fit" in note, note
     assert wire_notes(stream_fp32_master=False) == []
+    # fp32 compute: the fp32 master is the only wire there is
+    pred = plan.plan_model(
+        tiny_hf("llama"), plan.load_train_config(_config()), seq=64, device="cuda", gpu_memory=2**30
+    )
+    assert not [n for n in pred.notes if "stream_fp32_master false" in n], pred.notes
