@@ -10,6 +10,17 @@ Prints the predicted and measured peaks and the live bytes at the peak by origin
 writes the snapshot (``torch.cuda.memory._snapshot()``, loadable at pytorch.org/memory_viz) and the
 table as JSON to DIR. Defaults: the model of tests/unit/test_plan.py's GPU cases (hidden 2048, 6
 layers, micro-batch 8 x 2048 tokens).
+
+Where the caching allocator's *reserved* peak runs over its allocated one (the memory "auto"'s
+placement budgets around: 2.2-3.7 GiB at 7B on 24 GiB even with expandable segments, 2026-11-30),
+``reserved_at_peak`` replays the segments: the reserved peak, what was allocated then, the bytes
+free inside each stream's segments, and the allocation whose new segment set the peak (its size,
+stream and origin). A harness model under the harness's limit, the trace of the step after "auto"
+placed:
+
+    python -m benchmarks.gpu_memory_trace --model qwen2.5-7b --micro 8 --seq 1024 --steps 3 \
+        --gpu-memory-limit 24 --megatrain '{"gpu_optimizer_layers": "auto",
+        "keep_activations": "auto"}' --out DIR
 """
 
 from __future__ import annotations
@@ -38,6 +49,65 @@ def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
     return peak, at_peak
 
 
+SEGMENT_UP = ("segment_alloc", "segment_map")
+SEGMENT_DOWN = ("segment_free", "segment_unmap")
+
+
+def reserved_at_peak(snapshot: dict, device: int = 0) -> dict:
+    """Replay the device's trace for the caching allocator's reserved bytes (segments allocated or,
+    with expandable segments, mapped) beside its allocated ones. The totals before the trace are
+    the end state (``snapshot["segments"]``) less what the trace added. Returns the reserved peak,
+    the bytes allocated at that moment, the bytes free inside each stream's segments then
+    (``free_by_stream``), and the segment event that set the peak (``set_by``: size, stream and
+    origin)."""
+    trace = snapshot["device_traces"][device]
+    segments = [seg for seg in snapshot.get("segments", []) if seg.get("device", device) == device]
+    reserved_s: dict[int, int] = defaultdict(int)
+    allocated_s: dict[int, int] = defaultdict(int)
+    for seg in segments:  # the end state, per stream
+        stream = seg.get("stream", 0)
+        reserved_s[stream] += seg["total_size"]
+        allocated_s[stream] += sum(
+            b["size"]
+            for b in seg.get("blocks", [])
+            if b.get("state") in ("active_allocated", "active_pending_free")
+        )
+    deltas = {"alloc": 1, "free_completed": -1}
+
+    def apply(ev: dict, sign: int) -> None:
+        stream, size = ev.get("stream", 0), sign * ev["size"]
+        if ev["action"] in SEGMENT_UP:
+            reserved_s[stream] += size
+        elif ev["action"] in SEGMENT_DOWN:
+            reserved_s[stream] -= size
+        elif ev["action"] in deltas:
+            allocated_s[stream] += deltas[ev["action"]] * size
+
+    def moment(set_by: dict | None) -> dict:
+        return {
+            "reserved_bytes": sum(reserved_s.values()),
+            "allocated_bytes": sum(allocated_s.values()),
+            "free_by_stream": {k: reserved_s[k] - allocated_s[k] for k in sorted(reserved_s)},
+            "set_by": set_by,
+        }
+
+    for ev in trace:  # back out what the trace added: the state before it
+        apply(ev, -1)
+    best = moment(None)
+    for ev in trace:
+        apply(ev, 1)
+        if ev["action"] in SEGMENT_UP and sum(reserved_s.values()) > best["reserved_bytes"]:
+            best = moment(
+                {
+                    "action": ev["action"],
+                    "bytes": ev["size"],
+                    "stream": ev.get("stream", 0),
+                    "origin": origin(ev.get("frames", [])),
+                }
+            )
+    return best
+
+
 def origin(frames: list[dict]) -> str:
     """The innermost frame in megatrain_ds, transformers, liger or torch.nn (else the innermost
     Python frame)."""
@@ -58,6 +128,20 @@ def main(argv=None) -> int:
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--layers", type=int, default=6)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a harness shape (benchmarks/shapes.py) instead of the default",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help='optimizer steps; the last is traced ("auto" places after the second)',
+    )
+    p.add_argument(
+        "--gpu-memory-limit", type=float, default=None, help="GiB left free, as the harness's"
+    )
     p.add_argument("--megatrain", default="{}", help="megatrain_ds's own config block (JSON)")
     p.add_argument("--out", required=True)
     p.add_argument("--top", type=int, default=25)
@@ -69,18 +153,27 @@ def main(argv=None) -> int:
     from megatrain_ds.planning import plan
 
     os.makedirs(args.out, exist_ok=True)
-    cfg = tf.Qwen2Config(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=args.layers,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    model = tf.Qwen2ForCausalLM(cfg)
+    if args.model is not None:
+        from benchmarks import build, common
+        from benchmarks.shapes import make_config
+
+        cfg = make_config(args.model)
+        model = build.build_model(cfg, torch.float32, "auto", 0, device="cpu")
+        if args.gpu_memory_limit is not None:
+            common.hold_gpu_memory(args.gpu_memory_limit)
+    else:
+        cfg = tf.Qwen2Config(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=args.layers,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            vocab_size=32000,
+            tie_word_embeddings=False,
+            use_cache=False,
+        )
+        torch.manual_seed(0)
+        model = tf.Qwen2ForCausalLM(cfg)
     ds = {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": args.ga,
@@ -94,16 +187,22 @@ def main(argv=None) -> int:
     }
     pred = plan.plan_model(model, plan.load_train_config(ds), seq=args.seq, device="cuda")
     engine, *_ = megatrain_ds.initialize(model=model, config=ds)
+    ids = torch.randint(0, cfg.vocab_size, (args.micro, args.seq))
+
+    def step() -> None:
+        for _ in range(args.ga):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        engine.synchronize()
+
+    for _ in range(args.steps - 1):  # the steps before the traced one ("auto" places after 2)
+        step()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    ids = torch.randint(0, cfg.vocab_size, (args.micro, args.seq))
-    for _ in range(args.ga):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-    engine.synchronize()
+    step()
     measured = torch.cuda.max_memory_allocated()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -126,6 +225,20 @@ def main(argv=None) -> int:
         f"{base / mib:,.1f} MiB; traced peak (allocations made during the step) "
         f"{traced_peak / mib:,.1f} MiB"
     )
+    reserved = reserved_at_peak(snap)
+    set_by = reserved["set_by"] or {}
+    print(
+        f"reserved peak (traced) {reserved['reserved_bytes'] / mib:,.1f} MiB with "
+        f"{reserved['allocated_bytes'] / mib:,.1f} MiB allocated; free inside the segments by "
+        "stream: "
+        + ", ".join(f"{k}: {v / mib:,.1f} MiB" for k, v in reserved["free_by_stream"].items())
+        + (
+            f"; set by a {set_by['bytes'] / mib:,.1f} MiB {set_by['action']} on stream "
+            f"{set_by['stream']} for {set_by['origin']}"
+            if set_by
+            else "; no segment was added during the traced step"
+        )
+    )
     print(pred.table())
     print(f"{'MiB':>10}  {'blocks':>6}  origin (live at the traced peak)")
     for key, size in rows[: args.top]:
@@ -134,12 +247,16 @@ def main(argv=None) -> int:
         json.dump(
             {
                 "ga": args.ga,
+                "model": args.model,
+                "steps": args.steps,
+                "gpu_memory_limit_gib": args.gpu_memory_limit,
                 "megatrain": json.loads(args.megatrain),
                 "predicted_bytes": pred.gpu_allocated_bytes,
                 "predicted_parts": pred.gpu_parts,
                 "measured_bytes": measured,
                 "before_step_bytes": base,
                 "traced_peak_bytes": traced_peak,
+                "reserved_at_peak": reserved,
                 "live_at_peak": [{"origin": k, "bytes": v, "blocks": count[k]} for k, v in rows],
             },
             f,
