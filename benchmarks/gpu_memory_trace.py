@@ -75,7 +75,7 @@ def reserved_at_peak(snapshot: dict, device: int = 0) -> dict:
     deltas = {"alloc": 1, "free_completed": -1}
 
     def apply(ev: dict, sign: int) -> None:
-        stream, size = ev.get("stream", 0), sign * ev["size"]
+        stream, size = ev.get("stream", 0), sign * ev.get("size", 0)  # "snapshot", "oom": none
         if ev["action"] in SEGMENT_UP:
             reserved_s[stream] += size
         elif ev["action"] in SEGMENT_DOWN:

@@ -42,6 +42,7 @@ def snapshot() -> dict:
         {"action": "free_completed", "addr": 500 * MiB, "size": 50 * MiB, "stream": 0},
         {"action": "free_completed", "addr": 60 * MiB, "size": 30 * MiB, "stream": 0},
         {"action": "segment_unmap", "addr": 500 * MiB, "size": 64 * MiB, "stream": 0},
+        {"action": "snapshot", "addr": 0, "stream": 0},  # torch's marker entries carry no size
     ]
     segments = [
         {
