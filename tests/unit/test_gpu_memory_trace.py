@@ -5,6 +5,8 @@ segment set it."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.gpu_memory_trace import live_at_peak, reserved_at_peak
 
 MiB = 2**20
@@ -93,3 +95,31 @@ def test_the_allocated_peak_lists_the_live_blocks():
     peak, blocks = live_at_peak(snapshot())
     assert peak == 100 * MiB  # the trace's own allocations: 30 + 50 + 20
     assert sorted(b["size"] for b in blocks) == [20 * MiB, 30 * MiB, 50 * MiB]
+
+
+@pytest.mark.gpu
+def test_gpu_the_reserved_peak_replay_reads_torchs_own_snapshot():
+    """On CUDA, torch's own snapshot (the keys and states the synthetic one above assumes): a block
+    on the default stream, then one on a new side stream, whose fresh segment sets the reserved
+    peak while the first block is still allocated and the second not yet."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    allocated0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        a = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            b = torch.empty(96 * MiB, dtype=torch.uint8, device="cuda")
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    got = reserved_at_peak(snap, device=torch.cuda.current_device())
+    assert got["set_by"] is not None and got["set_by"]["stream"] == side.cuda_stream, got
+    assert got["set_by"]["bytes"] >= 96 * MiB
+    assert got["allocated_bytes"] == allocated0 + 64 * MiB, got
+    assert got["reserved_bytes"] >= reserved0 + 160 * MiB, got
+    assert got["free_by_stream"][side.cuda_stream] >= 96 * MiB, got
+    del a, b
