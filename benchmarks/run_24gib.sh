@@ -33,7 +33,11 @@
 #                                             bandwidth: a prediction, ~4% at most; measured +8.4% and +6.3%, the
 #                                             PCIe side the prediction left out: 2026-11-30_h200x2_7b_24gib_every_peer),
 #                                             tight (expandable segments, gpu_memory_reserve 0.03), tight-bf16wire
-#                                             (those and the bf16 wire); ALLOC_LIMIT s each (110)
+#                                             (those and the bf16 wire), cache / tight-bf16wire-cache (those with
+#                                             weight_cache_layers "auto": what the placement leaves holds layers'
+#                                             weights from forward to backward, one H2D a step for each, not two;
+#                                             a prediction: ~1-2% at 7B/8K, 3 layers of 28 at 0.47 GiB); ALLOC_LIMIT
+#                                             s each (110)
 # On the 2-GPU box (256 GiB host: ZeRO-3 needs ~191 GB and FSDP2 ~179 GB at 7B, Gemini ~145 GB), the 7B row's peers:
 #   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      megatrain_ds defaults, then ZeRO-3 and FSDP2, at 24 GiB, in one
 #                                             call (the x2 box has 32 cores: its host update is not the 16-core box's,
@@ -99,8 +103,12 @@ case $phase in
               --megatrain-options '{"gpu_memory_reserve": 0.03}' ;;
           tight-bf16wire) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 "$lim" tight_bf16wire \
               --systems megatrain --megatrain-options '{"gpu_memory_reserve": 0.03, "stream_fp32_master": false}' ;;
+          cache) g24 "$lim" cache --systems megatrain --megatrain-options '{"weight_cache_layers": "auto"}' ;;
+          tight-bf16wire-cache) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 "$lim" tight_bf16wire_cache \
+              --systems megatrain --megatrain-options \
+              '{"gpu_memory_reserve": 0.03, "stream_fp32_master": false, "weight_cache_layers": "auto"}' ;;
           *) echo "unknown variant $variant (none expandable split512 split128 whole whole-expandable" \
-                  "bf16wire tight tight-bf16wire)"
+                  "bf16wire tight tight-bf16wire cache tight-bf16wire-cache)"
              exit 2 ;;
         esac
       done ;;

@@ -658,6 +658,7 @@ class MegaTrainEngine(EngineSurface, nn.Module):
             graph_bytes=ex.graph_bytes,
             weight_itemsize=ex.slots[0].buf.element_size(),
             set_keep=ex.set_keep,
+            set_weight_cache=ex.set_weight_cache,
             move_layer_state_to_device=self.move_layer_state_to_device,
             synchronize=self.synchronize,
         )

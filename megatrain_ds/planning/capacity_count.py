@@ -285,6 +285,10 @@ class Counting:
         persistent["kept layers' weight buffers"] = (
             sum(layouts[i].numel for i in range(n - dec.keep, n)) * c
         )
+        if dec.weight_cache:  # executor.weight_cache_candidates, the first weight_cache of them
+            free = list(range(n - dec.keep))[: max(0, n - dec.keep - slots)]
+            cached = [i for i in reversed(free) if i >= dec.n_device_layers][: dec.weight_cache]
+            persistent["weight-cached layers' buffers"] = sum(layouts[i].numel for i in cached) * c
         persistent["resident parameters (compute copies)"] = sum(m for m, _ in self.resident) * c
         if dec.resident_on_device:  # rank 0's (data parallel: the resident parameters it holds)
             persistent["resident fp32 state (GPU-held optimizer)"] = 16 * sum(
@@ -439,7 +443,9 @@ class Counting:
         second step's measurement. The caching allocator's own overhead (2-5.5 GiB at 7B on 24 GiB,
         2026-11-30) is not in the plan's peak: the engine's budget is that much smaller."""
         dec = self.dec
-        if not (dec.auto_device_state or dec.auto_keep) or not self.layouts:
+        if not (dec.auto_device_state or dec.auto_keep or dec.auto_weight_cache):
+            return ()
+        if not self.layouts:
             return ()
         room = int(total - need - self.config.megatrain.gpu_memory_reserve * total)
         head = (
@@ -466,6 +472,12 @@ class Counting:
                 dtype_size(dec.compute),
             )
             units.append(f"{min(room // keep, self.n)} kept layers ({_fmt(keep)} each)")
+        if dec.auto_weight_cache:  # engine_auto places it last, in what the others leave
+            held = max(lay.numel for lay in self.layouts) * dtype_size(dec.compute)
+            units.append(
+                f"{min(room // held, self.n)} layers' weights held from forward to backward "
+                f"({_fmt(held)} each)"
+            )
         if not units:  # bf16 masters without kept layers: the resident state only
             return (head + ": " + first.removesuffix(", then "),) if first else ()
         return (head + ": " + first + " or ".join(units),)

@@ -46,7 +46,8 @@ class Decisions:
     (training/engine_auto.py) from the first steps' measured GPU peak: the optimizer state of the
     resident parameters and of leading layers on the GPU (``auto_device_state``:
     ``gpu_optimizer_layers`` "auto"; ``n_device_layers`` is then 0 until that step), the kept layers
-    (``auto_keep``: ``keep_activations`` "auto"; ``keep`` is then 0). Decided by the part that needs
+    (``auto_keep``: ``keep_activations`` "auto"; ``keep`` is then 0), the weight cache
+    (``auto_weight_cache``: ``weight_cache_layers`` "auto"). Decided by the part that needs
     them, from the machine or the call rather than from the config and the layouts: ``tiled_mlp``
     "auto" (per layer call, from its tokens: tiling.py), ``inference_cache`` "auto" (at a no-grad
     forward, from free device memory: inference.py), ``host_threads`` "auto" (the GPU's NUMA node
@@ -90,6 +91,11 @@ class Decisions:
     # gpu_optimizer_layers "auto": decided after step 2 by engine.auto_placer
     auto_device_state: bool
     auto_keep: bool  # keep_activations "auto": decided after step 2 by engine.auto_placer
+    # layers whose weights keep a device buffer from forward to backward, from initialize
+    # (weight_cache_layers; executor.py's [Note: weight cache])
+    weight_cache: int
+    # weight_cache_layers "auto": decided after step 2 by engine.auto_placer, after the other two
+    auto_weight_cache: bool
     # optimizer steps whose recomputes are checked (None: every step)
     check_recompute_steps: int | None
     # the relative error a recompute may differ by ("auto": by compute dtype)
@@ -233,6 +239,13 @@ def resolve(
             "memory "
             "left free skip their recompute (not counted here)"
         )
+    auto_cache = mt.weight_cache_layers == "auto"
+    if auto_cache:
+        notes.append(
+            "weight_cache_layers \"auto\": after the second step, the GPU memory left after the "
+            "optimizer state and the kept layers holds layers' weights from their forward to their "
+            "backward (one H2D a step for each, not two; not counted here)"
+        )
     nvme, _, buffer_count = nvme_settings(config)
     hold = mt.gradient_hold == "gpu"
     if hold and ga > 1:
@@ -267,6 +280,8 @@ def resolve(
         keep=0 if auto_keep else min(int(mt.keep_activations), n),
         auto_device_state=auto_state,
         auto_keep=auto_keep,
+        weight_cache=0 if auto_cache else min(int(mt.weight_cache_layers), n),
+        auto_weight_cache=auto_cache,
         check_recompute_steps=steps_to_check(mt.check_recompute),
         check_recompute_tolerance=recompute_tolerance(config),
         notes=tuple(notes),

@@ -85,6 +85,11 @@ class MegatrainSettings:
     # [Note: kept layers]); "auto": after the second step, as many as the GPU memory that step left
     # free holds (CUDA; 0 on CPU); 0: recompute every layer
     keep_activations: int | str = "auto"
+    # layers whose weights keep a device buffer of their own from their forward to their backward
+    # (the recompute reads them there: one H2D a step, not two; executor.py's [Note: weight
+    # cache]); "auto": after the second step, as many as the GPU memory left after the optimizer
+    # state and the kept layers holds (CUDA; 0 on CPU); 0: off
+    weight_cache_layers: int | str = 0
     # record the executor's schedule (h2d/fwd/bwd/d2h per layer) for inspection
     trace: bool = False
     # GA 1, bf16: land gradients in fp32 (GPU converts; +2 host bytes/param, 2x D2H bytes). Only the
@@ -208,6 +213,11 @@ class MegatrainSettings:
         if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
             raise ConfigError(
                 f"megatrain.keep_activations must be a layer count >= 0 or \"auto\", got {k!r}"
+            )
+        c = self.weight_cache_layers
+        if not (c == "auto" or (isinstance(c, int) and not isinstance(c, bool) and c >= 0)):
+            raise ConfigError(
+                f"megatrain.weight_cache_layers must be a layer count >= 0 or \"auto\", got {c!r}"
             )
         from ..model import validate_recompute_skip
         from ..model import validate_tiling as validate_setting

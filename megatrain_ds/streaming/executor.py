@@ -22,6 +22,14 @@ first: a graph is held for the shortest time and no weights are reloaded (their 
 them). A kept buffer is rewritten only when the layer's version changes, i.e. after the backward
 that consumed its graph (``slot.free`` orders the H2D after that backward's kernels). Results equal
 the recompute's: the same kernels on the same inputs, RNG consumed once.
+
+[Note: weight cache] A layer whose graph does not fit may still keep its *weights* from its forward
+to its backward (``set_weight_cache``): a buffer of its own in the compute dtype, a kept layer's
+without the graph. Its recompute then reads them there, so it crosses PCIe once a step instead of
+twice, for one layer's weights of GPU memory (a kept layer costs its graph as well). Which layers:
+the trailing ones below the kept layers, less the last ``len(slots)`` of them (their backward finds
+them still in the rotating slots), not the GPU-held ones (their load is a device cast). The buffer
+is rewritten when the layer's version changes, as a kept one's.
 """
 
 from __future__ import annotations
@@ -182,6 +190,10 @@ class StreamedLayers(GradientLanding):
         # kept layers] below.
         self.keep: frozenset[int] = frozenset()
         self.keep_slots: dict[int, Slot] = {}
+        # layers whose weights stay in a buffer of their own from forward to backward
+        # (``set_weight_cache``): [Note: weight cache]
+        self.cached: frozenset[int] = frozenset()
+        self.cache_slots: dict[int, Slot] = {}
         # the largest layer graph a recompute built (CUDA): what keeping one layer costs
         self.graph_bytes = 0
         # versions, optimizer tasks, H2D reads, landings, forward counts: one owner (schedule.py)
@@ -242,13 +254,46 @@ class StreamedLayers(GradientLanding):
 
     # --- slots ------------------------------------------------------------------------------------
     def _find(self, i: int) -> Slot | None:
-        if i in self.keep:
-            slot = self.keep_slots[i]
-            return slot if slot.layer == i and slot.version == self.version[i] else None
+        own = self.own_slot(i)
+        if own is not None:
+            return own if own.layer == i and own.version == self.version[i] else None
         for slot in self.slots:
             if slot.layer == i and slot.version == self.version[i]:
                 return slot
         return None
+
+    def own_slot(self, i: int) -> Slot | None:
+        """Layer i's buffer of its own: a kept layer's or a weight-cached one's (None: it streams
+        through the rotating slots)."""
+        if i in self.keep:
+            return self.keep_slots[i]
+        return self.cache_slots.get(i) if i in self.cached else None
+
+    def weight_cache_candidates(self) -> list[int]:
+        """The layers a weight cache may hold, in the order it takes them ([Note: weight cache]):
+        the trailing non-kept layers, less the last ``len(slots)`` of them and the GPU-held ones."""
+        free = [i for i in range(len(self.layouts)) if i not in self.keep]
+        free = free[: max(0, len(free) - len(self.slots))]
+        return [i for i in reversed(free) if not self.states.on_gpu(i)]
+
+    def set_weight_cache(self, n: int) -> list[int]:
+        """Hold the weights of ``n`` layers (``weight_cache_candidates``, the first n) from their
+        forward to their backward, each in a buffer of its own (between steps); returns them."""
+        chosen = self.weight_cache_candidates()[: max(0, int(n))]
+        for i in list(self.cache_slots):
+            if i not in chosen:
+                del self.cache_slots[i]
+        stage = self.slots[0].stage  # used on the h2d stream only, in order: shareable
+        for i in chosen:
+            if i not in self.cache_slots:
+                self.cache_slots[i] = Slot(
+                    torch.empty(
+                        self.layouts[i].numel, dtype=self.slots[0].buf.dtype, device=self.device
+                    ),
+                    stage,
+                )
+        self.cached = frozenset(chosen)
+        return chosen
 
     def set_keep(self, n: int) -> None:
         """Keep the graphs of the last ``n`` layers (between steps: no graph may be pending). Each
@@ -267,6 +312,10 @@ class StreamedLayers(GradientLanding):
                     torch.empty(numel, dtype=self.slots[0].buf.dtype, device=self.device), stage
                 )
         self.keep = keep
+        if self.cached & keep:  # a kept layer has its own buffer already
+            self.cached = self.cached - keep
+            for i in keep:
+                self.cache_slots.pop(i, None)
 
     def _load(
         self, i: int, busy: Slot | None, slot: Slot | None = None, direction: str | None = None
@@ -274,10 +323,8 @@ class StreamedLayers(GradientLanding):
         """Issue the H2D copy of layer i into ``slot`` when given (the inference cache's), else its
         own buffer (a kept layer) or the least recently used slot other than ``busy``."""
         if slot is None:
-            slot = (
-                self.keep_slots[i]
-                if i in self.keep
-                else min((s for s in self.slots if s is not busy), key=lambda s: s.last_use)
+            slot = self.own_slot(i) or min(
+                (s for s in self.slots if s is not busy), key=lambda s: s.last_use
             )
         # (the direction of the current _acquire)
         self.h2d_loads[direction or self._direction][i] += 1
@@ -376,7 +423,13 @@ class StreamedLayers(GradientLanding):
             # a slot's index, or a buffer of its own: a kept layer's, the inference cache's
             where = next((k for k, s in enumerate(self.slots) if s is slot), None)
             if where is None and slot is not None:
-                where = "keep" if self.keep_slots.get(i) is slot else "cache"
+                where = (
+                    "keep"
+                    if self.keep_slots.get(i) is slot
+                    else "weights"
+                    if self.cache_slots.get(i) is slot
+                    else "cache"
+                )
             self.trace.append((op, i, where))
 
     # --- forward / backward -----------------------------------------------------------------------

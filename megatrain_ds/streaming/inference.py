@@ -123,8 +123,8 @@ class InferenceCache:
         parameter shared with another layer, or tied inside it; a streaming slot)."""
         ex = self.ex
         template = ex.templates[ex.template_of[i]]
-        # a kept layer's buffer serves it too
-        ours = slot is self.slots.get(i) or slot is ex.keep_slots.get(i)
+        # a kept or weight-cached layer's buffer serves it too
+        ours = slot is self.slots.get(i) or (slot is not None and slot is ex.own_slot(i))
         if (
             not ours
             or ex.shared[i]
@@ -163,9 +163,10 @@ class InferenceCache:
         return module
 
     def cached_layers(self) -> list[int]:
-        """The layers that get a buffer of the cache: all but the kept ones (they have a device
-        buffer already, reloaded only when their version changes)."""
-        return [i for i in range(len(self.ex.layouts)) if i not in self.ex.keep]
+        """The layers that get a buffer of the cache: all but the kept and weight-cached ones (they
+        have a device buffer already, reloaded only when their version changes)."""
+        ex = self.ex
+        return [i for i in range(len(ex.layouts)) if i not in ex.keep and i not in ex.cached]
 
     def nbytes(self) -> int:
         """Device bytes the cache takes when on: the cached layers in the compute dtype."""
@@ -249,8 +250,8 @@ class InferenceCache:
         """Layer i's cached slot, its upload issued if it holds no copy of the current version."""
         ex = self.ex
         slot = self.slots.get(i)
-        # a kept layer: its own buffer, reloaded only when its version changed
-        if slot is None and i in ex.keep:
+        # a kept or weight-cached layer: its own buffer, reloaded only when its version changed
+        if slot is None and (i in ex.keep or i in ex.cached):
             return ex._find(i) or ex._load(i, busy=None, direction="cache")
         if slot is None:  # the kept layers changed since the cache was built
             slot = self._allocate(i)

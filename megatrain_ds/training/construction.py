@@ -160,10 +160,14 @@ def build_engine(
         store.load_layer(i, layer)  # copies weights to the host master, frees the module's storage
     store.finish_loading()  # page-locks the wire copy now that it is written (host_state.py)
     # "auto" placements are decided after the second step, from its measured peak
-    auto_placer = AutoPlacer(dec.auto_device_state, dec.auto_keep, mt.gpu_memory_reserve)
+    auto_placer = AutoPlacer(
+        dec.auto_device_state, dec.auto_keep, mt.gpu_memory_reserve, dec.auto_weight_cache
+    )
     place_initial(layer_states, dec.n_device_layers)
     if not dec.auto_keep:
         executor.set_keep(dec.keep)
+    if not dec.auto_weight_cache:
+        executor.set_weight_cache(dec.weight_cache)  # after the kept layers and GPU-held state
     layer_ids = {id(p) for layer in layers for p in layer.parameters()} - shared_ids
     resident_params = [p for p in model.parameters() if id(p) not in layer_ids]
     resident = ResidentParams(

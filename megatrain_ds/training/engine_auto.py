@@ -73,6 +73,8 @@ class PlacementParts:
     graph_bytes: int  # the largest layer graph a recompute built (CUDA; 0: not measured)
     weight_itemsize: int  # bytes per element of a layer's weight buffer on the device
     set_keep: Callable[[int], None]  # keep the last n layers' activations (no recompute)
+    # hold n layers' weights from forward to backward; returns them (executor.set_weight_cache)
+    set_weight_cache: Callable[[int], list[int]]
     move_layer_state_to_device: Callable[[int], None]  # the first n layers' state to the GPU
     synchronize: Callable[[], None]  # waits for every queued host task and device work
 
@@ -106,9 +108,12 @@ class AutoPlacer:
     what was placed (for the out-of-memory message and the harness). ``after_step`` is called after
     each step while ``pending``; it places after the second."""
 
-    def __init__(self, device_state: bool, keep: bool, reserve: float) -> None:
+    def __init__(
+        self, device_state: bool, keep: bool, reserve: float, weight_cache: bool = False
+    ) -> None:
         self.device_state = device_state  # gpu_optimizer_layers "auto", not yet placed
         self.keep = keep  # keep_activations "auto", not yet placed
+        self.weight_cache = weight_cache  # weight_cache_layers "auto", not yet placed
         self.reserve = reserve  # the fraction of the GPU left free (gpu_memory_reserve)
         # what the placement put on the GPU ("" before it, or when it placed nothing)
         self.placed = ""
@@ -116,7 +121,7 @@ class AutoPlacer:
 
     @property
     def pending(self) -> bool:
-        return self.device_state or self.keep
+        return self.device_state or self.keep or self.weight_cache
 
     def budget_bytes(self, parts: PlacementParts) -> int | None:
         """GPU bytes free for the placements now on the engine's device (``auto_budget_bytes``);
@@ -136,11 +141,11 @@ class AutoPlacer:
         if parts.timer.enabled:  # the breakdown resets the spans at each step: the second's whole
             before = {}
         delta = {k: v - before.get(k, 0.0) for k, v in host.items()}
-        auto_state, auto_keep = self.device_state, self.keep
-        self.device_state = self.keep = False  # placed once
+        auto_state, auto_keep, auto_cache = self.device_state, self.keep, self.weight_cache
+        self.device_state = self.keep = self.weight_cache = False  # placed once
         budget = self.budget_bytes(parts)
         if budget is not None:
-            self.placed = _place(parts, auto_state, auto_keep, budget, wall, delta)
+            self.placed = _place(parts, auto_state, auto_keep, budget, wall, delta, auto_cache)
 
     def oom_hint(self) -> str | None:
         """What to tell a device OOM after the placement used the memory the first steps left free;
@@ -167,7 +172,13 @@ def host_update_exposure(wall: float, delta: dict, layer_params: list[int]) -> t
 
 
 def _place(
-    parts: PlacementParts, auto_state: bool, auto_keep: bool, budget: int, wall: float, delta: dict
+    parts: PlacementParts,
+    auto_state: bool,
+    auto_keep: bool,
+    budget: int,
+    wall: float,
+    delta: dict,
+    auto_cache: bool = False,
 ) -> str:
     """The "auto" placements, once the first steps have shown the working set (its measured peak)
     and the host update's exposure: GPU memory the steps left free (``budget``) goes to (1) the
@@ -221,6 +232,8 @@ def _place(
         n_state = _state_count(store, budget, n_layers) if state_ok else 0
         if state_ok:
             budget -= _move_state(parts, n_state, placed)
+    if auto_cache:  # last: the smallest unit, what the others left ([Note: weight cache])
+        budget -= _set_weight_cache(parts, budget, placed)
     placed += _unplaced(
         store,
         budget,
@@ -323,6 +336,23 @@ def _keep_count(parts: PlacementParts, budget: int) -> tuple[int, int]:
     n_layers = len(parts.store.layouts)
     n = min(n_layers, max(0, budget) // per_layer) if per_layer else 0
     return parts.dp.min_int(n), per_layer
+
+
+def _set_weight_cache(parts: PlacementParts, budget: int, placed: list[str]) -> int:
+    """Hold as many layers' weights from forward to backward as ``budget`` takes, each its own
+    buffer in the compute dtype (executor.py's [Note: weight cache]); every rank the same number.
+    Returns the bytes they take."""
+    per_layer = max(lay.numel for lay in parts.store.layouts) * parts.weight_itemsize
+    n = parts.dp.min_int(max(0, budget) // per_layer if per_layer else 0)
+    chosen = parts.set_weight_cache(n)
+    took = sum(parts.store.layouts[i].numel for i in chosen) * parts.weight_itemsize
+    placed.append(
+        f"{len(chosen)} layers' weights held from forward to backward ({took / 2**30:.1f} GiB)"
+        if chosen
+        else f"0 of the layers' weights held from forward to backward (one takes "
+        f"{per_layer / 2**30:.2f} GiB)"
+    )
+    return took
 
 
 def _set_keep(parts: PlacementParts, n: int, per_layer: int, placed: list[str]) -> int:
