@@ -274,7 +274,10 @@ class StreamedLayers(GradientLanding):
         the trailing non-kept layers, less the last ``len(slots)`` of them and the GPU-held ones."""
         free = [i for i in range(len(self.layouts)) if i not in self.keep]
         free = free[: max(0, len(free) - len(self.slots))]
-        return [i for i in reversed(free) if not self.states.on_gpu(i)]
+        # the GPU-held range, not this rank's share of it: every rank must load the same layers
+        # (data parallel broadcasts each load)
+        held = self.states.gpu_layers() or range(0)
+        return [i for i in reversed(free) if i not in held]
 
     def set_weight_cache(self, n: int) -> list[int]:
         """Hold the weights of ``n`` layers (``weight_cache_candidates``, the first n) from their

@@ -154,6 +154,18 @@ def test_two_ranks_with_ga_tied_kept_layer_and_device_state_equal_ga4(tmp_path):
     assert_same_training(got, want)
 
 
+def test_two_ranks_with_weight_cache_equal_one_process_without(tmp_path):
+    """The weight cache under data parallel (executor.py's [Note: weight cache]): each load is a
+    broadcast, so every rank must cache the same layers, whatever layers of the GPU-held range it
+    owns. 6 layers, the last kept, the leading 2 GPU-held: the cache takes layer 2 on both ranks;
+    2 ranks with GA 2 train as 1 process with GA 4 and no cache."""
+    mt = {"keep_activations": 1, "gpu_optimizer_layers": 2}
+    cached = json.dumps({**mt, "weight_cache_layers": 3})
+    got = run(tmp_path / "a.json", "--ga", "2", "--layers", "6", "--mt", cached, ranks=2)
+    want = run(tmp_path / "b.json", "--ga", "4", "--layers", "6", "--mt", json.dumps(mt))
+    assert_same_training(got, want)
+
+
 def test_nvme_tier_two_ranks_equal_one_process_with_ga2(runs, tmp_path):
     """The NVMe tier under data parallel: each rank keeps the Adam moments of the layers it owns in
     its own swap file (every layer on disk), and 2 ranks train as 1 host-only process with GA 2; a
