@@ -155,9 +155,9 @@ class AutoPlacer:
         return (
             f"after the second step, \"auto\" placed {self.placed} in the GPU memory that step "
             "left free; this "
-            "batch needs more: set megatrain.keep_activations and/or "
-            "megatrain.gpu_optimizer_layers to 0 (or a "
-            "smaller count), or raise megatrain.gpu_memory_reserve"
+            "batch needs more: set megatrain.keep_activations, megatrain.gpu_optimizer_layers "
+            "and/or megatrain.weight_cache_layers to 0 (or a smaller count), or raise "
+            "megatrain.gpu_memory_reserve"
         )
 
 
