@@ -1,8 +1,8 @@
 """Kept layers (``megatrain.keep_activations``, executor.py's [Note: kept layers]): the trailing
 layers keep their forward's graph instead of recomputing it. Every path of test_paths, rerun with
-some layers kept, must give the same per-parameter gradients (1e-5 relative), losses and weights as
-plain PyTorch; dropout masks are drawn once; the kept weights are not reloaded for the backward, and
-recompute runs only for the other layers.
+some layers kept (test_paths_rerun.py), must give the same per-parameter gradients, losses and
+weights as plain PyTorch; dropout masks are drawn once; the kept weights are not reloaded for the
+backward, and recompute runs only for the other layers.
 """
 
 import copy
@@ -13,47 +13,6 @@ import torch
 import megatrain_ds
 from tests.engine import test_paths
 from tests.models import tiny_hf
-
-
-@pytest.fixture
-def keep_two(monkeypatch):
-    """test_paths' engine config with the last 2 layers kept (of 2-4 in its models)."""
-    plain = test_paths._config
-
-    def config(optimizer: bool = True) -> dict:
-        return {**plain(optimizer), "megatrain": {"keep_activations": 2}}
-
-    monkeypatch.setattr(test_paths, "_config", config)
-
-
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_loss_from_logits(keep_two, arch):
-    test_paths.test_loss_from_logits(arch)
-
-
-def test_attention_weights_and_hidden_states(keep_two):
-    test_paths.test_loss_from_attention_weights()
-    test_paths.test_loss_from_hidden_states()
-
-
-def test_dpo_two_forwards_into_one_loss(keep_two):
-    test_paths.test_dpo_policy_and_frozen_reference_in_one_process()
-
-
-def test_peft_lora(keep_two):
-    test_paths.test_peft_lora_qkvo()
-
-
-def test_moe_router_aux_loss(keep_two):
-    test_paths.test_moe_router_aux_loss("mixtral")
-
-
-def test_shared_parameter_and_batchnorm(keep_two):
-    test_paths.test_parameter_shared_across_layers_and_batchnorm_statistics()
-
-
-def test_generate_then_train(keep_two):
-    test_paths.test_generate_before_training()
 
 
 def _counting(engine):
@@ -161,15 +120,7 @@ def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
         return 2 * per_layer + per_layer // 2  # room for 2 layers, not 3
 
     monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, parts: budget(parts))
-    plain = test_paths._config
-    monkeypatch.setattr(
-        test_paths,
-        "_config",
-        lambda optimizer=True: {
-            **plain(optimizer),
-            "megatrain": {"keep_activations": "auto", "gpu_optimizer_layers": 0},
-        },
-    )
+    test_paths.run_with(monkeypatch, {"keep_activations": "auto", "gpu_optimizer_layers": 0})
     engine = test_paths._compare(
         tiny_hf("llama"), lambda m, ids: m(input_ids=ids, labels=ids).loss, test_paths._batches()
     )
@@ -177,12 +128,13 @@ def test_keep_activations_auto_sizes_from_the_measured_graph(monkeypatch):
     assert engine.executor.keep == frozenset({n - 2, n - 1})
 
 
+@pytest.mark.parametrize("key", ["keep_activations", "weight_cache_layers"])
 @pytest.mark.parametrize("bad", [-1, "all", True, 1.5])
-def test_keep_activations_rejects_bad_values(bad):
-    with pytest.raises(megatrain_ds.ConfigError, match="megatrain.keep_activations"):
+def test_layer_counts_of_the_executors_memory_reject_bad_values(key, bad):
+    with pytest.raises(megatrain_ds.ConfigError, match=f"megatrain.{key}"):
         megatrain_ds.initialize(
             model=tiny_hf("llama"),
-            config={**test_paths._config(), "megatrain": {"keep_activations": bad}},
+            config={**test_paths._config(), "megatrain": {key: bad}},
         )
 
 

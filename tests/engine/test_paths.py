@@ -10,6 +10,7 @@ shared by two layers; BatchNorm inside streamed layers (one statistics update pe
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -23,6 +24,17 @@ STEPS, LR, CLIP, TOL = 3, 1e-3, 1.0, 1e-5
 # The engine picks CUDA when present; the plain copy runs on the same device (fp32 matmuls, no
 # TF32), so on the GPU box these tests check the three-stream path against the same numbers.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_with(monkeypatch, megatrain: dict) -> None:
+    """Every path below, rerun by another test file with ``megatrain`` as the engine's own block
+    (kept layers, the weight cache)."""
+    plain = _config
+
+    def config(optimizer: bool = True) -> dict:
+        return {**plain(optimizer), "megatrain": megatrain}
+
+    monkeypatch.setattr(sys.modules[__name__], "_config", config)
 
 
 def _config(optimizer: bool = True) -> dict:

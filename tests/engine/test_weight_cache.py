@@ -1,10 +1,9 @@
 """The weight cache (``megatrain.weight_cache_layers``, executor.py's [Note: weight cache]): some
 layers keep their weights in a buffer of their own from their forward to their backward, so their
 recompute reads them there instead of loading them again. Every path of test_paths, rerun with the
-cache on (their 3-layer models cache layer 0), must give the same per-parameter gradients, losses
-and weights as plain PyTorch; a cached layer loads once a step; the plan counts its buffers."""
+cache on (test_paths_rerun.py), must give the same per-parameter gradients, losses and weights as
+plain PyTorch; a cached layer loads once a step; the plan counts its buffers."""
 
-import pytest
 import torch
 
 import megatrain_ds
@@ -12,38 +11,6 @@ from megatrain_ds.planning import plan
 from tests.engine import test_paths
 from tests.engine.test_keep import _counting
 from tests.models import tiny_hf
-
-
-@pytest.fixture
-def cache_two(monkeypatch):
-    """test_paths' engine config with 2 layers' weights cached (what its models allow: layer 0)."""
-    plain = test_paths._config
-
-    def config(optimizer: bool = True) -> dict:
-        return {**plain(optimizer), "megatrain": {"weight_cache_layers": 2}}
-
-    monkeypatch.setattr(test_paths, "_config", config)
-
-
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_loss_from_logits(cache_two, arch):
-    test_paths.test_loss_from_logits(arch)
-
-
-def test_dpo_two_forwards_into_one_loss(cache_two):
-    test_paths.test_dpo_policy_and_frozen_reference_in_one_process()
-
-
-def test_peft_lora(cache_two):
-    test_paths.test_peft_lora_qkvo()
-
-
-def test_moe_router_jitter_replayed(cache_two):
-    test_paths.test_moe_router_jitter_noise_replayed_in_recompute("mixtral")
-
-
-def test_generate_then_train(cache_two):
-    test_paths.test_generate_before_training()
 
 
 def _step_counts(megatrain: dict, layers: int = 6, steps: int = 2):
@@ -113,15 +80,6 @@ def test_the_plan_counts_the_cached_layers_buffers():
     assert made > 0 and pred.gpu_parts["weight-cached layers' buffers"] == made
 
 
-@pytest.mark.parametrize("bad", [-1, "all", True, 1.5])
-def test_weight_cache_layers_rejects_bad_values(bad):
-    with pytest.raises(megatrain_ds.ConfigError, match="megatrain.weight_cache_layers"):
-        megatrain_ds.initialize(
-            model=tiny_hf("llama"),
-            config={**test_paths._config(), "megatrain": {"weight_cache_layers": bad}},
-        )
-
-
 def test_auto_holds_weights_in_what_the_kept_layers_left(monkeypatch):
     """ "auto" after the second step: the kept layers first, then as many layers' weights as the
     rest holds (a budget for one kept layer and two and a half layers' weights: one kept, two
@@ -146,18 +104,9 @@ def test_auto_holds_weights_in_what_the_kept_layers_left(monkeypatch):
         return kept + 2 * per_layer + per_layer // 2
 
     monkeypatch.setattr(AutoPlacer, "budget_bytes", lambda self, parts: budget(parts))
-    plain = test_paths._config
-    monkeypatch.setattr(
-        test_paths,
-        "_config",
-        lambda optimizer=True: {
-            **plain(optimizer),
-            "megatrain": {
-                "keep_activations": "auto",
-                "weight_cache_layers": "auto",
-                "gpu_optimizer_layers": 0,
-            },
-        },
+    test_paths.run_with(
+        monkeypatch,
+        {"keep_activations": "auto", "weight_cache_layers": "auto", "gpu_optimizer_layers": 0},
     )
     engine = test_paths._compare(
         tiny_hf("llama", layers=6),
