@@ -14,6 +14,13 @@ from tests.unit.test_structure import PACKAGE, _module_names, _package_files
 # the names other packages and users may use (as torch.distributed.fsdp._fully_shard's ``__init__``
 # and every torchtitan package do). A package reaches another only through that face: ``from ..host
 # import LayerStates``, never ``from ..host.layer_state import LayerStates``.
+def _write_tree(root, files: dict[str, str]) -> None:
+    """A package's files under ``root``, by their paths relative to it."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def _static_all(tree: ast.Module) -> list[str] | None:
     """The names a module's ``__all__`` lists, read from its source (string literals, and ``*NAME``
     of a module-level tuple, list or dict: its elements or keys); None when it assigns no
@@ -118,9 +125,7 @@ def test_the_face_checker_sees_what_passes_its_face(tmp_path):
         "f():\n"
         "    from pkg.host.a import Y\nimport pkg.host.a\nimport pkg.host\nfrom .. import host\n",
     }
-    for name, text in files.items():
-        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "pkg" / name).write_text(text)
+    _write_tree(tmp_path / "pkg", files)
     assert _face_violations(str(tmp_path / "pkg")) == [
         "pkg/stream/c.py:1 from pkg.host.a import X (not through pkg.host)",
         "pkg/stream/c.py:3 from pkg.host import Y (not in pkg.host.__all__)",
@@ -417,9 +422,7 @@ def test_the_reach_checkers_see_what_they_look_for(tmp_path):
         "s._top\n",
         "stream/c.py": "class T:\n    _fold = None\n    def h(self, s):\n        return s._fold\n",
     }
-    for name, text in files.items():
-        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "pkg" / name).write_text(text)
+    _write_tree(tmp_path / "pkg", files)
     assert _private_reads(str(tmp_path / "pkg")) == [
         "stream/b.py:2 s._tier (defined in host)",
         "stream/b.py:2 s._top (defined in top)",
