@@ -35,6 +35,7 @@ from .host_bytes import (
     staging_buffers,
 )
 from ..model import LayerLayout
+from ..streaming import weight_cache_layers
 from .plan_gpu import ActivationModel, dtype_size
 from .prediction import Prediction, fmt_bytes as _fmt
 
@@ -285,9 +286,9 @@ class Counting:
         persistent["kept layers' weight buffers"] = (
             sum(layouts[i].numel for i in range(n - dec.keep, n)) * c
         )
-        if dec.weight_cache:  # executor.weight_cache_candidates, the first weight_cache of them
-            free = list(range(n - dec.keep))[: max(0, n - dec.keep - slots)]
-            cached = [i for i in reversed(free) if i >= dec.n_device_layers][: dec.weight_cache]
+        if dec.weight_cache:  # the layers the executor picks (the same rule)
+            kept, held = range(n - dec.keep, n), range(dec.n_device_layers)
+            cached = weight_cache_layers(n, kept, slots, held, dec.weight_cache)
             persistent["weight-cached layers' buffers"] = sum(layouts[i].numel for i in cached) * c
         persistent["resident parameters (compute copies)"] = sum(m for m, _ in self.resident) * c
         if dec.resident_on_device:  # rank 0's (data parallel: the resident parameters it holds)

@@ -5,7 +5,7 @@ gradient landing, the step timer, pinned activations and the no-grad forwards of
 """
 
 from .activations import HostActivations
-from .executor import StreamedLayers
+from .executor import StreamedLayers, weight_cache_layers
 from .layer_call import positional_names
 from .landing import LandingListener
 from .schedule import LayerSchedule
@@ -16,6 +16,7 @@ from .timing import StepTimer, traced
 __all__ = [
     "HostActivations",
     "StreamedLayers",
+    "weight_cache_layers",
     "positional_names",
     "LandingListener",
     "LayerSchedule",

@@ -34,6 +34,7 @@ is rewritten when the layer's version changes, as a kept one's.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -69,6 +70,18 @@ from .layer_call import (
 from .slot import Slot
 from .timing import StepTimer
 from .timing import layer_range as _range  # a profiler range naming the phase and layer
+
+
+def weight_cache_layers(
+    n_layers: int, keep: Collection[int], slots: int, held: Collection[int], n: int
+) -> list[int]:
+    """The ``n`` layers a weight cache holds ([Note: weight cache]), the order it takes them in:
+    the trailing layers not in ``keep``, less the last ``slots`` of them (the backward finds them
+    still in the rotating slots) and the ``held`` (GPU-held) ones. The executor places by it and
+    the planner counts by it."""
+    free = [i for i in range(n_layers) if i not in keep]
+    free = free[: max(0, len(free) - slots)]
+    return [i for i in reversed(free) if i not in held][: max(0, int(n))]
 
 
 class StreamedLayers(GradientLanding):
@@ -269,20 +282,13 @@ class StreamedLayers(GradientLanding):
             return self.keep_slots[i]
         return self.cache_slots.get(i) if i in self.cached else None
 
-    def weight_cache_candidates(self) -> list[int]:
-        """The layers a weight cache may hold, in the order it takes them ([Note: weight cache]):
-        the trailing non-kept layers, less the last ``len(slots)`` of them and the GPU-held ones."""
-        free = [i for i in range(len(self.layouts)) if i not in self.keep]
-        free = free[: max(0, len(free) - len(self.slots))]
+    def set_weight_cache(self, n: int) -> list[int]:
+        """Hold the weights of ``n`` layers (``weight_cache_layers``) from their forward to their
+        backward, each in a buffer of its own (between steps); returns them."""
         # the GPU-held range, not this rank's share of it: every rank must load the same layers
         # (data parallel broadcasts each load)
         held = self.states.gpu_layers() or range(0)
-        return [i for i in reversed(free) if i not in held]
-
-    def set_weight_cache(self, n: int) -> list[int]:
-        """Hold the weights of ``n`` layers (``weight_cache_candidates``, the first n) from their
-        forward to their backward, each in a buffer of its own (between steps); returns them."""
-        chosen = self.weight_cache_candidates()[: max(0, int(n))]
+        chosen = weight_cache_layers(len(self.layouts), self.keep, len(self.slots), held, n)
         for i in list(self.cache_slots):
             if i not in chosen:
                 del self.cache_slots[i]

@@ -166,7 +166,7 @@ class InferenceCache:
         """The layers that get a buffer of the cache: all but the kept and weight-cached ones (they
         have a device buffer already, reloaded only when their version changes)."""
         ex = self.ex
-        return [i for i in range(len(ex.layouts)) if i not in ex.keep and i not in ex.cached]
+        return [i for i in range(len(ex.layouts)) if ex.own_slot(i) is None]
 
     def nbytes(self) -> int:
         """Device bytes the cache takes when on: the cached layers in the compute dtype."""
@@ -251,7 +251,7 @@ class InferenceCache:
         ex = self.ex
         slot = self.slots.get(i)
         # a kept or weight-cached layer: its own buffer, reloaded only when its version changed
-        if slot is None and (i in ex.keep or i in ex.cached):
+        if slot is None and ex.own_slot(i) is not None:
             return ex._find(i) or ex._load(i, busy=None, direction="cache")
         if slot is None:  # the kept layers changed since the cache was built
             slot = self._allocate(i)

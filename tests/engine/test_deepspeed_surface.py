@@ -259,7 +259,7 @@ def test_the_cache_bytes_a_gather_leaves_room_for_are_those_not_yet_allocated():
     ex = types.SimpleNamespace(
         layouts=layouts,
         keep={},
-        cached=frozenset(),  # no weight-cached layers (executor.py's [Note: weight cache])
+        own_slot=lambda i: None,  # no kept or weight-cached layer has a buffer of its own
         device=torch.device("cuda", 0),
         dp=None,
         slots=[types.SimpleNamespace(buf=torch.empty(0, dtype=torch.bfloat16))],
