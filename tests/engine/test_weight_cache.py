@@ -123,30 +123,15 @@ def test_auto_holds_weights_in_what_the_kept_layers_left(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_weight_cache_auto_holds_layers_and_trains_the_same():
     """On a real GPU, on its streams: "auto" (no kept layers) holds every candidate layer's weights
-    after the second step (a tiny model: 6 layers, 2 slots, so 4); the next steps load those once a
-    step, and 5 fp32 steps give the losses of the run without the cache to 1e-6."""
-    runs = {}
-    for cache in (0, "auto"):
-        cfg = {
-            **test_paths._config(),
-            "megatrain": {
-                "weight_cache_layers": cache,
-                "keep_activations": 0,
-                "gpu_optimizer_layers": 0,
-            },
-        }
-        engine, *_ = megatrain_ds.initialize(model=tiny_hf("llama", layers=6), config=cfg)
-        counts, losses = _counting(engine), []
-        for ids in test_paths._batches(n=5):
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        runs[cache] = (losses, engine.executor.cached, counts["load"])
-        engine.destroy()
-    assert runs[0][1] == frozenset() and runs["auto"][1] == frozenset({0, 1, 2, 3})
-    # steps 3-5: each layer once in the forward, only 4 and 5's backward from the rotating slots
-    assert sorted(runs["auto"][2][-3 * 6 :]) == sorted(list(range(6)) * 3), runs["auto"][2]
-    torch.testing.assert_close(
-        torch.tensor(runs["auto"][0]), torch.tensor(runs[0][0]), rtol=1e-6, atol=0
-    )
+    after the second step (a tiny model: 6 layers, 2 slots, so 4); the next steps load each layer
+    once, and 5 fp32 steps give the losses and weights of the run without the cache (to 1e-5, as
+    the kept layers' GPU test: cuBLAS is not promised bitwise across runs)."""
+    settings = {"keep_activations": 0, "gpu_optimizer_layers": 0}
+    base = _step_counts({**settings, "weight_cache_layers": 0}, steps=5)
+    held = _step_counts({**settings, "weight_cache_layers": "auto"}, steps=5)
+    assert base[3] == frozenset() and held[3] == frozenset({0, 1, 2, 3})
+    for counts in held[0][2:]:  # after the placement: 4 and 5 found in the rotating slots
+        assert sorted(counts["load"]) == list(range(6)), counts
+    torch.testing.assert_close(torch.tensor(held[1]), torch.tensor(base[1]), rtol=1e-5, atol=0)
+    for a, b in zip(held[2], base[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
