@@ -448,10 +448,13 @@ class Writeback:
     disk beside the writing, and the closing fsync waits for the last of them only. (Left to itself
     the kernel holds up to ``vm.dirty_ratio`` of the RAM dirty, tens of GB on a training box, and
     the fsync writes them all at the end.) An fdatasync error is raised by ``close``: the kernel
-    reports a write-back error to one fsync of the file only, which may be this thread's."""
+    reports a write-back error to one fsync of the file only, which may be this thread's. A sync
+    asked for is always made, even when ``close`` comes before the thread woke for it (asks that
+    come while a sync runs are served by the next one)."""
 
     def __init__(self, fd: int) -> None:
         self.fd, self.pending, self.error, self.closed = fd, 0, None, False
+        self.asked = False
         self.wake = threading.Event()
         self.thread = threading.Thread(
             target=self._run, name="megatrain-ckpt-writeback", daemon=True
@@ -461,19 +464,21 @@ class Writeback:
     def wrote(self, nbytes: int) -> None:
         self.pending += nbytes
         if self.pending >= WRITEBACK_BYTES:
-            self.pending = 0
+            self.pending, self.asked = 0, True
             self.wake.set()
 
     def _run(self) -> None:
         while True:
             self.wake.wait()
             self.wake.clear()
-            if self.closed:
-                return
-            try:
-                os.fdatasync(self.fd)
-            except OSError as exc:
-                self.error = exc
+            if self.asked:
+                self.asked = False
+                try:
+                    os.fdatasync(self.fd)
+                except OSError as exc:
+                    self.error = exc
+                    return
+            if self.closed and not self.asked:
                 return
 
     def close(self, raise_error: bool = True) -> None:

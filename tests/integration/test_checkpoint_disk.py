@@ -360,6 +360,35 @@ def test_the_disk_writes_start_during_the_save_and_their_error_fails_it(tmp_path
     engine.destroy()
 
 
+def test_a_sync_asked_for_just_before_the_close_is_still_made(tmp_path, monkeypatch):
+    """The write-back serves every ask, even one the close overtakes before its thread woke (CI
+    saw a save on a busy 2-core box whose thread never ran: its fdatasync error was not seen). Run
+    many times, the ask and the close back to back: each makes its one sync, and a failing one is
+    raised by the close every time."""
+    calls = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append(fd))
+    with open(tmp_path / "f", "wb") as f:
+        for _ in range(200):
+            writeback = checkpoint_stream.Writeback(f.fileno())
+            writeback.wrote(checkpoint_stream.WRITEBACK_BYTES)
+            writeback.close()
+        assert calls == [f.fileno()] * 200
+
+        def failing(fd):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "fdatasync", failing)
+        for _ in range(200):
+            writeback = checkpoint_stream.Writeback(f.fileno())
+            writeback.wrote(checkpoint_stream.WRITEBACK_BYTES)
+            with pytest.raises(OSError, match="Input/output error"):
+                writeback.close()
+        # nothing asked: no sync, no error
+        writeback = checkpoint_stream.Writeback(f.fileno())
+        writeback.wrote(checkpoint_stream.WRITEBACK_BYTES - 1)
+        writeback.close()
+
+
 # ---------------------------------------------------------------------------------- the file format
 def test_a_streamed_file_is_the_archive_torch_save_writes(tmp_path):
     """torch.load reads it (in memory, memory-mapped, weights_only, and with torch's computed
