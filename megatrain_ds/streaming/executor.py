@@ -28,8 +28,9 @@ to its backward (``set_weight_cache``): a buffer of its own in the compute dtype
 without the graph. Its recompute then reads them there, so it crosses PCIe once a step instead of
 twice, for one layer's weights of GPU memory (a kept layer costs its graph as well). Which layers:
 the trailing ones below the kept layers, less the last ``len(slots)`` of them (their backward finds
-them still in the rotating slots), not the GPU-held ones (their load is a device cast). The buffer
-is rewritten when the layer's version changes, as a kept one's.
+them still in the rotating slots), not the GPU-held ones (their load is a device cast); a count
+set at initialize is chosen again when "auto" keeps layers or moves their state. The buffer is
+rewritten when the layer's version changes, as a kept one's.
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ class StreamedLayers(GradientLanding):
         # (``set_weight_cache``): [Note: weight cache]
         self.cached: frozenset[int] = frozenset()
         self.cache_slots: dict[int, Slot] = {}
+        self.cache_asked = 0  # the count asked for: chosen again when the kept layers change
         # the largest layer graph a recompute built (CUDA): what keeping one layer costs
         self.graph_bytes = 0
         # versions, optimizer tasks, H2D reads, landings, forward counts: one owner (schedule.py)
@@ -282,9 +284,13 @@ class StreamedLayers(GradientLanding):
             return self.keep_slots[i]
         return self.cache_slots.get(i) if i in self.cached else None
 
-    def set_weight_cache(self, n: int) -> list[int]:
+    def set_weight_cache(self, n: int | None = None) -> list[int]:
         """Hold the weights of ``n`` layers (``weight_cache_layers``) from their forward to their
-        backward, each in a buffer of its own (between steps); returns them."""
+        backward, each in a buffer of its own (between steps); returns them. ``None``: the count
+        asked last, chosen again for the kept and GPU-held layers as they are now (an explicit
+        count placed at initialize, before "auto" kept layers or moved their state)."""
+        n = self.cache_asked if n is None else n
+        self.cache_asked = n
         # the GPU-held range, not this rank's share of it: every rank must load the same layers
         # (data parallel broadcasts each load)
         held = self.states.gpu_layers() or range(0)
@@ -321,10 +327,8 @@ class StreamedLayers(GradientLanding):
                     torch.empty(numel, dtype=self.slots[0].buf.dtype, device=self.device), stage
                 )
         self.keep = keep
-        if self.cached & keep:  # a kept layer has its own buffer already
-            self.cached = self.cached - keep
-            for i in keep:
-                self.cache_slots.pop(i, None)
+        if self.cache_asked:  # the layers below the kept ones now
+            self.set_weight_cache()
 
     def _load(
         self, i: int, busy: Slot | None, slot: Slot | None = None, direction: str | None = None

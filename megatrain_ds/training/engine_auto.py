@@ -73,8 +73,9 @@ class PlacementParts:
     graph_bytes: int  # the largest layer graph a recompute built (CUDA; 0: not measured)
     weight_itemsize: int  # bytes per element of a layer's weight buffer on the device
     set_keep: Callable[[int], None]  # keep the last n layers' activations (no recompute)
-    # hold n layers' weights from forward to backward; returns them (executor.set_weight_cache)
-    set_weight_cache: Callable[[int], list[int]]
+    # hold n layers' weights from forward to backward (None: the count asked last, chosen again);
+    # returns them (executor.set_weight_cache)
+    set_weight_cache: Callable[[int | None], list[int]]
     move_layer_state_to_device: Callable[[int], None]  # the first n layers' state to the GPU
     synchronize: Callable[[], None]  # waits for every queued host task and device work
 
@@ -234,6 +235,8 @@ def _place(
             budget -= _move_state(parts, n_state, placed)
     if auto_cache:  # last: the smallest unit, what the others left ([Note: weight cache])
         budget -= _set_weight_cache(parts, budget, placed)
+    elif auto_state:  # an explicit count, chosen at initialize: not the layers now GPU-held
+        parts.set_weight_cache(None)
     placed += _unplaced(
         store,
         budget,

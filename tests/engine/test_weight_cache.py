@@ -65,6 +65,33 @@ def test_the_cache_takes_layers_below_the_kept_ones():
     assert held[0][0]["recompute"] == [3, 2, 1, 0]
 
 
+def test_an_explicit_count_is_chosen_again_when_the_kept_layers_change():
+    """An explicit count is placed at initialize, before "auto" keeps layers or moves their state
+    at the second step: when the kept layers change, the same count is chosen again below them (6
+    layers, 2 slots, 2 cached: {2, 3}; then the last 2 kept: {0, 1}, no buffer left on a layer
+    the backward finds in the rotating slots); when layers' state moves to the GPU, the cache
+    leaves them."""
+    engine, *_ = megatrain_ds.initialize(
+        model=tiny_hf("llama", layers=6),
+        config={
+            **test_paths._config(),
+            "megatrain": {"weight_cache_layers": 2, "keep_activations": 0},
+        },
+    )
+    ex = engine.executor
+    try:
+        assert ex.cached == frozenset({2, 3}) and set(ex.cache_slots) == {2, 3}
+        ex.set_keep(2)
+        assert ex.cached == frozenset({0, 1}) and set(ex.cache_slots) == {0, 1}
+        engine.move_layer_state_to_device(1)  # layer 0's state, as "auto" would on CUDA
+        ex.set_weight_cache(None)
+        assert ex.cached == frozenset({1}) and set(ex.cache_slots) == {1}
+        ex.set_keep(0)
+        assert ex.cached == frozenset({2, 3})
+    finally:
+        engine.destroy()
+
+
 def test_the_plan_counts_the_cached_layers_buffers():
     """The plan's GPU part for an explicit count: the bytes of the buffers the engine makes."""
     cfg = {**test_paths._config(), "megatrain": {"weight_cache_layers": 2, "keep_activations": 0}}
