@@ -120,6 +120,23 @@ def origin(frames: list[dict]) -> str:
     return f"{py[0]['filename']}:{py[0]['line']} {py[0]['name']}" if py else "(no Python frame)"
 
 
+def plan_check_config(layers: int):
+    """The default model's config, and tests/unit/test_plan.py's GPU cases': a Qwen2 of hidden 2048
+    whose step's working set, not fixed allocations, is most of the peak at 8 x 2048 tokens."""
+    import transformers as tf
+
+    return tf.Qwen2Config(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -162,16 +179,7 @@ def main(argv=None) -> int:
         if args.gpu_memory_limit is not None:
             common.hold_gpu_memory(args.gpu_memory_limit)
     else:
-        cfg = tf.Qwen2Config(
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=args.layers,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            vocab_size=32000,
-            tie_word_embeddings=False,
-            use_cache=False,
-        )
+        cfg = plan_check_config(args.layers)
         torch.manual_seed(0)
         model = tf.Qwen2ForCausalLM(cfg)
     ds = {

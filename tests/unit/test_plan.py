@@ -485,19 +485,12 @@ def test_gpu_prediction_matches_max_memory_allocated(over, request):
     the predicted peak is within 10% of ``torch.cuda.max_memory_allocated`` since initialize."""
     import transformers as tf
 
+    from benchmarks.gpu_memory_trace import plan_check_config
+
     # big enough that the step's working set, not fixed allocations, is most of the peak (at 1.3 GB
     # a 1024-wide model was 15% under: liger's loss and allocator rounding are a larger share there)
     seq, micro = 2048, 8
-    cfg = tf.Qwen2Config(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=6,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
+    cfg = plan_check_config(6)
     torch.manual_seed(0)
     model = tf.Qwen2ForCausalLM(cfg)
     case = request.node.callspec.id
