@@ -14,11 +14,15 @@ unplace() {  # the machine's paths out of what is kept: the scratch folder as $W
 }
 
 h2h_call() {  # h2h_call <limit_s> <tag> <h2h args...>: OUTDIR/<phase>_<tag>.json is that call's results.json
-  local limit=$1 tag=$2; shift 2
+  # A tag repeated in one command (an alternation: VARIANTS="a b b a") keeps every run: the second is
+  # <phase>_<tag>_run2.json, and so on (2026-11-30: the repeats overwrote the first runs' JSON; the log kept them).
+  local limit=$1 tag=$2 run=1 dir dest; shift 2
+  dir="$work/$tag"; dest="$out/${phase}_$tag.json"
+  while [ -e "$dest" ]; do run=$((run + 1)); dir="$work/${tag}_run$run"; dest="$out/${phase}_${tag}_run$run.json"; done
   echo "== $tag: h2h --model $model $* (limit ${limit}s)" | tee -a "$log"
-  timeout --signal=INT --kill-after=20 "$limit" python3 -m benchmarks.h2h --model "$model" --out "$work/$tag" "$@" \
+  timeout --signal=INT --kill-after=20 "$limit" python3 -m benchmarks.h2h --model "$model" --out "$dir" "$@" \
     2>&1 | grep -v -e "is deprecated" -e "^\s*$" | tail -n 40 | unplace | tee -a "$log"
   # h2h rewrites results.json after every run, so a call cut off by its limit still leaves what it measured
-  [ -f "$work/$tag/results.json" ] && unplace < "$work/$tag/results.json" > "$out/${phase}_$tag.json"
+  [ -f "$dir/results.json" ] && unplace < "$dir/results.json" > "$dest"
   return 0
 }

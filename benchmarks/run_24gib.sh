@@ -36,7 +36,11 @@
 #                                             (those and the bf16 wire), cache / tight-bf16wire-cache (those with
 #                                             weight_cache_layers "auto": what the placement leaves holds layers'
 #                                             weights from forward to backward, one H2D a step for each, not two;
-#                                             a prediction: ~1-2% at 7B/8K, 3 layers of 28 at 0.47 GiB); ALLOC_LIMIT
+#                                             a prediction: ~1-2% at 7B/8K, 3 layers of 28 at 0.47 GiB;
+#                                             measured 2026-11-30: +3.6% over none, -3.0% and -1.4% beside
+#                                             tight-bf16wire, alternated: inside the spread; 79-81% of the 24 GiB
+#                                             allocated), tighter-bf16wire-cache (that with 1% kept free: 82%,
+#                                             2026-11-30_h200x2_7b_24gib_cache); ALLOC_LIMIT
 #                                             s each (110)
 # On the 2-GPU box (256 GiB host: ZeRO-3 needs ~191 GB and FSDP2 ~179 GB at 7B, Gemini ~145 GB), the 7B row's peers:
 #   bash benchmarks/run_24gib.sh 7b-peers OUTDIR      megatrain_ds defaults, then ZeRO-3 and FSDP2, at 24 GiB, in one
@@ -54,7 +58,8 @@
 #                                             megatrain_ds defaults beside it (one call; a prediction: ~7 min on a
 #                                             fresh x2 box, kernels ~2, Gemini ~3.5, megatrain_ds ~1.5; measured
 #                                             2026-11-30: "auto" placement out of memory at 24 GiB, with or without
-#                                             expandable segments)
+#                                             expandable segments, and again told the limit as ColossalAI's memory
+#                                             fraction: HF's 4.64 GiB fp32 logits, 2026-11-30_h200x2_7b_24gib_cache)
 #   bash benchmarks/run_24gib.sh 7b-gemini-static OUTDIR   Gemini fp16, static placement (every chunk on the host),
 #                                             expandable segments: the Gemini setting that fits 24 GiB at 7B (LIMIT s)
 set -u
@@ -107,8 +112,11 @@ case $phase in
           tight-bf16wire-cache) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 "$lim" tight_bf16wire_cache \
               --systems megatrain --megatrain-options \
               '{"gpu_memory_reserve": 0.03, "stream_fp32_master": false, "weight_cache_layers": "auto"}' ;;
+          tighter-bf16wire-cache) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True g24 "$lim" \
+              tighter_bf16wire_cache --systems megatrain --megatrain-options \
+              '{"gpu_memory_reserve": 0.01, "stream_fp32_master": false, "weight_cache_layers": "auto"}' ;;
           *) echo "unknown variant $variant (none expandable split512 split128 whole whole-expandable" \
-                  "bf16wire tight tight-bf16wire cache tight-bf16wire-cache)"
+                  "bf16wire tight tight-bf16wire cache tight-bf16wire-cache tighter-bf16wire-cache)"
              exit 2 ;;
         esac
       done ;;
