@@ -48,7 +48,8 @@ small10g_call() {  # small10g_call <limit_s> <tag> <h2h args...>: issue 26's con
 }
 
 case $phase in
-  gputests) timeout ${GPUTEST_LIMIT:-560} python3 -m pytest -q ${PYTEST_ARGS:-tests} 2>&1 | tail -n 30 | tee -a "$log" ;;
+  gputests)  # -rs: each skip's reason in the log (2026-11-30: "2 skipped" with no names)
+    timeout ${GPUTEST_LIMIT:-560} python3 -m pytest -q -rs ${PYTEST_ARGS:-tests} 2>&1 | tail -n 30 | tee -a "$log" ;;
   best1) h2h_call 290 megatrain --systems megatrain --best-batch --min-tokens 16384 --max-tokens 262144 --warmup 1 --steps 3
          h2h_call 200 resident --systems resident --best-batch --min-tokens 8192 --max-tokens 131072 --warmup 1 --steps 3 ;;
   best2) h2h_call 500 zero3 --systems zero3 --best-batch --min-tokens 16384 --max-tokens 131072 --warmup 1 --steps 3 ;;
